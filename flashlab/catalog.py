@@ -1,0 +1,250 @@
+"""The GPU and model catalogues: the hardware figures and model shapes the roofline arithmetic needs.
+
+The data lives in ``data/gpus.json`` and ``data/models.json`` at the root of the repository, in the units a
+datasheet or a model card prints (TB/s, TFLOP/s, KiB, ...), each figure next to the source it came from. This
+module reads them into two small dataclasses in SI units -- bytes, bytes per second, FLOP per second:
+
+- ``GPU`` -- HBM bandwidth, dense fp16/bf16 tensor-core throughput, SM count, shared memory per SM, L2.
+- ``Model`` -- the attention shape of a transformer: layers, query heads, key/value heads, head dim, and for
+  multi-head latent attention (MLA) the compressed KV width.
+
+``GPUS`` and ``MODELS`` are dicts by catalogue name. ``as_gpu`` / ``as_model`` turn whatever a user passes -- a
+catalogue name, a ``GPU``/``Model``, or a plain dict -- into the dataclass, so every calculator in
+``flashlab.roofline`` accepts all three.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+
+TB, GB, MB = 1e12, 1e9, 1e6  # decimal units: bandwidths, FLOP rates and HBM sizes (as datasheets use them)
+KiB, MiB = 1024, 1024**2  # binary units: on-chip memories (shared memory, L2), as CUDA reports them
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU, in SI units. ``hbm_bandwidth`` in bytes/s, ``tensor_flops`` in FLOP/s (dense fp16/bf16)."""
+
+    name: str
+    hbm_bandwidth: float  # bytes/s of HBM (or GDDR) bandwidth
+    tensor_flops: float  # FLOP/s, dense (not 2:4 sparse) fp16/bf16 tensor-core peak
+    sm_count: int | None = None  # streaming multiprocessors
+    smem_per_sm: int | None = None  # bytes of shared memory per SM (the SRAM a kernel's tiles live in)
+    l2_bytes: int | None = None  # bytes of L2 cache
+    memory_bytes: float | None = None  # bytes of HBM capacity
+    display_name: str = ""
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+    note: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        _check_name("GPU", self.name)
+        for attr in ("hbm_bandwidth", "tensor_flops"):
+            _check_positive(f"GPU {self.name!r} {attr}", getattr(self, attr))
+        for attr in ("sm_count", "smem_per_sm", "l2_bytes", "memory_bytes"):
+            if getattr(self, attr) is not None:
+                _check_positive(f"GPU {self.name!r} {attr}", getattr(self, attr))
+
+    @property
+    def ridge_point(self) -> float:
+        """FLOP per byte at which compute time equals memory time: below it a kernel is bandwidth-bound."""
+        return self.tensor_flops / self.hbm_bandwidth
+
+
+@dataclass(frozen=True)
+class Model:
+    """The attention shape of one transformer (what the KV cache and the score matrices depend on).
+
+    ``attention`` is ``"mha"`` (kv_heads == query_heads), ``"gqa"`` (kv_heads divides query_heads) or ``"mla"``
+    (multi-head latent attention: the cache holds one ``kv_lora_rank``-wide latent plus one ``rope_head_dim``-wide
+    rotary key per token per layer, shared by all heads, as in DeepSeek-V2).
+    """
+
+    name: str
+    layers: int
+    query_heads: int
+    kv_heads: int
+    head_dim: int  # dim of q and k per head: the d in the score matrix's 4 n^2 d FLOPs
+    v_head_dim: int | None = None  # dim of v per head when it differs from head_dim (MLA); None = head_dim
+    attention: str = "gqa"
+    kv_lora_rank: int | None = None  # MLA only: width of the cached compressed key/value latent
+    rope_head_dim: int | None = None  # MLA only: width of the cached decoupled rotary key
+    display_name: str = ""
+    source: str = field(default="", compare=False)
+    note: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        _check_name("Model", self.name)
+        for attr in ("layers", "query_heads", "kv_heads", "head_dim"):
+            _check_positive_int(f"model {self.name!r} {attr}", getattr(self, attr))
+        if self.v_head_dim is not None:
+            _check_positive_int(f"model {self.name!r} v_head_dim", self.v_head_dim)
+        if self.attention not in ("mha", "gqa", "mla"):
+            raise ValueError(f"model {self.name!r}: attention must be 'mha', 'gqa' or 'mla'; got {self.attention!r}")
+        if self.query_heads % self.kv_heads:
+            raise ValueError(
+                f"model {self.name!r}: query_heads ({self.query_heads}) must be a multiple of kv_heads "
+                f"({self.kv_heads})"
+            )
+        if self.attention == "mla":
+            for attr in ("kv_lora_rank", "rope_head_dim"):
+                _check_positive_int(f"MLA model {self.name!r} {attr}", getattr(self, attr))
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """Numbers cached per token over all layers: 2 * kv_heads * head_dim per layer (K and V), or for MLA
+        kv_lora_rank + rope_head_dim per layer."""
+        if self.attention == "mla":
+            per_layer = self.kv_lora_rank + self.rope_head_dim
+        else:
+            per_layer = self.kv_heads * (self.head_dim + self.value_dim)
+        return per_layer * self.layers
+
+
+# --- reading the JSON files ---------------------------------------------------------------------------------------
+
+# JSON key (datasheet units) -> (dataclass field, multiplier to SI)
+_GPU_UNIT_KEYS = {
+    "hbm_bandwidth_TB_s": ("hbm_bandwidth", TB),
+    "dense_fp16_TFLOP_s": ("tensor_flops", 1e12),
+    "sm_count": ("sm_count", 1),
+    "smem_per_sm_KiB": ("smem_per_sm", KiB),
+    "l2_MiB": ("l2_bytes", MiB),
+    "memory_GB": ("memory_bytes", GB),
+}
+_GPU_FIELDS = {f.name for f in fields(GPU)}
+_MODEL_FIELDS = {f.name for f in fields(Model)}
+
+
+def gpu_from_dict(entry: Mapping, name: str | None = None) -> GPU:
+    """A ``GPU`` from a dict, keyed either as in ``data/gpus.json`` (``hbm_bandwidth_TB_s``,
+    ``dense_fp16_TFLOP_s``, ``smem_per_sm_KiB``, ...) or by the dataclass's own SI fields (``hbm_bandwidth`` in
+    bytes/s, ``tensor_flops`` in FLOP/s, ...)."""
+    if not isinstance(entry, Mapping):
+        raise TypeError(f"a GPU dict must be a mapping; got {type(entry).__name__}")
+    kwargs = {}
+    for key, value in entry.items():
+        if key in _GPU_UNIT_KEYS:
+            attr, scale = _GPU_UNIT_KEYS[key]
+            if value is not None:
+                _check_positive(f"GPU {key}", value)
+                value = value * scale
+                value = int(round(value)) if attr in ("sm_count", "smem_per_sm", "l2_bytes") else value
+        elif key in _GPU_FIELDS:
+            attr = key
+        else:
+            known = sorted(_GPU_FIELDS | set(_GPU_UNIT_KEYS))
+            raise ValueError(f"unknown GPU field {key!r}; expected some of {known}")
+        if attr in kwargs:
+            raise ValueError(f"GPU field {attr!r} given twice (as {key!r} and in other units)")
+        kwargs[attr] = value
+    kwargs.setdefault("name", name or "custom-gpu")
+    missing = [k for k in ("hbm_bandwidth", "tensor_flops") if k not in kwargs]
+    if missing:
+        raise ValueError(
+            f"a GPU needs {missing} (bytes/s and FLOP/s; or hbm_bandwidth_TB_s and dense_fp16_TFLOP_s); got keys "
+            f"{sorted(entry)}"
+        )
+    return GPU(**kwargs)
+
+
+def model_from_dict(entry: Mapping, name: str | None = None) -> Model:
+    """A ``Model`` from a dict keyed by the dataclass's fields (as in ``data/models.json``)."""
+    if not isinstance(entry, Mapping):
+        raise TypeError(f"a model dict must be a mapping; got {type(entry).__name__}")
+    unknown = set(entry) - _MODEL_FIELDS
+    if unknown:
+        raise ValueError(f"unknown model field(s) {sorted(unknown)}; expected some of {sorted(_MODEL_FIELDS)}")
+    kwargs = dict(entry)
+    kwargs.setdefault("name", name or "custom-model")
+    if "kv_heads" not in kwargs and "query_heads" in kwargs:
+        kwargs["kv_heads"] = kwargs["query_heads"]  # plain multi-head attention
+    missing = [k for k in ("layers", "query_heads", "head_dim") if k not in kwargs]
+    if missing:
+        raise ValueError(f"a model needs {missing}; got keys {sorted(entry)}")
+    return Model(**kwargs)
+
+
+def _load(filename: str) -> dict:
+    path = DATA_DIR / filename
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found: flashlab reads its catalogues from the repository's data/ folder, so install it "
+            f"editable (pip install -e .) from a clone of the repository"
+        )
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    return {k: v for k, v in data.items() if not k.startswith("_")}  # "_about" etc. are comments
+
+
+def load_gpus() -> dict[str, GPU]:
+    """Read ``data/gpus.json`` into ``{name: GPU}``."""
+    return {name: gpu_from_dict(entry, name) for name, entry in _load("gpus.json").items()}
+
+
+def load_models() -> dict[str, Model]:
+    """Read ``data/models.json`` into ``{name: Model}``."""
+    return {name: model_from_dict(entry, name) for name, entry in _load("models.json").items()}
+
+
+def as_gpu(gpu) -> GPU:
+    """A catalogue name (``"h100-sxm"``), a ``GPU``, or a dict (see ``gpu_from_dict``) -> ``GPU``."""
+    if isinstance(gpu, GPU):
+        return gpu
+    if isinstance(gpu, str):
+        if gpu not in GPUS:
+            raise ValueError(f"unknown GPU {gpu!r}; the catalogue has {sorted(GPUS)} (or pass a GPU or a dict)")
+        return GPUS[gpu]
+    if isinstance(gpu, Mapping):
+        return gpu_from_dict(gpu)
+    raise TypeError(f"gpu must be a catalogue name, a flashlab.catalog.GPU or a dict; got {type(gpu).__name__}")
+
+
+def as_model(model) -> Model:
+    """A catalogue name (``"llama-3-8b"``), a ``Model``, or a dict (see ``model_from_dict``) -> ``Model``."""
+    if isinstance(model, Model):
+        return model
+    if isinstance(model, str):
+        if model not in MODELS:
+            raise ValueError(f"unknown model {model!r}; the catalogue has {sorted(MODELS)} (or pass a Model or a dict)")
+        return MODELS[model]
+    if isinstance(model, Mapping):
+        return model_from_dict(model)
+    raise TypeError(f"model must be a catalogue name, a flashlab.catalog.Model or a dict; got {type(model).__name__}")
+
+
+# --- argument checks shared with flashlab.roofline ----------------------------------------------------------------
+
+
+def _check_name(kind: str, name) -> None:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{kind} name must be a non-empty string; got {name!r}")
+
+
+def _check_positive(what: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number; got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be positive and finite; got {value!r}")
+
+
+def _check_positive_int(what: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an integer; got {value!r}")
+    if value < 1:
+        raise ValueError(f"{what} must be at least 1; got {value!r}")
+
+
+# Read once, at import.
+GPUS: dict[str, GPU] = load_gpus()
+MODELS: dict[str, Model] = load_models()

@@ -1,0 +1,417 @@
+"""The lesson's arithmetic: how many bytes attention moves, how many FLOPs it does, and what each costs on a GPU.
+
+Pure functions, no GPU needed. Units everywhere: sizes and traffic in **bytes**, times in **seconds**, work in
+**FLOPs**, rates in bytes/s and FLOP/s. Where a GPU or model is asked for, pass a catalogue name (``"h100-sxm"``,
+``"lesson-70b"``), a ``flashlab.catalog.GPU`` / ``Model``, or a plain dict (see ``flashlab.catalog``).
+
+Per head (the lesson's simplified counts, n tokens, head dim d, fp16 = 2 bytes):
+
+- ``score_matrix_bytes(n)`` -- one n x n score matrix: 8,192 tokens -> 134,217,728 B (about 134 MB).
+- ``naive_attention_traffic(n, d)`` -- the unfused kernels' four passes over it (write S, read S, write P,
+  read P): 537 MB at 8K.
+- ``flash_attention_traffic(n, d)`` -- read Q, K, V and write O once: 8.4 MB at 8K, d = 128 (64x less).
+- ``flash_io_accesses(n, d, sram_bytes)`` -- the FlashAttention paper's tiled count, Theta(n^2 d^2 / M).
+- ``attention_flops(n, d)`` -- the two matrix multiplies, 4 n^2 d (34.4 GFLOP at 8K).
+
+Whole model (times query heads, times layers): ``model_score_matrix_bytes``, ``model_naive_traffic``,
+``model_flash_traffic``, ``model_attention_flops``, and ``prefill_cost`` which gathers them all with the two time
+bounds. Then the roofline (``time_bounds``), decode (``kv_cache_bytes_per_token``, ``decode_read_time``), Amdahl
+(``end_to_end_speedup``) and the SRAM footprint of one tile (``tile_sram_bytes``).
+
+Decimal units (1 MB = 10^6 B, 1 TB/s = 10^12 B/s) as the lesson and datasheets use them, except on-chip memory
+(shared memory, tile footprints), where the lesson's "32 KB tile" means 32 KiB = 32,768 B.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from flashlab.catalog import (
+    GPU,
+    GPUS,
+    MODELS,
+    Model,
+    _check_positive,
+    _check_positive_int,
+    as_gpu,
+    as_model,
+)
+
+__all__ = [
+    "GPU",
+    "GPUS",
+    "MODELS",
+    "Model",
+    "PrefillCost",
+    "TimeBounds",
+    "attention_flops",
+    "decode_read_time",
+    "end_to_end_speedup",
+    "flash_attention_traffic",
+    "flash_block_sizes",
+    "flash_io_accesses",
+    "format_bytes",
+    "format_flops",
+    "format_seconds",
+    "kv_cache_bytes",
+    "kv_cache_bytes_per_token",
+    "model_attention_flops",
+    "model_flash_traffic",
+    "model_naive_traffic",
+    "model_score_matrix_bytes",
+    "naive_attention_traffic",
+    "prefill_cost",
+    "score_matrix_bytes",
+    "tile_sram_bytes",
+    "time_bounds",
+]
+
+
+def _check_dtype_bytes(dtype_bytes) -> None:
+    # Not only integers: an 8-bit cache is 1, a 4-bit one 0.5, DeepSeek-V2's ~6-bit KV 0.75.
+    _check_positive("dtype_bytes (bytes per element: 2 for fp16/bf16, 4 for fp32, 1 for fp8)", dtype_bytes)
+
+
+def _as_size(value):
+    """Return ints as ints and whole floats as ints, so byte counts stay exact."""
+    return int(value) if float(value).is_integer() else value
+
+
+# --- one head -----------------------------------------------------------------------------------------------------
+
+
+def score_matrix_bytes(n: int, dtype_bytes=2) -> int:
+    """Bytes of one head's n x n score matrix S (or probability matrix P): n * n * dtype_bytes.
+
+    >>> score_matrix_bytes(8192)  # 8K tokens in fp16: about 134 MB
+    134217728
+    """
+    _check_positive_int("n (sequence length)", n)
+    _check_dtype_bytes(dtype_bytes)
+    return _as_size(n * n * dtype_bytes)
+
+
+def naive_attention_traffic(n: int, d: int, dtype_bytes=2, passes: int = 4, include_qkvo: bool = False) -> int:
+    """HBM traffic in bytes of unfused (naive) attention for one head, the lesson's simplified count.
+
+    Separate kernels each round-trip the n x n matrix through HBM: write S, read S (softmax), write P, read P (the
+    value multiply) -- ``passes=4`` passes of ``score_matrix_bytes(n)``. By default that is all it counts (the
+    lesson's 4 x 134 MB = 537 MB at 8K). ``include_qkvo=True`` adds reading Q, K, V and writing O (4 n d elements),
+    which makes it the count of the paper's standard attention (Dao et al. 2022, Algorithm 0): Theta(n d + n^2).
+    """
+    _check_positive_int("n (sequence length)", n)
+    _check_positive_int("d (head dim)", d)
+    _check_positive_int("passes (passes over the score matrix)", passes)
+    if not isinstance(include_qkvo, bool):
+        raise TypeError(f"include_qkvo must be True or False; got {include_qkvo!r}")
+    traffic = passes * score_matrix_bytes(n, dtype_bytes)
+    if include_qkvo:
+        traffic += flash_attention_traffic(n, d, dtype_bytes)
+    return _as_size(traffic)
+
+
+def flash_attention_traffic(n: int, d: int, dtype_bytes=2) -> int:
+    """HBM traffic in bytes of fused (Flash) attention for one head, the lesson's simplified count.
+
+    Read Q, K and V once and write O once: 4 * n * d * dtype_bytes (8.4 MB at n = 8,192, d = 128). The score
+    matrix never leaves on-chip SRAM. This is also what FlashAttention-2's loop order (outer loop over query
+    blocks) moves; the original paper's loop order re-reads Q and O, see ``flash_io_accesses``. The per-row
+    log-sum-exp the kernel also writes (n numbers) is left out, as in the lesson.
+    """
+    _check_positive_int("n (sequence length)", n)
+    _check_positive_int("d (head dim)", d)
+    _check_dtype_bytes(dtype_bytes)
+    return _as_size(4 * n * d * dtype_bytes)
+
+
+def flash_block_sizes(d: int, sram_bytes, dtype_bytes=2) -> tuple[int, int]:
+    """The FlashAttention paper's block sizes (Dao et al. 2022, Algorithm 1): ``(B_r, B_c)`` with
+    B_c = ceil(M / 4d) and B_r = min(B_c, d), where M = sram_bytes / dtype_bytes is the SRAM size in *elements*.
+    """
+    _check_positive_int("d (head dim)", d)
+    _check_positive("sram_bytes (on-chip SRAM size in bytes)", sram_bytes)
+    _check_dtype_bytes(dtype_bytes)
+    m = sram_bytes / dtype_bytes  # M, in elements
+    if m < 4 * d:
+        raise ValueError(
+            f"sram_bytes={sram_bytes} holds {m:g} elements of {dtype_bytes} B, fewer than 4 d = {4 * d}: not even one "
+            f"row each of Q, K, V and O fits on chip"
+        )
+    block_c = math.ceil(m / (4 * d))
+    return min(block_c, d), block_c
+
+
+def flash_io_accesses(n: int, d: int, sram_bytes, dtype_bytes=2) -> int:
+    """HBM traffic in bytes of the FlashAttention paper's tiled forward pass (Dao et al. 2022, Algorithm 1).
+
+    Theorem 2 of the paper: with SRAM of size M, FlashAttention makes Theta(n^2 d^2 / M) HBM accesses, against
+    Theta(n d + n^2) for standard attention. **M is counted in elements** (numbers), not bytes: here
+    M = sram_bytes / dtype_bytes, and the result is the element count times dtype_bytes, in bytes.
+
+    Algorithm 1 loops over T_c = ceil(n / B_c) blocks of K and V (outer loop, each read once), and for each of
+    them over all blocks of Q, O and the row statistics l, m (inner loop), so it counts, in elements::
+
+        n d + 2 n                    initialise O, l, m in HBM
+        2 n d                        read K and V once
+        T_c * (n d + 2 n d + 4 n)    per K/V block: read Q; read and write O; read and write l and m
+
+    With B_c = ceil(M / 4d) that is about 12 n^2 d^2 / M for small M: a quarter of the SRAM per tile, and every
+    extra K/V block costs another sweep over Q and O. Once M is large enough that B_c >= n (T_c = 1) it flattens
+    at about 6 n d, a little more than ``flash_attention_traffic`` because Algorithm 1 also initialises and reads O.
+    """
+    _check_positive_int("n (sequence length)", n)
+    _, block_c = flash_block_sizes(d, sram_bytes, dtype_bytes)
+    t_c = math.ceil(n / block_c)  # number of K/V blocks: outer-loop iterations
+    elements = (n * d + 2 * n) + 2 * n * d + t_c * (3 * n * d + 4 * n)
+    return _as_size(elements * dtype_bytes)
+
+
+def attention_flops(n: int, d: int, causal: bool = False, dv: int | None = None) -> int:
+    """FLOPs of one head's attention forward pass: 2 n^2 d for S = Q K^T plus 2 n^2 d for O = P V, 4 n^2 d.
+
+    34.4 GFLOP at n = 8,192, d = 128. ``causal=True`` halves it (the FlashAttention-2 convention: the masked half
+    is skipped, the softmax's exponentials are not counted). ``dv`` is the value head dim when it differs from d
+    (MLA); then the count is 2 n^2 (d + dv).
+    """
+    _check_positive_int("n (sequence length)", n)
+    _check_positive_int("d (head dim)", d)
+    if dv is None:
+        dv = d
+    _check_positive_int("dv (value head dim)", dv)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False; got {causal!r}")
+    flops = 2 * n * n * (d + dv)
+    return flops // 2 if causal else flops
+
+
+# --- the whole model: heads x layers --------------------------------------------------------------------------------
+
+_PER = ("head", "layer", "model")
+
+
+def _copies(model: Model, per: str) -> int:
+    """How many per-head quantities make one 'head', 'layer' or 'model' (query heads x layers)."""
+    if per not in _PER:
+        raise ValueError(f"per must be one of {_PER}; got {per!r}")
+    return {"head": 1, "layer": model.query_heads, "model": model.query_heads * model.layers}[per]
+
+
+def model_score_matrix_bytes(n: int, model, dtype_bytes=2, per: str = "model") -> int:
+    """Bytes of all score matrices if every head's were held at once (``per="model"``: query heads x layers; or
+    ``per="layer"`` / ``"head"``). lesson-70b at 8K in fp16: 134 MB x 64 x 80 = 687 GB."""
+    model = as_model(model)
+    return _as_size(score_matrix_bytes(n, dtype_bytes) * _copies(model, per))
+
+
+def model_naive_traffic(n: int, model, dtype_bytes=2, per: str = "model", passes: int = 4, include_qkvo=False) -> int:
+    """``naive_attention_traffic`` for every query head (``per="layer"``: 34.4 GB for lesson-70b at 8K) and every
+    layer (``per="model"``: 2.75 TB)."""
+    model = as_model(model)
+    per_head = naive_attention_traffic(n, model.head_dim, dtype_bytes, passes=passes, include_qkvo=include_qkvo)
+    return _as_size(per_head * _copies(model, per))
+
+
+def model_flash_traffic(n: int, model, dtype_bytes=2, per: str = "model") -> int:
+    """``flash_attention_traffic`` for every query head and layer (the simplified per-head count, as the lesson:
+    GQA heads that share K and V are not credited with reading them once)."""
+    model = as_model(model)
+    return _as_size(flash_attention_traffic(n, model.head_dim, dtype_bytes) * _copies(model, per))
+
+
+def model_attention_flops(n: int, model, causal: bool = False, per: str = "model") -> int:
+    """``attention_flops`` for every query head and layer: 34.4 GFLOP x 64 x 80 = 176 TFLOP for lesson-70b at 8K."""
+    model = as_model(model)
+    return attention_flops(n, model.head_dim, causal=causal, dv=model.value_dim) * _copies(model, per)
+
+
+# --- the roofline -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TimeBounds:
+    """The two lower bounds on a kernel's time, and which one wins (the roofline model)."""
+
+    flops: float  # work, FLOPs
+    nbytes: float  # HBM traffic, bytes
+    memory_s: float  # nbytes / HBM bandwidth, seconds
+    compute_s: float  # flops / tensor throughput, seconds
+    arithmetic_intensity: float  # flops / nbytes, FLOP per byte
+    ridge_point: float  # the GPU's FLOP/s / (bytes/s): intensities below it are memory-bound
+    gpu: str  # the GPU's name
+
+    @property
+    def bound(self) -> str:
+        """``"memory"`` if moving the bytes takes longer than doing the FLOPs, else ``"compute"``."""
+        return "memory" if self.memory_s >= self.compute_s else "compute"
+
+    @property
+    def time_s(self) -> float:
+        """The roofline's estimate: the larger of the two bounds (seconds)."""
+        return max(self.memory_s, self.compute_s)
+
+    @property
+    def tensor_core_busy(self) -> float:
+        """Fraction of the time the tensor cores could be busy: compute_s / time_s (1.0 when compute-bound)."""
+        return self.compute_s / self.time_s if self.time_s > 0 else 1.0
+
+
+def time_bounds(flops, nbytes, gpu="lesson-gpu") -> TimeBounds:
+    """Memory time (nbytes / bandwidth) and compute time (flops / throughput) on ``gpu``, and which bound wins.
+
+    For the lesson's 8K prompt on lesson-70b and the lesson's GPU (3 TB/s, 500 TFLOP/s): 2.75 TB of score traffic
+    takes 0.92 s, 176 TFLOP take 0.35 s -- memory-bound, the tensor cores wait.
+    """
+    gpu = as_gpu(gpu)
+    for what, value in (("flops", flops), ("nbytes", nbytes)):
+        _check_positive(what, value)
+    return TimeBounds(
+        flops=flops,
+        nbytes=nbytes,
+        memory_s=nbytes / gpu.hbm_bandwidth,
+        compute_s=flops / gpu.tensor_flops,
+        arithmetic_intensity=flops / nbytes,
+        ridge_point=gpu.ridge_point,
+        gpu=gpu.name,
+    )
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    """Everything the lesson computes for one prompt of n tokens on one model and GPU (bytes, FLOPs, seconds)."""
+
+    n: int
+    model: str
+    gpu: str
+    dtype_bytes: float
+    score_matrix_bytes: int  # one head's n x n matrix
+    score_matrices_per_layer: int  # all query heads of one layer, held at once
+    score_matrices_per_model: int  # all heads of all layers, held at once
+    naive_traffic: int  # whole model, the four passes
+    flash_traffic: int  # whole model, Q K V read + O written
+    flops: int  # whole model
+    naive: TimeBounds
+    flash: TimeBounds
+
+    @property
+    def traffic_ratio(self) -> float:
+        """How many times less HBM traffic the fused kernel moves (64x at 8K, d = 128)."""
+        return self.naive_traffic / self.flash_traffic
+
+
+def prefill_cost(n: int, model="lesson-70b", gpu="lesson-gpu", dtype_bytes=2, causal: bool = False) -> PrefillCost:
+    """The whole lesson for one prompt: score-matrix memory, naive and flash traffic, FLOPs and both rooflines."""
+    model, gpu_ = as_model(model), as_gpu(gpu)
+    naive = model_naive_traffic(n, model, dtype_bytes)
+    flash = model_flash_traffic(n, model, dtype_bytes)
+    flops = model_attention_flops(n, model, causal=causal)
+    return PrefillCost(
+        n=n,
+        model=model.name,
+        gpu=gpu_.name,
+        dtype_bytes=dtype_bytes,
+        score_matrix_bytes=score_matrix_bytes(n, dtype_bytes),
+        score_matrices_per_layer=model_score_matrix_bytes(n, model, dtype_bytes, per="layer"),
+        score_matrices_per_model=model_score_matrix_bytes(n, model, dtype_bytes, per="model"),
+        naive_traffic=naive,
+        flash_traffic=flash,
+        flops=flops,
+        naive=time_bounds(flops, naive, gpu_),
+        flash=time_bounds(flops, flash, gpu_),
+    )
+
+
+# --- decode: the KV cache -----------------------------------------------------------------------------------------
+
+
+def kv_cache_bytes_per_token(model, dtype_bytes=2) -> int:
+    """Bytes of KV cache one token adds, over all layers.
+
+    GQA/MHA: 2 (K and V) x kv_heads x head_dim x layers x dtype_bytes -- 327,680 B for lesson-70b in fp16.
+    MLA: (kv_lora_rank + rope_head_dim) x layers x dtype_bytes. ``dtype_bytes`` may be fractional (0.5 for a
+    4-bit cache).
+    """
+    model = as_model(model)
+    _check_dtype_bytes(dtype_bytes)
+    return _as_size(model.kv_elements_per_token * dtype_bytes)
+
+
+def kv_cache_bytes(model, context: int, dtype_bytes=2, batch: int = 1) -> int:
+    """Bytes of KV cache for ``batch`` requests of ``context`` tokens: 41.9 GB for lesson-70b at 128,000 tokens."""
+    _check_positive_int("context (tokens in the KV cache)", context)
+    _check_positive_int("batch (requests)", batch)
+    return _as_size(kv_cache_bytes_per_token(model, dtype_bytes) * context * batch)
+
+
+def decode_read_time(model, context: int, gpus: int = 1, gpu="lesson-gpu", dtype_bytes=2, bandwidth=None, batch=1):
+    """Seconds to read the whole KV cache once -- the floor on one decode step's time.
+
+    The cache is split evenly over ``gpus`` GPUs reading in parallel, each at ``bandwidth`` bytes/s (default: the
+    ``gpu``'s HBM bandwidth). The lesson's case, lesson-70b at 128,000 tokens over 8 GPUs at 3.3 TB/s each:
+    41.9 GB / 26.4 TB/s = 1.6 ms per token.
+    """
+    _check_positive_int("gpus (number of GPUs sharing the cache)", gpus)
+    if bandwidth is None:
+        bandwidth = as_gpu(gpu).hbm_bandwidth
+    _check_positive("bandwidth (bytes/s per GPU)", bandwidth)
+    return kv_cache_bytes(model, context, dtype_bytes, batch) / (gpus * bandwidth)
+
+
+# --- Amdahl and the tile footprint --------------------------------------------------------------------------------
+
+
+def end_to_end_speedup(attention_share, kernel_speedup) -> float:
+    """Amdahl's law: the step speedup when a fraction ``attention_share`` of the step gets ``kernel_speedup``x
+    faster. 30 % at 2x: 1 / (0.7 + 0.3 / 2) = 1.18x, not 2x."""
+    _check_positive("attention_share", attention_share)
+    if attention_share > 1:
+        raise ValueError(f"attention_share is a fraction of the step time, 0 < share <= 1; got {attention_share}")
+    _check_positive("kernel_speedup", kernel_speedup)
+    return 1.0 / ((1.0 - attention_share) + attention_share / kernel_speedup)
+
+
+def tile_sram_bytes(block_m: int, block_n: int, d: int, dtype_bytes=2, acc_bytes=4, include_output=False) -> int:
+    """On-chip bytes of one FlashAttention tile step, the lesson's illustrative footprint.
+
+    A Q tile (block_m x d), a K tile and a V tile (block_n x d each) in ``dtype_bytes``, plus the block_m x block_n
+    score tile in ``acc_bytes`` (fp32). At 128/128/128: 3 x 32 KiB + 64 KiB = 163,840 B = 160 KiB (the lesson's
+    "160 KB", with 1 KB = 1,024 B). ``include_output=True`` adds the block_m x d fp32 output accumulator, which
+    real kernels keep in registers.
+    """
+    for what, value in (("block_m", block_m), ("block_n", block_n), ("d (head dim)", d)):
+        _check_positive_int(what, value)
+    _check_dtype_bytes(dtype_bytes)
+    _check_positive("acc_bytes (bytes per accumulator element, 4 for fp32)", acc_bytes)
+    nbytes = (block_m + 2 * block_n) * d * dtype_bytes + block_m * block_n * acc_bytes
+    if include_output:
+        nbytes += block_m * d * acc_bytes
+    return _as_size(nbytes)
+
+
+# --- printing numbers the way the lesson does ---------------------------------------------------------------------
+
+
+def _format(value, digits: int, units) -> str:
+    if value == 0:
+        return f"0 {units[0][1]}"
+    # the largest unit the value reaches (the smallest unit for tiny values)
+    scale, unit = next(((s, u) for s, u in reversed(units) if abs(value) >= s), units[0])
+    x = value / scale
+    decimals = max(0, digits - 1 - int(math.floor(math.log10(abs(x)))))
+    return f"{x:.{decimals}f} {unit}"
+
+
+def format_bytes(nbytes, digits: int = 3) -> str:
+    """Decimal units to ``digits`` significant figures: 134,217,728 -> '134 MB', 2.75e12 -> '2.75 TB'."""
+    return _format(nbytes, digits, [(1, "B"), (1e3, "kB"), (1e6, "MB"), (1e9, "GB"), (1e12, "TB"), (1e15, "PB")])
+
+
+def format_flops(flops, digits: int = 3) -> str:
+    """FLOPs in decimal units: 3.4e10 -> '34.4 GFLOP'."""
+    units = [(1, "FLOP"), (1e3, "kFLOP"), (1e6, "MFLOP"), (1e9, "GFLOP"), (1e12, "TFLOP"), (1e15, "PFLOP")]
+    return _format(flops, digits, units)
+
+
+def format_seconds(seconds, digits: int = 3) -> str:
+    """Seconds in s / ms / µs: 0.00159 -> '1.59 ms'."""
+    return _format(seconds, digits, [(1e-9, "ns"), (1e-6, "µs"), (1e-3, "ms"), (1, "s")])
