@@ -1,0 +1,406 @@
+"""The FlashAttention forward pass as a Triton kernel: the tiled loop of ``flashlab.reference.flash_attention``.
+
+One program of the grid owns one tile of ``BLOCK_M`` query rows of one head. It loads its Q tile once, then walks
+the key/value tiles of ``BLOCK_N`` keys that the mask leaves visible, keeping only the three running quantities of
+the online softmax in registers:
+
+    m_i  (BLOCK_M,)          running max of the scores (in log2 units: the scale carries log2(e))
+    l_i  (BLOCK_M,)          running sum of exp2(s - m_i)
+    acc  (BLOCK_M, BLOCK_D)  running un-normalised output, sum of exp2(s - m_i) * v
+
+and writes O and the log-sum-exp once at the end. The score tile S (BLOCK_M x BLOCK_N) lives in registers only;
+the Nq x Nk score matrix is never written to memory. The NumPy loop it must equal, line for line, is
+``flashlab.reference.tiled.flash_attention``; the float64 ground truth is ``flashlab.reference.attention``.
+
+The key tiles a query tile visits are split into three stages by the mask band (``flashlab.masking``):
+
+    stage 0: tiles cut by the window's left edge      (element mask)
+    stage 1: tiles every row of the query tile sees    (no mask: the fast inner loop)
+    stage 2: tiles cut by the diagonal / right edge, or by the end of the keys (element mask)
+
+Tiles outside the band are never loaded: the loop bounds come from the band, not from a per-tile test.
+
+On CUDA tensors the kernel is compiled (autotuned over block sizes, warps and pipeline stages). On CPU tensors the
+very same kernel source runs through Triton's interpreter (one small tile config), so every notebook runs without a
+GPU and without the user setting ``TRITON_INTERPRET``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+# Head dims the kernel accepts. Non-powers of two (24, 80, 96, 160...) are padded to the next power of two
+# inside the tile with masked loads; the padding columns are zeros and are never stored.
+MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 8
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# The one config the CPU (interpreter) path uses: small tiles so the interpreter stays quick and even small
+# test shapes cross several tiles (and so exercise all three stages of the loop).
+CPU_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16}
+
+LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the GPU's exp unit computes exp2
+LN_2 = 0.6931471805599453  # log(x) = log2(x) * ln(2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The kernel
+# ----------------------------------------------------------------------------------------------------------------
+
+
+# fmt: off
+@triton.jit
+def _attn_fwd(
+    Q, K, V, O, LSE,  # tensors: q, k, v, the output, the log-sum-exp
+    stride_qb, stride_qh, stride_qm,  # strides (elements) of q over batch, head, row; D has stride 1
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    HQ, GROUP, NQ, NK,  # query heads, query heads per K/V head, query and key lengths
+    offset, win_left, win_right,  # the band: query i sees keys [i + offset - win_left, i + offset + win_right]
+    qk_scale,  # softmax scale * log2(e)
+    TUNE_KEY_N, TUNE_KEY_BAND,  # only read by the autotuner (its cache key)
+    HEAD_DIM: tl.constexpr,  # D
+    BLOCK_D: tl.constexpr,  # D rounded up to a power of two (the tile's width)
+    BLOCK_M: tl.constexpr,  # query rows per program
+    BLOCK_N: tl.constexpr,  # keys per inner-loop step
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (exact fp32 dots), "tf32" otherwise (ignored for 16-bit)
+    DOT_UPCAST: tl.constexpr,  # interpreter: feed 16-bit tiles to the dots as fp32 (NumPy has no bf16 matmul)
+    REVERSE_M: tl.constexpr,  # causal: start the query tiles with the most work first
+):
+    # fmt: on
+    # -- which tile of which head this program owns
+    pid_m = tl.program_id(0)
+    if REVERSE_M:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // HQ
+    off_h = pid_bh % HQ
+    off_hk = off_h // GROUP  # GQA: query head h reads K/V head h // group; K/V are never copied
+
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    o_base = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows of this tile
+    offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,) key columns, relative to the tile start
+    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,) head-dim columns (padding beyond HEAD_DIM masked)
+    d_ok = offs_d < HEAD_DIM
+
+    # -- load the Q tile once: BLOCK_M * D * bytes(dtype) from HBM, reused for every key tile
+    q = tl.load(
+        q_base + offs_m[:, None] * stride_qm + offs_d[None, :],
+        mask=(offs_m[:, None] < NQ) & d_ok[None, :],
+        other=0.0,
+    )  # (BLOCK_M, BLOCK_D)
+    if DOT_UPCAST:  # exact: a 16-bit value is also an fp32 value, and the tensor cores multiply them exactly too
+        q = q.to(tl.float32)
+
+    # -- the running state of the online softmax
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2 units)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # running output
+
+    # -- the key range this tile needs, from the band (flashlab.masking.visible_band / tile_state)
+    row_lo = pid_m * BLOCK_M  # first query row of the tile
+    row_hi = tl.minimum(row_lo + BLOCK_M, NQ) - 1  # last real query row of the tile
+    lo = tl.maximum(row_lo + offset - win_left, 0)  # first key any row sees
+    hi = tl.minimum(row_hi + offset + win_right + 1, NK)  # one past the last key any row sees
+    hi = tl.maximum(hi, lo)  # empty band (e.g. causal with Nq > Nk): no tile at all
+    full_lo = tl.maximum(row_hi + offset - win_left, 0)  # every row sees keys >= full_lo ...
+    full_hi = tl.minimum(row_lo + offset + win_right + 1, NK)  # ... and < full_hi
+    # in tiles: [t_lo, t_full_lo) stage 0, [t_full_lo, t_full_hi) stage 1, [t_full_hi, t_hi) stage 2
+    t_lo = lo // BLOCK_N
+    t_hi = (hi + BLOCK_N - 1) // BLOCK_N
+    t_full_lo = tl.minimum(tl.maximum((full_lo + BLOCK_N - 1) // BLOCK_N, t_lo), t_hi)
+    t_full_hi = tl.minimum(tl.maximum(full_hi, 0) // BLOCK_N, t_hi)
+    t_full_hi = tl.maximum(t_full_hi, t_full_lo)
+
+    diag = offs_m + offset  # (BLOCK_M,) key column on each row's diagonal
+
+    for stage in tl.static_range(3):  # unrolled at compile time: three copies of the loop, masked or not
+        if stage == 0:
+            t_start, t_end = t_lo, t_full_lo
+        elif stage == 1:
+            t_start, t_end = t_full_lo, t_full_hi
+        else:
+            t_start, t_end = t_full_hi, t_hi
+        for start_n in range(t_start * BLOCK_N, t_end * BLOCK_N, BLOCK_N):
+            cols = start_n + offs_n  # (BLOCK_N,) key indices of this tile
+            k_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None]
+            v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :]
+            # -- load K tile: BLOCK_N * D * bytes(dtype) (from L2 when the other query tiles of this head read it)
+            if stage == 1:
+                if BLOCK_D == HEAD_DIM:
+                    k = tl.load(k_ptrs)
+                else:
+                    k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs, mask=d_ok[:, None] & (cols[None, :] < NK), other=0.0)  # (BLOCK_D, BLOCK_N)
+            if DOT_UPCAST:
+                k = k.to(tl.float32)
+
+            # -- S = Q K^T: the score tile, in registers only; 2 * BLOCK_M * BLOCK_N * D FLOPs
+            s = tl.dot(q, k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+
+            # -- update m and l: new running max, rescale what was summed against the old one
+            if stage == 1:
+                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+                s = s * qk_scale - m_new[:, None]
+                alpha = tl.math.exp2(m_i - m_new)  # 0 on the row's first tile (m_i = -inf)
+            else:
+                visible = (
+                    (cols[None, :] >= diag[:, None] - win_left)
+                    & (cols[None, :] <= diag[:, None] + win_right)
+                    & (cols[None, :] < NK)
+                )  # (BLOCK_M, BLOCK_N) the element mask, only on the band's edges
+                s = tl.where(visible, s * qk_scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+                s = s - m_safe[:, None]
+                alpha = tl.math.exp2(m_i - m_safe)
+            p = tl.math.exp2(s)  # (BLOCK_M, BLOCK_N) exp(scale * (s - m)), masked entries give 0
+            l_i = l_i * alpha + tl.sum(p, 1)
+
+            # -- load V tile: BLOCK_N * D * bytes(dtype)
+            if stage == 1:
+                if BLOCK_D == HEAD_DIM:
+                    v = tl.load(v_ptrs)
+                else:
+                    v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            else:
+                v = tl.load(v_ptrs, mask=(cols[:, None] < NK) & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+            if DOT_UPCAST:
+                v = v.to(tl.float32)
+
+            # -- rescale the output and accumulate this tile's P V: 2 * BLOCK_M * BLOCK_N * D FLOPs
+            acc = acc * alpha[:, None]
+            p = p.to(O.dtype.element_ty)  # P enters the second dot in the input dtype, as in FlashAttention
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+    # -- epilogue: normalise, write O (BLOCK_M * D * bytes) and lse (BLOCK_M * 4 bytes) once per query tile
+    seen = l_i > 0.0  # rows with no visible key keep l = 0: they give zeros and lse = -inf
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # natural log
+    row_ok = offs_m < NQ
+    tl.store(LSE + pid_bh.to(tl.int64) * NQ + offs_m, lse, mask=row_ok)
+    tl.store(
+        o_base + offs_m[:, None] * stride_om + offs_d[None, :],
+        o.to(O.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configs: compiled (autotuned) on a GPU, one small config on the interpreter
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _gpu_configs():
+    # Hopper (sm_90) and Ampere (sm_80/86/89) both like BLOCK_M = 128 with 8 warps for big head dims and
+    # 4-8 warps at D <= 64; pipeline depth 2-4. Configs that do not fit the chip's shared memory are pruned below.
+    configs = []
+    for bm, bn, warps, stages in [
+        (128, 64, 4, 3),
+        (128, 64, 8, 3),
+        (128, 128, 8, 3),
+        (128, 64, 4, 4),
+        (128, 128, 8, 2),
+        (64, 64, 4, 3),
+        (128, 32, 4, 2),
+        (64, 32, 4, 2),
+    ]:
+        configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
+    return configs
+
+
+def _smem_limit() -> int:
+    try:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return int(getattr(props, "shared_memory_per_block_optin", 0)) or 101376
+    except Exception:  # pragma: no cover - no CUDA
+        return 101376
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Drop configs whose pipelined K/V tiles plus the Q tile would not fit shared memory for this head dim."""
+    bd = named_args["BLOCK_D"] if "BLOCK_D" in named_args else kwargs["BLOCK_D"]
+    esize = named_args["Q"].element_size()
+    limit = _smem_limit()
+    kept = []
+    for c in configs:
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        if bd >= 256 and (bm > 64 or bn > 64):
+            continue  # registers: a 128 x 256 fp32 accumulator alone fills the register file of 4 warps
+        if bd <= 64 and bn < 64:
+            continue
+        smem = (bm * bd + c.num_stages * 2 * bn * bd) * esize
+        if smem <= limit:
+            kept.append(c)
+    return kept or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
+
+
+_attn_fwd_tuned = triton.autotune(
+    configs=_gpu_configs(),
+    key=["TUNE_KEY_N", "TUNE_KEY_BAND", "HEAD_DIM", "DOT_PRECISION"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)(_attn_fwd)
+
+_interpreted = None
+
+
+def _interpreted_kernel():
+    """The same ``_attn_fwd`` source, run by Triton's interpreter (NumPy) instead of being compiled."""
+    global _interpreted
+    if _interpreted is None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        _interpreted = InterpretedFunction(_attn_fwd.fn)
+    return _interpreted
+
+
+@contextlib.contextmanager
+def _interpreted_language():
+    """Let the interpreter call Triton's own ``@triton.jit`` library functions (``tl.max``, ``tl.sum``...).
+
+    With ``TRITON_INTERPRET=1`` set before import, Triton builds those as interpreted functions; here the
+    environment variable is not set, so for the duration of a CPU launch each of them is swapped for an
+    interpreted copy of its source, and put back afterwards.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    try:  # imported lazily by the interpreter's first launch; it must see the library un-swapped
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:  # pragma: no cover - older Triton
+        pass
+    saved = []
+    for module in (tl, tl.standard):
+        for name, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                saved.append((module, name, value))
+                setattr(module, name, _INTERPRETED_LIB.setdefault(value, InterpretedFunction(value.fn)))
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+_INTERPRETED_LIB: dict = {}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The Python entry point: validate, then launch
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(q, k, v, causal, window, scale):
+    from flashlab.masking import visible_band
+    from flashlab.shapes import attention_shape
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype not in DTYPES:
+            raise TypeError(f"{name} has dtype {x.dtype}; flash_attention supports float16, bfloat16 and float32")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must have the same dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k and v must be on the same device; got {q.device}, {k.device}, {v.device}")
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"flash_attention runs on CUDA (compiled) or CPU (interpreted) tensors; got {q.device}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have 4 dims (batch, heads, seq_len, head_dim); got shape {tuple(x.shape)}")
+        if x.numel() == 0:
+            raise ValueError(f"{name} is empty (shape {tuple(x.shape)}); every dim must be at least 1")
+    shape = attention_shape(q.shape, k.shape, v.shape)  # ValueError naming the mismatch (heads, lengths, D)
+    if shape.dv != shape.d:
+        raise ValueError(f"v must have the same head dim as q and k ({shape.d}); got {shape.dv}")
+    d = shape.d
+    if not (MIN_HEAD_DIM <= d <= MAX_HEAD_DIM and d % HEAD_DIM_MULTIPLE == 0):
+        raise ValueError(
+            f"head dim {d} is not supported: it must be a multiple of {HEAD_DIM_MULTIPLE} "
+            f"between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}"
+        )
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False; got {causal!r}")
+    band = visible_band(shape.nq, shape.nk, causal, window)  # ValueError for a malformed window
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale must be a number or None; got {type(scale).__name__}")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite; got {scale}")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise ValueError(
+            "flash_attention is forward-only (no backward pass): call it under torch.no_grad() or pass detached tensors"
+        )
+    return shape, band
+
+
+def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=False):
+    """FlashAttention forward: ``softmax(q k^T * scale + mask) v``, never materialising the score matrix.
+
+    q ``(B, Hq, Nq, D)``, k and v ``(B, Hk, Nk, D)`` with Hq a multiple of Hk (grouped-query attention: query head h
+    reads K/V head ``h // (Hq // Hk)``, without copying K/V). Any Nq, Nk >= 1; D a multiple of 8 in [16, 256];
+    float16, bfloat16 or float32; any strides (a last dim that is not contiguous is copied once).
+
+    ``causal`` and ``window=(left, right)`` follow ``flashlab.masking`` (bottom-right aligned). ``scale`` defaults
+    to ``1/sqrt(D)``. Returns ``o`` (like q), or ``(o, lse)`` with ``return_lse=True``: lse ``(B, Hq, Nq)`` float32 is
+    the natural log-sum-exp of each row's scaled, masked scores; a row that sees no key gives zeros and lse = -inf.
+
+    Must equal ``flashlab.reference.flash_attention`` (the NumPy tiled loop) and ``flashlab.reference.attention``
+    (the float64 definition) to within the input dtype's rounding. CUDA tensors run the compiled, autotuned kernel;
+    CPU tensors run the same kernel through Triton's interpreter.
+    """
+    shape, (offset, left, right) = _check_inputs(q, k, v, causal, window, scale)
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    # the kernel assumes unit stride along D (16-byte vector loads); other strides are passed through untouched
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+
+    big = nq + nk + 1  # "unbounded" side of the band: wider than any distance in the score matrix
+    win_left = big if left == float("inf") else int(left)
+    win_right = big if right == float("inf") else int(right)
+    o = torch.empty((b, hq, nq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
+    block_d = max(16, triton.next_power_of_2(d))
+    args = (q, k, v, o, lse)
+    args += (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+    args += (v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2))
+    args += (hq, hq // hk, nq, nk, offset, win_left, win_right, float(scale) * LOG2_E)
+    band_kind = 0 if window is None and not causal else (1 if window is None else 2)
+    tune_n = triton.next_power_of_2(max(nq, nk))  # re-tune per power-of-two length, not per length
+    meta = dict(
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 or not q.is_cuda else "tf32",
+        DOT_UPCAST=not q.is_cuda and q.dtype != torch.float32,
+        REVERSE_M=bool(causal),
+    )
+    if q.is_cuda:
+        with torch.cuda.device(q.device):
+
+            def grid(meta):
+                return (triton.cdiv(nq, meta["BLOCK_M"]), b * hq)
+
+            _attn_fwd_tuned[grid](*args, tune_n, band_kind, **meta)
+    else:
+        grid = (triton.cdiv(nq, CPU_CONFIG["BLOCK_M"]), b * hq)
+        with _interpreted_language():
+            _interpreted_kernel()[grid](*args, tune_n, band_kind, **meta, **CPU_CONFIG)
+    return (o, lse) if return_lse else o
+
+
+__all__ = ["flash_attention", "CPU_CONFIG", "DTYPES"]
