@@ -32,6 +32,9 @@ def attention_shape(q_shape, k_shape, v_shape) -> AttentionShape:
     for name, s in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
         if len(s) < 2:
             raise ValueError(f"{name} must have at least 2 dims (..., N, D); got shape {s}")
+    for name, s in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
+        if len(s) > 2 and 0 in s[:-2]:
+            raise ValueError(f"{name} must not be empty: every batch and head dim must be at least 1; got shape {s}")
     if not len(q_shape) == len(k_shape) == len(v_shape):
         raise ValueError(f"q, k and v must have the same number of dims; got {q_shape}, {k_shape}, {v_shape}")
     if k_shape[:-1] != v_shape[:-1]:
