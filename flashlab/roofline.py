@@ -392,26 +392,29 @@ def tile_sram_bytes(block_m: int, block_n: int, d: int, dtype_bytes=2, acc_bytes
 
 
 def _format(value, digits: int, units) -> str:
+    """``units`` is [(scale, name, threshold)]: use the last unit whose threshold the value reaches."""
     if value == 0:
         return f"0 {units[0][1]}"
-    # the largest unit the value reaches (the smallest unit for tiny values)
-    scale, unit = next(((s, u) for s, u in reversed(units) if abs(value) >= s), units[0])
+    scale, unit, _ = next((u for u in reversed(units) if abs(value) >= u[2]), units[0])
     x = value / scale
     decimals = max(0, digits - 1 - int(math.floor(math.log10(abs(x)))))
     return f"{x:.{decimals}f} {unit}"
 
 
+def _si(*names):
+    return [(10 ** (3 * i), name, 10 ** (3 * i)) for i, name in enumerate(names)]
+
+
 def format_bytes(nbytes, digits: int = 3) -> str:
     """Decimal units to ``digits`` significant figures: 134,217,728 -> '134 MB', 2.75e12 -> '2.75 TB'."""
-    return _format(nbytes, digits, [(1, "B"), (1e3, "kB"), (1e6, "MB"), (1e9, "GB"), (1e12, "TB"), (1e15, "PB")])
+    return _format(nbytes, digits, _si("B", "kB", "MB", "GB", "TB", "PB"))
 
 
 def format_flops(flops, digits: int = 3) -> str:
     """FLOPs in decimal units: 3.4e10 -> '34.4 GFLOP'."""
-    units = [(1, "FLOP"), (1e3, "kFLOP"), (1e6, "MFLOP"), (1e9, "GFLOP"), (1e12, "TFLOP"), (1e15, "PFLOP")]
-    return _format(flops, digits, units)
+    return _format(flops, digits, _si("FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP"))
 
 
 def format_seconds(seconds, digits: int = 3) -> str:
-    """Seconds in s / ms / µs: 0.00159 -> '1.59 ms'."""
-    return _format(seconds, digits, [(1e-9, "ns"), (1e-6, "µs"), (1e-3, "ms"), (1, "s")])
+    """Seconds in s / ms / µs: 0.00159 -> '1.59 ms'; from 0.1 s up in seconds, as the lesson's '0.92 s'."""
+    return _format(seconds, digits, [(1e-9, "ns", 0), (1e-6, "µs", 1e-6), (1e-3, "ms", 1e-3), (1, "s", 0.1)])

@@ -1,0 +1,323 @@
+"""flashlab.roofline reproduces every figure the lesson prints, to the digits it prints them.
+
+The expected values below are typed in from the lesson's text, never computed by the code under test. The lesson
+uses decimal units (134 MB = 134 x 10^6 B, 2.75 TB = 2.75 x 10^12 B) except for on-chip tiles, where "32 KB" is
+32 KiB = 32,768 B (a 128 x 128 fp16 tile) and "160 KB" is 160 x 1,024 B.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from flashlab.roofline import (
+    GPU,
+    GPUS,
+    MODELS,
+    Model,
+    attention_flops,
+    decode_read_time,
+    end_to_end_speedup,
+    flash_attention_traffic,
+    flash_block_sizes,
+    flash_io_accesses,
+    format_bytes,
+    format_flops,
+    format_seconds,
+    kv_cache_bytes,
+    kv_cache_bytes_per_token,
+    model_attention_flops,
+    model_flash_traffic,
+    model_naive_traffic,
+    model_score_matrix_bytes,
+    naive_attention_traffic,
+    prefill_cost,
+    score_matrix_bytes,
+    tile_sram_bytes,
+    time_bounds,
+)
+
+N, D = 8192, 128  # the lesson's prompt length and head dim
+KiB = 1024
+
+
+# --- one head --------------------------------------------------------------------------------------------------------
+
+
+def test_score_matrix_one_head_8k_fp16_is_134_mb():
+    assert score_matrix_bytes(8192) == 134_217_728
+    assert round(score_matrix_bytes(8192) / 1e6) == 134
+
+
+def test_score_matrix_quadruples_when_context_doubles():
+    assert round(score_matrix_bytes(16_384) / 1e6) == 537  # "16K tokens is 537 MB per head"
+    assert round(score_matrix_bytes(32_768) / 1e9, 1) == 2.1  # "32K is 2.1 GB"
+    assert score_matrix_bytes(2 * 1023) == 4 * score_matrix_bytes(1023)
+
+
+def test_score_matrix_other_dtypes_and_odd_lengths():
+    assert score_matrix_bytes(1823, dtype_bytes=4) == 1823 * 1823 * 4
+    assert score_matrix_bytes(781, dtype_bytes=1) == 781 * 781
+    assert score_matrix_bytes(1) == 2
+
+
+def test_naive_traffic_four_passes_is_537_mb():
+    assert naive_attention_traffic(N, D) == 4 * 134_217_728
+    assert round(naive_attention_traffic(N, D) / 1e6) == 537
+
+
+def test_naive_traffic_can_include_q_k_v_o():
+    without = naive_attention_traffic(N, D)
+    with_qkvo = naive_attention_traffic(N, D, include_qkvo=True)
+    assert with_qkvo - without == 4 * N * D * 2  # read Q, K, V and write O: 8.4 MB more
+    assert naive_attention_traffic(1823, 97, passes=2) == 2 * 1823 * 1823 * 2
+
+
+def test_flash_traffic_is_8_4_mb_and_64x_less():
+    assert flash_attention_traffic(N, D) == 8_388_608
+    assert round(flash_attention_traffic(N, D) / 1e6, 1) == 8.4
+    assert naive_attention_traffic(N, D) / flash_attention_traffic(N, D) == 64
+    assert naive_attention_traffic(N, D) // flash_attention_traffic(N, D) == N // D  # the factor n / d
+
+
+def test_flops_one_head_8k_is_34_4_gflop():
+    assert attention_flops(N, D) == 4 * N * N * D
+    assert round(attention_flops(N, D) / 1e9, 1) == 34.4
+    assert attention_flops(N, D, causal=True) == attention_flops(N, D) // 2
+    assert attention_flops(1823, 97) == 4 * 1823 * 1823 * 97
+
+
+def test_flops_with_a_different_value_dim():
+    # MLA-style: q/k are 192 wide, v is 128 wide -> 2 n^2 (192 + 128)
+    assert attention_flops(100, 192, dv=128) == 2 * 100 * 100 * (192 + 128)
+
+
+# --- the whole model ---------------------------------------------------------------------------------------------
+
+
+def test_all_score_matrices_at_once_would_be_687_gb():
+    total = model_score_matrix_bytes(N, "lesson-70b")
+    assert total == 134_217_728 * 64 * 80
+    assert round(total / 1e9) == 687
+
+
+def test_score_traffic_34_4_gb_per_layer_and_2_75_tb_per_prompt():
+    assert round(model_naive_traffic(N, "lesson-70b", per="layer") / 1e9, 1) == 34.4
+    assert round(model_naive_traffic(N, "lesson-70b") / 1e12, 2) == 2.75
+    assert model_naive_traffic(N, "lesson-70b", per="head") == naive_attention_traffic(N, D)
+
+
+def test_prompt_flops_is_176_tflop():
+    assert round(model_attention_flops(N, "lesson-70b") / 1e12) == 176
+    assert model_attention_flops(N, "lesson-70b", per="layer") == 64 * attention_flops(N, D)
+
+
+def test_lesson_roofline_0_92_s_of_traffic_vs_0_35_s_of_maths():
+    bounds = time_bounds(model_attention_flops(N, "lesson-70b"), model_naive_traffic(N, "lesson-70b"), "lesson-gpu")
+    assert round(bounds.memory_s, 2) == 0.92
+    assert round(bounds.compute_s, 2) == 0.35
+    assert bounds.bound == "memory"
+    assert bounds.time_s == bounds.memory_s
+    assert bounds.tensor_core_busy < 0.4  # the tensor cores wait more than half the time
+    assert bounds.ridge_point == pytest.approx(500e12 / 3e12)
+    assert bounds.arithmetic_intensity == pytest.approx(64.0)  # 4 n^2 d FLOPs / 8 n^2 B = d / 2
+    assert bounds.arithmetic_intensity < bounds.ridge_point
+
+
+def test_flash_moves_64x_less_and_becomes_compute_bound():
+    cost = prefill_cost(N, "lesson-70b", "lesson-gpu")
+    assert cost.traffic_ratio == 64
+    assert round(cost.score_matrix_bytes / 1e6) == 134
+    assert round(cost.score_matrices_per_model / 1e9) == 687
+    assert round(cost.naive.memory_s, 2) == 0.92
+    assert cost.flash.bound == "compute"
+    assert cost.flash.compute_s == cost.naive.compute_s  # same FLOPs: the algorithm is unchanged
+
+
+def test_whole_model_flash_traffic():
+    assert model_flash_traffic(N, "lesson-70b") == 8_388_608 * 64 * 80
+
+
+def test_causal_halves_the_work_not_the_lesson_traffic():
+    full, causal = prefill_cost(N, causal=False), prefill_cost(N, causal=True)
+    assert causal.flops * 2 == full.flops
+    assert causal.naive_traffic == full.naive_traffic
+
+
+def test_compute_bound_when_intensity_above_ridge():
+    bounds = time_bounds(1e15, 1e9, "h100-sxm")
+    assert bounds.bound == "compute"
+    assert bounds.tensor_core_busy == 1.0
+
+
+# --- the FlashAttention paper's IO count ------------------------------------------------------------------------
+
+
+def test_block_sizes_follow_algorithm_1():
+    # M = 100 KiB / 2 B = 51,200 elements; B_c = ceil(51,200 / 512) = 100; B_r = min(100, 128) = 100
+    assert flash_block_sizes(128, 100 * KiB) == (100, 100)
+    # M = 228 KiB / 2 B = 116,736; B_c = ceil(116,736 / 512) = 228; B_r = min(228, 128) = 128
+    assert flash_block_sizes(128, 228 * KiB) == (128, 228)
+    assert flash_block_sizes(97, 4 * 97 * 2) == (1, 1)  # exactly one row of Q, K, V, O
+
+
+def test_flash_io_count_matches_algorithm_1_by_hand():
+    n, d, sram = 1000, 64, 64 * KiB  # M = 32,768 elements, B_c = 128, T_c = ceil(1000 / 128) = 8
+    elements = (n * d + 2 * n) + 2 * n * d + 8 * (3 * n * d + 4 * n)
+    assert flash_io_accesses(n, d, sram) == elements * 2
+
+
+def test_flash_io_falls_as_one_over_sram_size():
+    # Theta(n^2 d^2 / M): doubling M (while T_c stays well above 1) nearly halves the traffic
+    small, large = flash_io_accesses(N, D, 32 * KiB), flash_io_accesses(N, D, 64 * KiB)
+    assert 1.9 < small / large < 2.05
+    # ... and for small M it approaches 12 n^2 d^2 / M elements
+    m = 16 * KiB // 2
+    assert flash_io_accesses(N, D, 16 * KiB) / 2 == pytest.approx(12 * N**2 * D**2 / m, rel=0.02)
+
+
+def test_flash_io_flattens_once_one_block_holds_all_keys():
+    huge = 4 * N * D * 2  # B_c = n: one K/V block
+    assert flash_io_accesses(N, D, huge) == flash_io_accesses(N, D, 4 * huge)
+    assert flash_io_accesses(N, D, huge) < 2 * flash_attention_traffic(N, D)
+    # always far below the naive count for realistic SRAM
+    assert flash_io_accesses(N, D, 100 * KiB) < naive_attention_traffic(N, D)
+
+
+def test_flash_io_rejects_sram_smaller_than_one_row_each():
+    with pytest.raises(ValueError, match="4 d"):
+        flash_io_accesses(N, D, 4 * D * 2 - 1)
+
+
+# --- decode, Amdahl, the tile ---------------------------------------------------------------------------------------
+
+
+def test_kv_cache_lesson_70b_is_327_680_bytes_per_token():
+    assert kv_cache_bytes_per_token("lesson-70b") == 327_680
+    assert kv_cache_bytes_per_token(MODELS["lesson-70b"], dtype_bytes=1) == 163_840
+
+
+def test_kv_cache_128k_tokens_is_41_9_gb():
+    assert kv_cache_bytes("lesson-70b", 128_000) == 327_680 * 128_000
+    assert round(kv_cache_bytes("lesson-70b", 128_000) / 1e9, 1) == 41.9
+    assert kv_cache_bytes("lesson-70b", 1000, batch=3) == 3 * 327_680_000
+
+
+def test_decode_reads_the_cache_in_1_6_ms_over_8_gpus():
+    t = decode_read_time("lesson-70b", 128_000, gpus=8, bandwidth=3.3e12)  # 41.9 GB / 26.4 TB/s
+    assert round(t * 1e3, 1) == 1.6
+    # an H100 SXM's 3.35 TB/s gives the same 1.6 ms
+    assert round(decode_read_time("lesson-70b", 128_000, gpus=8, gpu="h100-sxm") * 1e3, 1) == 1.6
+    assert decode_read_time("lesson-70b", 128_000, gpus=1, bandwidth=3.3e12) == pytest.approx(8 * t)
+
+
+def test_end_to_end_speedup_30_percent_at_2x_is_1_18x():
+    assert round(end_to_end_speedup(0.3, 2), 2) == 1.18
+    assert end_to_end_speedup(1.0, 2) == 2.0
+    assert end_to_end_speedup(0.5, 1) == 1.0
+    assert end_to_end_speedup(0.3, 1e12) == pytest.approx(1 / 0.7)  # Amdahl's ceiling
+
+
+def test_tile_footprint_128_is_160_kib():
+    assert tile_sram_bytes(128, 128, 128) == 163_840 == 160 * KiB
+    # its parts: Q, K, V tiles 32 KiB each in fp16 (96 KiB), the fp32 score tile 64 KiB
+    assert tile_sram_bytes(128, 128, 128) - 128 * 128 * 4 == 96 * KiB
+    assert tile_sram_bytes(64, 32, 97) == (64 + 2 * 32) * 97 * 2 + 64 * 32 * 4
+    assert tile_sram_bytes(128, 128, 128, include_output=True) == 160 * KiB + 64 * KiB
+
+
+def test_tile_fits_h100_shared_memory_but_not_an_rtx_4090s():
+    assert tile_sram_bytes(128, 128, 128) <= GPUS["h100-sxm"].smem_per_sm
+    assert tile_sram_bytes(128, 128, 128) > GPUS["rtx-4090"].smem_per_sm
+
+
+# --- custom GPUs and models -----------------------------------------------------------------------------------------
+
+
+def test_custom_gpu_as_dict_in_datasheet_units_or_si():
+    datasheet = {"name": "my-gpu", "hbm_bandwidth_TB_s": 3.0, "dense_fp16_TFLOP_s": 500}
+    si = {"hbm_bandwidth": 3e12, "tensor_flops": 500e12}
+    for gpu in (datasheet, si, GPU(name="mine", hbm_bandwidth=3e12, tensor_flops=500e12)):
+        b = time_bounds(176e12, 2.75e12, gpu)
+        assert round(b.memory_s, 2) == 0.92 and round(b.compute_s, 2) == 0.35
+
+
+def test_custom_model_as_dict_or_dataclass():
+    as_dict = {"name": "mine", "layers": 80, "query_heads": 64, "kv_heads": 8, "head_dim": 128}
+    assert kv_cache_bytes_per_token(as_dict) == 327_680
+    assert kv_cache_bytes_per_token(Model(**as_dict)) == 327_680
+    # kv_heads left out means plain multi-head attention
+    mha = {"layers": 2, "query_heads": 3, "head_dim": 5}
+    assert kv_cache_bytes_per_token(mha) == 2 * 3 * 5 * 2 * 2
+    assert round(model_score_matrix_bytes(N, as_dict) / 1e9) == 687
+
+
+def test_mla_cache_is_latent_plus_rope_per_layer():
+    assert kv_cache_bytes_per_token("deepseek-v2") == (512 + 64) * 60 * 2
+    # its ~6-bit cache against DeepSeek 67B's fp16 GQA cache: the paper's 93.3 % reduction
+    reduction = 1 - kv_cache_bytes_per_token("deepseek-v2", 0.75) / kv_cache_bytes_per_token("deepseek-llm-67b")
+    assert round(100 * reduction, 1) == 93.3
+
+
+# --- bad input ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: score_matrix_bytes(0), ValueError, "n .*at least 1"),
+        (lambda: score_matrix_bytes(-5), ValueError, "at least 1"),
+        (lambda: score_matrix_bytes(8192.0), TypeError, "integer"),
+        (lambda: score_matrix_bytes("8192"), TypeError, "integer"),
+        (lambda: score_matrix_bytes(True), TypeError, "integer"),
+        (lambda: score_matrix_bytes(8, dtype_bytes=0), ValueError, "dtype_bytes"),
+        (lambda: score_matrix_bytes(8, dtype_bytes=math.nan), ValueError, "dtype_bytes"),
+        (lambda: naive_attention_traffic(8, 0), ValueError, "head dim"),
+        (lambda: naive_attention_traffic(8, 8, include_qkvo="yes"), TypeError, "include_qkvo"),
+        (lambda: attention_flops(8, 8, causal=1), TypeError, "causal"),
+        (lambda: time_bounds(1e12, 0, "lesson-gpu"), ValueError, "nbytes"),
+        (lambda: time_bounds(1e12, 1e9, "a100"), ValueError, "unknown GPU 'a100'"),
+        (lambda: time_bounds(1e12, 1e9, 3e12), TypeError, "gpu must be"),
+        (lambda: time_bounds(1e12, 1e9, {"hbm_bandwidth_TB_s": 3}), ValueError, "tensor_flops"),
+        (lambda: time_bounds(1e12, 1e9, {"bandwidth": 3e12, "tensor_flops": 1}), ValueError, "unknown GPU field"),
+        (lambda: time_bounds(1e12, 1e9, {"hbm_bandwidth": -3e12, "tensor_flops": 1e12}), ValueError, "positive"),
+        (lambda: kv_cache_bytes_per_token("llama-70b"), ValueError, "unknown model 'llama-70b'"),
+        (
+            lambda: kv_cache_bytes_per_token({"layers": 8, "query_heads": 6, "kv_heads": 4, "head_dim": 8}),
+            ValueError,
+            "multiple",
+        ),
+        (lambda: kv_cache_bytes_per_token({"layers": 8, "heads": 6}), ValueError, "unknown model field"),
+        (
+            lambda: kv_cache_bytes_per_token({"layers": 8, "query_heads": 8, "head_dim": 8, "attention": "mla"}),
+            TypeError,
+            "kv_lora_rank",
+        ),
+        (lambda: kv_cache_bytes("lesson-70b", 0), ValueError, "context"),
+        (lambda: decode_read_time("lesson-70b", 1000, gpus=0), ValueError, "gpus"),
+        (lambda: model_naive_traffic(N, "lesson-70b", per="gpu"), ValueError, "per must be"),
+        (lambda: end_to_end_speedup(1.3, 2), ValueError, "fraction"),
+        (lambda: end_to_end_speedup(0.3, 0), ValueError, "kernel_speedup"),
+        (lambda: tile_sram_bytes(128, 0, 128), ValueError, "block_n"),
+    ],
+)
+def test_bad_input_is_rejected_with_a_clear_message(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+# --- printing like the lesson ---------------------------------------------------------------------------------------
+
+
+def test_formatting_matches_the_lesson():
+    assert format_bytes(score_matrix_bytes(N)) == "134 MB"
+    assert format_bytes(naive_attention_traffic(N, D)) == "537 MB"
+    assert format_bytes(model_score_matrix_bytes(N, "lesson-70b")) == "687 GB"
+    assert format_bytes(model_naive_traffic(N, "lesson-70b")) == "2.75 TB"
+    assert format_bytes(flash_attention_traffic(N, D), digits=2) == "8.4 MB"
+    assert format_flops(attention_flops(N, D)) == "34.4 GFLOP"
+    assert format_flops(model_attention_flops(N, "lesson-70b")) == "176 TFLOP"
+    assert format_seconds(decode_read_time("lesson-70b", 128_000, gpus=8, bandwidth=3.3e12), digits=2) == "1.6 ms"
+    assert format_seconds(0.9163, digits=2) == "0.92 s"
+    assert format_bytes(0) == "0 B" and format_bytes(512) == "512 B"
