@@ -115,9 +115,11 @@ def flash_attention_traffic(n: int, d: int, dtype_bytes=2) -> int:
     """HBM traffic in bytes of fused (Flash) attention for one head, the lesson's simplified count.
 
     Read Q, K and V once and write O once: 4 * n * d * dtype_bytes (8.4 MB at n = 8,192, d = 128). The score
-    matrix never leaves on-chip SRAM. This is also what FlashAttention-2's loop order (outer loop over query
-    blocks) moves; the original paper's loop order re-reads Q and O, see ``flash_io_accesses``. The per-row
-    log-sum-exp the kernel also writes (n numbers) is left out, as in the lesson.
+    matrix never leaves on-chip SRAM. This is the best case, every input byte crossing HBM once: real kernels
+    re-read some tiles -- the original paper's loop order re-reads Q and O once per block of keys (see
+    ``flash_io_accesses``), FlashAttention-2's re-reads K and V once per block of queries -- and lean on the L2
+    cache to keep those re-reads cheap. The per-row log-sum-exp the kernel also writes (n numbers) is left out,
+    as in the lesson.
     """
     _check_positive_int("n (sequence length)", n)
     _check_positive_int("d (head dim)", d)
