@@ -1,0 +1,337 @@
+"""The benchmark harness on the CPU at tiny sizes: its grid, its reference check, its files, its failure modes."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import triton
+
+from conftest import ROOT
+from flashlab import bench, reference
+from flashlab.bench import Backend, BenchConfig, BenchResults, naive_attention, reference_rows, run_sweep
+
+# a tiny, awkward sweep: N = 37 (odd), D = 24 (not a power of two), B = 2, H = 2
+TINY = dict(device="cpu", seq_lens=(37,), head_dims=(24,), dtypes=("fp32",), tokens=74, model_dim=48)
+FAST = dict(warmup=0.0, rep=1.0)
+
+
+def tiny_config(**overrides) -> BenchConfig:
+    return BenchConfig(**{**TINY, **FAST, "backends": ("naive", "sdpa_math"), **overrides})
+
+
+def by_backend(results: BenchResults) -> dict:
+    return {(r["backend"], r["causal"]): r for r in results.rows}
+
+
+# --- the grid and the FLOP count -----------------------------------------------------------------------------------
+
+
+def test_default_grid_is_the_issues():
+    # the GPU defaults, asked for explicitly (the CPU's defaults are tiny)
+    cfg = BenchConfig(
+        device="cpu",
+        seq_lens=(1024, 2048, 4096, 8192, 16384),
+        head_dims=(64, 128),
+        dtypes=("bf16",),
+        tokens=16384,
+        model_dim=2048,
+    ).resolve()
+    cells = cfg.cells()
+    assert len(cells) == 5 * 2 * 2
+    assert {c.batch * c.seq_len for c in cells} == {16384}
+    assert {(c.head_dim, c.heads) for c in cells} == {(64, 32), (128, 16)}
+    assert [c.causal for c in cells[:6]] == [False] * 5 + [True]
+
+
+def test_cpu_defaults_are_tiny():
+    cfg = BenchConfig(device="cpu").resolve()
+    assert max(cfg.seq_lens) <= 128 and cfg.dtypes == ("fp32",)
+    assert cfg.backends == tuple(bench.BACKENDS)
+
+
+def test_flops_follow_the_lesson():
+    # the lesson: 4 x 8,192^2 x 128 = 34.4 GFLOP per head; causal does half
+    assert round(bench.attention_flops(1, 1, 8192, 128, causal=False) / 1e9, 1) == 34.4
+    assert round(bench.attention_flops(1, 1, 8192, 128, causal=True) / 1e9, 1) == 17.2
+    cell = bench.Cell("bf16", 128, 8192, False, batch=2, heads=16)
+    assert cell.flops == 2 * 16 * 4 * 8192**2 * 128
+    assert cell.io_bytes == 4 * 2 * 16 * 8192 * 128 * 2  # Q, K, V, O at 2 bytes
+
+
+# --- the reference check -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(37, 37), (5, 37)])
+def test_naive_attention_equals_numpy_reference(causal, nq, nk):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 3, nq, 24, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 3, nk, 24, generator=g, dtype=torch.float64) for _ in range(2))
+    want, _ = reference.attention(q.numpy(), k.numpy(), v.numpy(), causal=causal)
+    got = naive_attention(q, k, v, causal=causal)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(37, 37), (5, 37), (41, 29)])
+def test_reference_rows_equal_numpy_reference(causal, nq, nk):
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 3, nq, 24, generator=g)
+    k, v = (torch.randn(2, 3, nk, 24, generator=g) for _ in range(2))
+    want, _ = reference.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=causal)
+    rows = torch.tensor([0, 1, nq // 2, nq - 1])
+    got = reference_rows(q, k, v, causal, rows, max_bytes=1)  # one head at a time
+    assert got.dtype == torch.float64 and got.shape == (2, 3, 4, 24)
+    np.testing.assert_allclose(got.numpy(), want[:, :, rows.numpy()], rtol=1e-10, atol=1e-12)
+    if causal and nq > nk:
+        assert not got[:, :, 0].any()  # row 0 sees no key: zeros, as in flashlab.reference
+
+
+def test_check_rows_include_both_ends():
+    rows = bench._check_rows(1000, 7).tolist()
+    assert rows[0] == 0 and rows[-1] == 999 and len(rows) == 7
+    assert bench._check_rows(5, 256).tolist() == [0, 1, 2, 3, 4]
+
+
+# --- a sweep in process, its files and stamps ----------------------------------------------------------------------
+
+
+def test_sweep_rows_files_and_stamps(tmp_path):
+    cfg = tiny_config(backends=("naive", "flashlab", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"))
+    results = run_sweep(cfg, progress=False)
+    assert len(results.rows) == 2 * 6  # causal and not, six backends
+    rows = by_backend(results)
+    for name in ("naive", "flashlab", "sdpa_flash", "sdpa_math"):
+        for causal in (False, True):
+            r = rows[(name, causal)]
+            assert r["status"] == "ok", r
+            assert r["rel_err"] < 1e-5 and r["time_ms"] > 0
+            assert math.isclose(r["tflops"], r["flops"] / (r["time_ms"] * 1e-3) / 1e12)
+            assert math.isclose(r["bandwidth_gbps"], r["io_bytes"] / (r["time_ms"] * 1e-3) / 1e9)
+            assert math.isnan(r["peak_extra_mb"])  # n/a on the CPU
+    for name in ("sdpa_cudnn", "sdpa_efficient"):
+        assert rows[(name, False)]["status"] == "skipped"
+        assert "CPU" in rows[(name, False)]["reason"]
+    assert rows[("naive", True)]["flops"] == 2 * 2 * 4 * 37**2 * 24 / 2
+
+    json_path, csv_path = results.save(tmp_path / "run")
+    assert (json_path.name, csv_path.name) == ("run.json", "run.csv")
+    data = json.loads(json_path.read_text())
+    meta = data["meta"]
+    assert meta["tool"] == "flashlab.bench" and meta["is_cuda_gpu"] is False
+    assert meta["device_name"].startswith("CPU")
+    assert (meta["torch"], meta["triton"]) == (torch.__version__, triton.__version__)
+    stamped = datetime.datetime.strptime(meta["date"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
+    assert abs(datetime.datetime.now(datetime.timezone.utc) - stamped) < datetime.timedelta(minutes=10)
+    assert meta["command"].startswith("python -m flashlab.bench --device cpu --dtypes fp32 --head-dims 24")
+    assert data["ceilings"]["copy_tbps"] is None  # measured on GPUs only
+    assert data["rows"][0]["peak_extra_mb"] is None  # NaN is written as null: strict JSON
+
+    with csv_path.open() as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == bench.ROW_COLUMNS
+        table = list(reader)
+    assert len(table) == 12
+    assert {r["device_name"] for r in table} == {meta["device_name"]}
+    assert {r["torch"] for r in table} == {torch.__version__}
+    assert {r["date"] for r in table} == {meta["date"]}
+    assert float(table[0]["time_ms"]) == pytest.approx(results.rows[0]["time_ms"])
+
+    loaded = BenchResults.load(json_path)
+    assert loaded.meta == meta and len(loaded.rows) == 12
+    assert math.isnan(loaded.rows[0]["peak_extra_mb"])
+
+
+def test_wrong_answer_is_caught_before_timing():
+    calls = {"off_by_5pc": 0, "nan": 0, "transposed": 0}
+
+    def counted(name, fn):
+        def run(q, k, v, causal):
+            calls[name] += 1
+            return fn(q, k, v, causal)
+
+        return Backend(name, f"broken on purpose: {name}", run)
+
+    broken = [
+        counted("off_by_5pc", lambda q, k, v, causal: naive_attention(q, k, v, causal) * 1.05),
+        counted("nan", lambda q, k, v, causal: naive_attention(q, k, v, causal) * float("nan")),
+        counted("transposed", lambda q, k, v, causal: naive_attention(q, k, v, causal).transpose(-1, -2)),
+    ]
+    results = run_sweep(tiny_config(causal="yes"), extra_backends=broken, progress=False)
+    rows = by_backend(results)
+    assert rows[("naive", True)]["status"] == "ok"
+    for name in calls:
+        r = rows[(name, True)]
+        assert r["status"] == "wrong", r
+        assert math.isnan(r["time_ms"]) and math.isnan(r["tflops"])
+        assert calls[name] == 1, f"{name} was run {calls[name]} times: it must not be timed"
+    assert rows[("off_by_5pc", True)]["rel_err"] == pytest.approx(0.05, rel=1e-3)
+    assert "tolerance" in rows[("off_by_5pc", True)]["reason"]
+    assert "shape" in rows[("transposed", True)]["reason"]
+    assert "WRONG: off_by_5pc" in bench.summary_table(results)
+
+
+def test_out_of_memory_is_reported_and_the_sweep_goes_on():
+    def oom(q, k, v, causal):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 17.18 GiB")
+
+    results = run_sweep(tiny_config(causal="no"), extra_backends=[Backend("hungry", "always OOM", oom)], progress=False)
+    rows = by_backend(results)
+    assert rows[("hungry", False)]["status"] == "oom"
+    assert "17.18 GiB" in rows[("hungry", False)]["reason"]
+    assert rows[("naive", False)]["status"] == "ok" and rows[("sdpa_math", False)]["status"] == "ok"
+
+
+def test_materialising_backends_pre_check_free_memory():
+    # 2 x 2 x 37^2 fp32 scores, S and P: 43,808 B. Claim only 10 kB is free.
+    cfg = tiny_config(causal="no", backends=("naive", "sdpa_flash", "sdpa_math"), max_memory_gb=1e-5)
+    rows = by_backend(run_sweep(cfg, progress=False))
+    for name in ("naive", "sdpa_math"):
+        assert rows[(name, False)]["status"] == "oom"
+        assert rows[(name, False)]["reason"].startswith("predicted")
+    assert rows[("sdpa_flash", False)]["status"] == "ok"  # never holds the score matrix
+
+
+def test_an_unavailable_backend_is_skipped_with_its_reason():
+    def refuses(q, k, v, causal):
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    results = run_sweep(
+        tiny_config(causal="no"), extra_backends=[Backend("picky", "no kernel", refuses)], progress=False
+    )
+    r = by_backend(results)[("picky", False)]
+    assert r["status"] == "skipped" and "No available kernel" in r["reason"]
+
+
+# --- summaries -----------------------------------------------------------------------------------------------------
+
+
+def _row(backend, n, time_ms, causal=False):
+    r = {c: "" for c in bench.ROW_COLUMNS}
+    r.update(backend=backend, dtype="bf16", head_dim=64, seq_len=n, causal=causal, status="ok", time_ms=time_ms)
+    r.update(tflops=1.0 / time_ms, reason="")
+    return r
+
+
+def test_speedups_and_geomean():
+    rows = [_row("flashlab", 1024, 1.0), _row("sdpa_flash", 1024, 2.0)]
+    rows += [_row("flashlab", 2048, 4.0), _row("sdpa_flash", 2048, 2.0), _row("sdpa_cudnn", 2048, 3.0)]
+    meta = dict(device_name="test", torch="t", triton="t", date="2026-01-01")
+    results = BenchResults(meta=meta, rows=rows)
+    assert bench.speedups(results) == {("bf16", 64, False, 1024): 2.0, ("bf16", 64, False, 2048): 0.5}
+    assert bench.geomean([2.0, 0.5]) == pytest.approx(1.0)
+    assert bench.speedups(results, denominator="sdpa_cudnn") == {("bf16", 64, False, 2048): 0.75}
+    table = bench.summary_table(results)
+    assert "geo-mean 1.00x over 2 cells (min 0.50x, max 2.00x)" in table
+    assert "flashlab vs cuDNN (sdpa_cudnn): geo-mean 0.75x over 1 cells" in table
+
+
+def test_newest_gpu_results_ignores_cpu_runs(tmp_path):
+    def write(name, date, gpu):
+        meta = dict(tool="flashlab.bench", date=date, is_cuda_gpu=gpu)
+        (tmp_path / name).write_text(json.dumps(dict(meta=meta, rows=[])))
+
+    write("cpu.json", "2026-12-01T00:00:00Z", False)
+    assert bench.newest_gpu_results(tmp_path) is None
+    write("h200-old.json", "2026-11-01T00:00:00Z", True)
+    write("h200-new.json", "2026-11-29T00:00:00Z", True)
+    (tmp_path / "notes.json").write_text("[1, 2]")  # not a results file
+    assert bench.newest_gpu_results(tmp_path).name == "h200-new.json"
+
+
+def test_default_file_names():
+    meta = dict(config=dict(dtypes=["bf16"]), date="2026-11-29T16:30:00Z", is_cuda_gpu=True, device_name="NVIDIA H200")
+    assert str(bench.default_prefix(meta)) == "data/results/h200-bf16-2026-11-29"
+    meta.update(is_cuda_gpu=False, device_name="CPU")
+    assert str(bench.default_prefix(meta)) == "test-artifacts/bench/cpu-bf16-2026-11-29"
+
+
+# --- bad input -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (dict(dtypes=("int8",)), "unknown dtype"),
+        (dict(causal="maybe"), "causal"),
+        (dict(seq_lens=(0,)), "seq_lens"),
+        (dict(head_dims=()), "head_dims"),
+        (dict(tokens=0), "tokens"),
+        (dict(rep=0.0), "rep"),
+        (dict(device="tpu"), "device"),
+        (dict(check_rows=0), "check_rows"),
+    ],
+)
+def test_bad_config_raises_value_error(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_config(**overrides).resolve()
+
+
+def test_unknown_backend_raises():
+    with pytest.raises(ValueError, match="unknown backend"):
+        run_sweep(tiny_config(backends=("naive", "fa9")), progress=False)
+
+
+def test_cli_rejects_malformed_sizes(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--seq-lens", "1k,two"])
+    assert e.value.code == 2
+    assert "--seq-lens" in capsys.readouterr().err
+
+
+# --- the command line ----------------------------------------------------------------------------------------------
+
+
+def run_cli(*args, cwd=ROOT):
+    return subprocess.run(
+        [sys.executable, "-m", "flashlab.bench", *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_python_m_runs_and_writes_files(tmp_path):
+    args = ["--device", "cpu", "--quick", "--seq-lens", "33", "--head-dims", "16", "--causal", "yes"]
+    args += ["--backends", "naive,sdpa_math", "--rep", "1", "--no-progress", "--out", str(tmp_path / "cli")]
+    done = run_cli(*args)
+    assert done.returncode == 0, done.stderr
+    assert "forward TFLOP/s" in done.stdout and "wrote" in done.stdout
+    meta = json.loads((tmp_path / "cli.json").read_text())["meta"]
+    assert meta["command"] == "python -m flashlab.bench " + " ".join(args)
+    assert meta["config"]["seq_lens"] == [33] and meta["config"]["causal"] == "yes"
+    with (tmp_path / "cli.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert [(r["backend"], r["status"]) for r in table] == [("naive", "ok"), ("sdpa_math", "ok")]
+    assert table[0]["batch"] == "3" and table[0]["heads"] == "4"  # 128 tokens // 33, model dim 64 // 16
+
+
+def test_help_explains_every_flag():
+    done = run_cli("--help")
+    assert done.returncode == 0
+    parser = bench.build_parser()
+    flags = [s for a in parser._actions for s in a.option_strings]
+    brief = ["--seq-lens", "--head-dims", "--dtypes", "--causal", "--backends", "--tokens", "--model-dim"]
+    brief += ["--warmup", "--rep", "--out", "--device", "--quick"]
+    for flag in set(flags) | set(brief):
+        assert flag in done.stdout, f"--help does not list {flag}"
+    for action in parser._actions:
+        assert action.help and len(action.help) > 10, f"{action.option_strings} has no real help text"
+
+
+# --- on a GPU ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_quick_sweep_on_gpu(tmp_path):
+    results = run_sweep(BenchConfig(device="cuda", quick=True, seq_lens=(1000,), head_dims=(64,)), progress=False)
+    assert results.ceilings["copy_tbps"] > 0.1 and results.ceilings["matmul_tflops"] > 1
+    rows = by_backend(results)
+    for name in ("naive", "flashlab", "sdpa_flash", "sdpa_math"):
+        assert rows[(name, True)]["status"] == "ok", rows[(name, True)]
+        assert rows[(name, True)]["peak_extra_mb"] > 0
