@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from flashlab.roofline import (
     GPU,
@@ -321,3 +323,27 @@ def test_formatting_matches_the_lesson():
     assert format_seconds(decode_read_time("lesson-70b", 128_000, gpus=8, bandwidth=3.3e12), digits=2) == "1.6 ms"
     assert format_seconds(0.9163, digits=2) == "0.92 s"
     assert format_bytes(0) == "0 B" and format_bytes(512) == "512 B"
+
+
+# --- properties over awkward shapes ---------------------------------------------------------------------------------
+
+lengths = st.integers(min_value=1, max_value=200_000)
+head_dims = st.integers(min_value=1, max_value=512)
+
+
+@given(n=lengths, d=head_dims, dtype_bytes=st.sampled_from([1, 2, 4]))
+def test_naive_over_flash_is_n_over_d(n, d, dtype_bytes):
+    ratio = naive_attention_traffic(n, d, dtype_bytes) / flash_attention_traffic(n, d, dtype_bytes)
+    assert ratio == pytest.approx(n / d)
+
+
+@given(n=lengths, d=head_dims)
+def test_naive_intensity_is_d_over_2_whatever_n(n, d):
+    assert attention_flops(n, d) / naive_attention_traffic(n, d) == pytest.approx(d / 2)
+
+
+@given(n=st.integers(1, 50_000), d=st.integers(1, 300), kib=st.integers(1, 4096))
+def test_more_sram_never_means_more_traffic(n, d, kib):
+    sram = max(kib * KiB, 4 * d * 2)
+    assert flash_io_accesses(n, d, 2 * sram) <= flash_io_accesses(n, d, sram)
+    assert flash_io_accesses(n, d, sram) >= flash_attention_traffic(n, d)  # never below reading everything once
