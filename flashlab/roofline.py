@@ -45,6 +45,8 @@ __all__ = [
     "Model",
     "PrefillCost",
     "TimeBounds",
+    "as_gpu",
+    "as_model",
     "attention_flops",
     "decode_read_time",
     "end_to_end_speedup",
