@@ -1,0 +1,173 @@
+"""flashlab.backends on CPU: the SDPA backend probe, its tolerance check, its table and its command line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.attention import SDPBackend
+
+from flashlab import backends
+from flashlab.backends import (
+    BACKENDS,
+    TOLERANCE,
+    format_table,
+    probe_sdpa_backends,
+    relative_error,
+    selected_sdpa_backend,
+)
+
+SMALL = dict(device="cpu", head_dims=(16, 24), seq_len=19, heads=2)
+
+
+@pytest.fixture(scope="module")
+def cpu_rows():
+    return probe_sdpa_backends(dtypes=("float16", "float32"), **SMALL)
+
+
+def test_relative_error_values():
+    ref = np.array([3.0, 4.0])  # norm 5
+    assert relative_error(ref, ref) == 0.0
+    assert relative_error(np.array([3.0, 4.5]), ref) == pytest.approx(0.1)
+    assert relative_error(torch.tensor([3.0, 4.5], dtype=torch.float16), ref) == pytest.approx(0.1)
+    assert relative_error(np.array([0.0, 1.0]), np.zeros(2)) == 1.0  # a zero reference: the absolute error
+    with pytest.raises(ValueError, match="shapes differ"):
+        relative_error(np.zeros(3), np.zeros(2))
+
+
+def test_tolerances_sit_above_the_unit_roundoff_of_each_dtype():
+    for name, dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        eps = torch.finfo(dtype).eps / 2  # unit roundoff
+        assert eps < TOLERANCE[name] < 100 * max(eps, 2**-11)
+    assert TOLERANCE["float64"] <= 1e-10
+
+
+def test_probe_rows_cover_every_combination(cpu_rows):
+    assert len(cpu_rows) == 2 * 2 * 2 * len(BACKENDS)  # dtypes x head dims x causal x backends
+    combos = {(r["dtype"], r["head_dim"], r["causal"], r["backend"]) for r in cpu_rows}
+    assert len(combos) == len(cpu_rows)
+    for r in cpu_rows:
+        assert set(r) == {
+            "dtype",
+            "head_dim",
+            "causal",
+            "backend",
+            "selected",
+            "status",
+            "rel_error",
+            "tolerance",
+            "error",
+            "reasons",
+        }
+        assert r["status"] in ("ran", "wrong", "raised")
+        assert r["selected"] is None or r["selected"] in SDPBackend.__members__
+
+
+def test_math_backend_runs_everywhere_and_matches_the_reference(cpu_rows):
+    math_rows = [r for r in cpu_rows if r["backend"] == "MATH"]
+    assert math_rows and all(r["status"] == "ran" for r in math_rows)
+    for r in math_rows:
+        assert 0 < r["rel_error"] <= TOLERANCE[r["dtype"]]
+        assert r["error"] is None
+    # float16 is visibly less exact than float32
+    err = {r["dtype"]: r["rel_error"] for r in math_rows if r["head_dim"] == 16 and not r["causal"]}
+    assert err["float16"] > 100 * err["float32"]
+
+
+def test_cuda_only_backends_raise_on_cpu_with_a_reason(cpu_rows):
+    for r in cpu_rows:
+        if r["backend"] in ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
+            assert r["status"] == "raised" and r["rel_error"] is None
+            assert r["error"] and "\n" not in r["error"]
+            assert any("CUDA" in line for line in r["reasons"])
+
+
+def test_selected_backend_on_cpu_is_one_that_runs(cpu_rows):
+    for r in cpu_rows:
+        if r["selected"] is not None and r["backend"] == r["selected"]:
+            assert r["status"] == "ran"
+    q = torch.randn(1, 2, 8, 16)
+    name = selected_sdpa_backend(q, q, q)
+    assert name is None or name in ("MATH", "FLASH_ATTENTION")
+
+
+def test_a_wrong_kernel_is_reported_as_wrong(monkeypatch):
+    real = backends.F.scaled_dot_product_attention
+
+    def off_by_a_bit(q, k, v, is_causal=False):
+        return real(q, k, v, is_causal=is_causal) * 1.01
+
+    monkeypatch.setattr(backends.F, "scaled_dot_product_attention", off_by_a_bit)
+    rows = probe_sdpa_backends(
+        dtypes=("float32",),
+        head_dims=(16,),
+        causal=(False,),
+        backends=("MATH",),
+        **{k: v for k, v in SMALL.items() if k != "head_dims"},
+    )
+    assert rows[0]["status"] == "wrong"
+    assert rows[0]["rel_error"] == pytest.approx(0.01, rel=1e-3)
+
+
+def test_probe_checks_the_causal_mask(monkeypatch):
+    # a backend that ignores is_causal must fail the causal rows
+    real = backends.F.scaled_dot_product_attention
+    monkeypatch.setattr(backends.F, "scaled_dot_product_attention", lambda q, k, v, is_causal=False: real(q, k, v))
+    rows = probe_sdpa_backends(dtypes=("float32",), causal=(False, True), backends=("MATH",), **SMALL)
+    assert {r["causal"]: r["status"] for r in rows if r["head_dim"] == 16} == {False: "ran", True: "wrong"}
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(dtypes=("int8",)), TypeError, "unsupported dtype"),
+        (dict(dtypes=(torch.int32,)), TypeError, "unsupported dtype"),
+        (dict(backends=("FAST",)), ValueError, "unknown SDPA backend"),
+        (dict(backends=("ERROR",)), ValueError, "unknown SDPA backend"),
+        (dict(head_dims=(0,)), ValueError, "head dims"),
+        (dict(seq_len=0), ValueError, "seq_len"),
+        (dict(heads=1.5), ValueError, "heads"),
+    ],
+)
+def test_probe_bad_arguments(kwargs, error, match):
+    args = dict(device="cpu", head_dims=(16,), seq_len=4, heads=1)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        probe_sdpa_backends(**args)
+
+
+def test_format_table(cpu_rows):
+    table = format_table(cpu_rows)
+    lines = table.splitlines()
+    assert len(lines) == 2 + 2 * 2 * 2  # header, rule, one line per dtype / head dim / causal
+    for b in BACKENDS:
+        assert b in lines[0]
+    assert "raised" in table and "ran " in table
+
+
+def test_command_line_writes_a_stamped_json(tmp_path, capsys):
+    out = tmp_path / "sub" / "probe.json"
+    args = ["--out", str(out), "--device", "cpu", "--dtypes", "float32", "--head-dims", "16,40"]
+    assert backends.main([*args, "--causal", "yes", "--seq-len", "7", "--heads", "1"]) == 0
+    data = json.loads(out.read_text())
+    meta = data["meta"]
+    for key in ("device_name", "torch", "triton", "cuda", "date", "command", "python"):
+        assert key in meta
+    assert meta["tool"] == "flashlab.backends" and meta["torch"] == torch.__version__
+    assert "--head-dims 16,40" in meta["command"]
+    assert meta["problem"] == {"batch": 1, "heads": 1, "seq_len": 7, "seed": 0}
+    assert len(data["rows"]) == 2 * len(BACKENDS)
+    assert all(r["causal"] is True and r["dtype"] == "float32" for r in data["rows"])
+    printed = capsys.readouterr().out
+    assert "MATH" in printed and f"wrote {out}" in printed
+
+
+def test_command_line_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        backends.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--out", "--device", "--dtypes", "--head-dims", "--causal", "--seq-len"):
+        assert flag in text
