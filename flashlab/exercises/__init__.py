@@ -1,0 +1,126 @@
+"""The graded exercises: one module per notebook, each holding its exercises' specs and their pytest tests.
+
+An exercise is a function the learner writes in a notebook cell tagged ``exercise``. Its spec (``Exercise``)
+gives the id (``"01.online_softmax_update"``: notebook number, then the function's name), the stub the learner
+starts from, and the notebook it belongs to. Its tests are ordinary pytest functions in the notebook's module,
+marked with ``@graded(exercise_id, points)``, that take the learner's function as the fixture ``answer``.
+
+The same tests run in two places, through the same code path (``flashlab.grade``):
+
+- inline, in the notebook: ``flashlab.grade.check("01.online_softmax_update", online_softmax_update)``;
+- in batch, for an instructor: ``python -m flashlab.grade SUBMISSION... --out DIR``.
+
+Tests use the lesson's examples *and* fresh random inputs, so an answer that only reproduces the lesson's numbers
+does not pass.
+"""
+
+from __future__ import annotations
+
+import importlib
+import textwrap
+from dataclasses import dataclass
+
+# notebook number -> module holding that notebook's exercises
+MODULES = {
+    "01": "flashlab.exercises.nb01_online_softmax",
+    "02": "flashlab.exercises.nb02_traffic",
+    "03": "flashlab.exercises.nb03_tiling",
+    "04": "flashlab.exercises.nb04_triton",
+    "05": "flashlab.exercises.nb05_timing",
+    "06": "flashlab.exercises.nb06_decode",
+    "07": "flashlab.exercises.nb07_kv_cache",
+    "08": "flashlab.exercises.nb08_exactness",
+}
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One graded exercise: what the learner writes, and how the stub reads."""
+
+    id: str  # "NN.function_name"
+    title: str  # one line, shown in reports and in the notebook
+    signature: str  # the parameter list, e.g. "m, l, block"
+    doc: str  # the stub's docstring: what to compute, shapes in and out
+    imports: str = "import numpy as np"  # the stub cell's imports (the grader sees only the exercise cell)
+    time_limit_s: float = 20.0  # the whole exercise, all its tests
+    triton: bool = False  # run the tests with Triton's interpreter (TRITON_INTERPRET=1)
+    wrap: bool = True  # the answer fixture checks inputs are not mutated and blocks flashlab calls
+
+    @property
+    def notebook(self) -> str:
+        return self.id.split(".", 1)[0]
+
+    @property
+    def name(self) -> str:
+        return self.id.split(".", 1)[1]
+
+    @property
+    def module(self) -> str:
+        return MODULES[self.notebook]
+
+    def stub_source(self) -> str:
+        """The code of the learner's exercise cell before they start."""
+        doc = textwrap.indent(textwrap.dedent(self.doc).strip(), "    ")
+        head = f"{self.imports}\n\n\n" if self.imports else ""
+        return (
+            f"{head}def {self.name}({self.signature}):\n"
+            f'    """{doc.lstrip()}\n    """\n'
+            "    # YOUR CODE HERE\n"
+            f'    raise NotImplementedError("{self.name}: not implemented yet")'
+        )
+
+    def check_source(self) -> str:
+        """The code of the inline check cell that follows the exercise."""
+        return f'from flashlab.grade import check\n\ncheck("{self.id}", {self.name})'
+
+
+def graded(exercise_id: str, points: int):
+    """Mark a test function as one graded test of ``exercise_id`` worth ``points``."""
+
+    def mark(fn):
+        fn.flashlab_exercise = exercise_id
+        fn.flashlab_points = points
+        return fn
+
+    return mark
+
+
+def exercises_of(notebook: str) -> list[Exercise]:
+    """The exercises of notebook ``"NN"``, in the order the notebook shows them."""
+    mod = importlib.import_module(MODULES[notebook])
+    return list(mod.EXERCISES)
+
+
+def all_exercises() -> dict[str, Exercise]:
+    """Every exercise, by id, in notebook order."""
+    out = {}
+    for nb in MODULES:
+        for ex in exercises_of(nb):
+            out[ex.id] = ex
+    return out
+
+
+def get(exercise_id: str) -> Exercise:
+    """The exercise with this id; ValueError naming the known ids if there is none."""
+    nb = exercise_id.split(".", 1)[0]
+    if nb in MODULES:
+        for ex in exercises_of(nb):
+            if ex.id == exercise_id:
+                return ex
+    known = ", ".join(all_exercises())
+    raise ValueError(f"no exercise {exercise_id!r}; known exercises: {known}")
+
+
+def tests_of(exercise_id: str) -> list:
+    """The test functions of one exercise, in file order, each with ``flashlab_points``."""
+    ex = get(exercise_id)
+    mod = importlib.import_module(ex.module)
+    return [
+        fn
+        for name, fn in vars(mod).items()
+        if name.startswith("test_") and getattr(fn, "flashlab_exercise", None) == exercise_id
+    ]
+
+
+def max_points(exercise_id: str) -> int:
+    return sum(fn.flashlab_points for fn in tests_of(exercise_id))

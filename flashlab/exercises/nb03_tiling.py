@@ -1,0 +1,158 @@
+"""Exercises for notebook 03 (tiling in NumPy): the tiled forward pass, and counting the tiles a causal mask skips.
+
+Masks follow flashlab's convention (``flashlab.masking``): aligned to the bottom-right, so with Nq queries and Nk keys
+query i sees keys j <= i + (Nk - Nq).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flashlab.exercises import Exercise, graded
+from flashlab.exercises._checks import expect_array, expect_int, unpack
+from flashlab.masking import tile_map
+from flashlab.reference import attention
+
+EXERCISES = [
+    Exercise(
+        id="03.tiled_attention",
+        title="the tiled FlashAttention forward pass in NumPy",
+        signature="q, k, v, block_m, block_n, causal=False",
+        doc="""
+        Attention for one head, computed tile by tile as FlashAttention does: never build the whole score matrix.
+
+        q  (Nq, D)    queries          block_m  query rows per tile (need not divide Nq)
+        k  (Nk, D)    keys             block_n  keys per tile (need not divide Nk)
+        v  (Nk, Dv)   values           causal   if True, query i sees only keys j <= i + (Nk - Nq)
+
+        Returns o, shape (Nq, Dv): softmax(q k^T / sqrt(D)) v. For each tile of query rows keep a running max m,
+        a running sum l and a running output acc; for each tile of keys compute that tile's scores, update m,
+        rescale l and acc by exp(m_old - m_new), add the tile's terms; divide by l at the end. With causal=True,
+        skip key tiles the mask hides entirely, mask inside the others, and give zeros to a row that sees no key.
+        Use NumPy; calling flashlab's own implementation scores 0. Do not change the inputs in place.
+        """,
+    ),
+    Exercise(
+        id="03.count_causal_tiles",
+        title="counting computed vs skipped tiles under a causal mask",
+        signature="nq, nk, block_m, block_n",
+        imports="",
+        doc="""
+        How many (query tile, key tile) pairs a causal tiled kernel computes and how many it skips.
+
+        nq, nk            query and key lengths (the mask is aligned bottom-right: query i sees keys
+                          j <= i + (nk - nq))
+        block_m, block_n  tile sizes (the last tile of each may be shorter)
+
+        Returns (computed, skipped), two ints: a tile is skipped when the mask hides every element of it, and
+        computed otherwise (even if only one element of it is visible). computed + skipped is the number of tiles.
+        With nq = nk = 1024 and 128 x 128 tiles: (36, 28).
+        """,
+    ),
+]
+
+
+def _case(rng, nq, nk, d, dv, scale=1.0):
+    q = rng.normal(0, scale, (nq, d))
+    k = rng.normal(0, 1, (nk, d))
+    v = rng.normal(0, 1, (nk, dv))
+    return q, k, v
+
+
+def _check(answer, q, k, v, bm, bn, causal, what):
+    want, _ = attention(q, k, v, causal=causal)
+    args = (q.copy(), k.copy(), v.copy(), bm, bn)
+    got = answer(*args, True) if causal else answer(*args)  # the non-causal tests rely on the default
+    expect_array(got, want, what, rtol=1e-7, atol=1e-9)
+
+
+@graded("03.tiled_attention", 2)
+def test_tiled_random_odd_shapes(answer):
+    """fresh random odd shapes, tiles that do not divide the lengths"""
+    rng = np.random.default_rng()
+    for _ in range(3):
+        nq, nk, d, dv = (int(x) for x in rng.integers([5, 5, 3, 1], [60, 80, 40, 20]))
+        bm, bn = int(rng.integers(2, 17)), int(rng.integers(2, 17))
+        q, k, v = _case(rng, nq, nk, d, dv)
+        _check(answer, q, k, v, bm, bn, False, f"o for q ({nq}, {d}), k ({nk}, {d}), v ({nk}, {dv}), tiles {bm}x{bn}")
+
+
+@graded("03.tiled_attention", 1)
+def test_tiled_extreme_tiles(answer):
+    """tiles of one row/key, and tiles bigger than the whole matrix"""
+    rng = np.random.default_rng()
+    q, k, v = _case(rng, 7, 11, 5, 3)
+    _check(answer, q, k, v, 1, 1, False, "o with 1 x 1 tiles")
+    _check(answer, q, k, v, 64, 64, False, "o with tiles bigger than the matrix")
+
+
+@graded("03.tiled_attention", 2)
+def test_tiled_causal(answer):
+    """causal, aligned bottom-right, with Nq <= Nk and tiles that cut the diagonal"""
+    rng = np.random.default_rng()
+    for nq, nk in ((37, 37), (13, 41)):
+        q, k, v = _case(rng, nq, nk, 9, 6)
+        _check(answer, q, k, v, 8, 5, True, f"causal o for Nq = {nq}, Nk = {nk}, tiles 8x5")
+
+
+@graded("03.tiled_attention", 1)
+def test_tiled_causal_empty_rows(answer):
+    """causal with Nq > Nk: the first Nq - Nk rows see no key and come out as zeros, not NaN"""
+    rng = np.random.default_rng()
+    q, k, v = _case(rng, 19, 7, 4, 3)
+    _check(answer, q, k, v, 4, 4, True, "causal o for Nq = 19 > Nk = 7")
+
+
+@graded("03.tiled_attention", 1)
+def test_tiled_huge_scores(answer):
+    """scores in the thousands must not overflow: keep the running max"""
+    rng = np.random.default_rng()
+    q, k, v = _case(rng, 23, 29, 8, 4, scale=300.0)
+    _check(answer, q, k, v, 6, 7, False, "o for scores in the thousands")
+
+
+def _want_tiles(nq, nk, bm, bn):
+    tm = tile_map(nq, nk, bm, bn, causal=True)
+    return tm.n_computed, tm.n_skipped
+
+
+def _count(answer, nq, nk, bm, bn):
+    c, s = unpack(answer(nq, nk, bm, bn), 2, f"count_causal_tiles({nq}, {nk}, {bm}, {bn})")
+    want_c, want_s = _want_tiles(nq, nk, bm, bn)
+    expect_int(c, want_c, f"computed tiles for nq = {nq}, nk = {nk}, tiles {bm}x{bn}")
+    expect_int(s, want_s, f"skipped tiles for nq = {nq}, nk = {nk}, tiles {bm}x{bn}")
+
+
+@graded("03.count_causal_tiles", 1)
+def test_tiles_square(answer):
+    """1024 x 1024 in 128 x 128 tiles: 36 computed, 28 skipped"""
+    c, s = unpack(answer(1024, 1024, 128, 128), 2, "count_causal_tiles(1024, 1024, 128, 128)")
+    expect_int(c, 36, "computed tiles, 8 x 8 grid")
+    expect_int(s, 28, "skipped tiles, 8 x 8 grid")
+
+
+@graded("03.count_causal_tiles", 2)
+def test_tiles_random_square(answer):
+    """fresh random lengths and tile sizes that do not divide them"""
+    rng = np.random.default_rng()
+    for _ in range(4):
+        n, bm, bn = int(rng.integers(50, 3000)), int(rng.integers(8, 200)), int(rng.integers(8, 200))
+        _count(answer, n, n, bm, bn)
+
+
+@graded("03.count_causal_tiles", 2)
+def test_tiles_random_rectangular(answer):
+    """Nq != Nk: the diagonal sits at key i + (Nk - Nq); some query tiles may see nothing at all"""
+    rng = np.random.default_rng()
+    for _ in range(4):
+        nq, nk = int(rng.integers(20, 2000)), int(rng.integers(20, 2000))
+        bm, bn = int(rng.integers(8, 130)), int(rng.integers(8, 130))
+        _count(answer, nq, nk, bm, bn)
+
+
+@graded("03.count_causal_tiles", 1)
+def test_tiles_long_sequence_half(answer):
+    """at 8,192 tokens in 128 x 128 tiles causal computes just over half the tiles (2,080 of 4,096)"""
+    c, s = unpack(answer(8192, 8192, 128, 128), 2, "count_causal_tiles(8192, 8192, 128, 128)")
+    expect_int(c, 2080, "computed tiles at 8,192 tokens")
+    expect_int(s, 2016, "skipped tiles at 8,192 tokens")

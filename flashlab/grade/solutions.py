@@ -1,0 +1,116 @@
+"""Exercise cells for the notebooks, and solved copies of the notebooks for instructors and the grader's tests.
+
+- ``exercise_cells("01")`` -- the cells appended at the end of a learner notebook: an "Exercises" heading (tag
+  ``exercise-intro``), then per exercise the stub (tag ``exercise``) and its inline check (tag ``exercise-check``).
+- ``load_solutions()`` -- the reference solutions in ``instructor/solutions/NN_*.py``, by exercise id. In those files
+  each ``# %% exercise ID`` section is the whole text of that exercise's cell in a solved notebook.
+- ``python -m flashlab.grade.solutions NOTEBOOK... --out DIR`` -- writes solved copies (exercise cells replaced by
+  the reference solutions), e.g. to check that the grader gives them full marks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+
+from flashlab.exercises import exercises_of
+from flashlab.grade.cells import EXERCISE_TAG, cell_tags, find_exercise_cells
+from flashlab.grade.runner import expand
+
+SOLUTIONS_DIR = Path(__file__).resolve().parents[2] / "instructor" / "solutions"
+MARKER = re.compile(r"^# %% exercise (\S+)\s*$", re.M)
+
+
+def exercise_cells(notebook: str) -> list:
+    """The cells to append at the end of notebook ``"NN"``."""
+    exs = exercises_of(notebook)
+    intro = (
+        "## Exercises\n\n"
+        "Each exercise is a function to write in the cell marked `# YOUR CODE HERE`; its docstring says what to "
+        "compute and which shapes come in and go out. The cell after it runs the grader's own tests on your "
+        "function and prints, per test, whether it passed and its points. The tests use fresh random inputs as "
+        "well as the lesson's examples. The grader sees only the exercise cell, so import what you use there. "
+        "Write the computation yourself: an answer that calls flashlab's implementation scores 0.\n\n"
+        + "\n".join(f"{i}. `{ex.name}` -- {ex.title}" for i, ex in enumerate(exs, 1))
+    )
+    cells = [nbformat.v4.new_markdown_cell(intro, metadata={"tags": ["exercise-intro"]})]
+    for ex in exs:
+        cells.append(
+            nbformat.v4.new_code_cell(
+                ex.stub_source(), metadata={"tags": [EXERCISE_TAG], "flashlab": {"exercise": ex.id}}
+            )
+        )
+        cells.append(
+            nbformat.v4.new_code_cell(
+                ex.check_source(), metadata={"tags": ["exercise-check"], "flashlab": {"exercise": ex.id}}
+            )
+        )
+    return cells
+
+
+def has_exercises(nb) -> bool:
+    return any(any(t.startswith("exercise") for t in cell_tags(c)) for c in nb.cells)
+
+
+def append_exercises(path: Path, replace: bool = False) -> bool:
+    """Append the exercise cells to the notebook at ``path`` unless it has them. Returns True if it wrote.
+
+    With ``replace=True`` any exercise cells already there are dropped first and fresh stubs appended.
+    """
+    nb = nbformat.read(str(path), as_version=4)
+    if has_exercises(nb):
+        if not replace:
+            return False
+        nb.cells = [c for c in nb.cells if not any(t.startswith("exercise") for t in cell_tags(c))]
+    for cell in exercise_cells(Path(path).name[:2]):
+        if nb.nbformat_minor < 5:
+            cell.pop("id", None)  # cell ids exist from nbformat 4.5 on
+        nb.cells.append(cell)
+    nbformat.write(nb, str(path))
+    return True
+
+
+def load_solutions(directory: Path | None = None) -> dict[str, str]:
+    """Reference solution cell sources by exercise id."""
+    directory = Path(directory or SOLUTIONS_DIR)
+    out = {}
+    for f in sorted(directory.glob("[0-9][0-9]_*.py")):
+        text = f.read_text()
+        parts = MARKER.split(text)
+        for ex_id, body in zip(parts[1::2], parts[2::2], strict=True):
+            out[ex_id] = body.strip() + "\n"
+    return out
+
+
+def solve(nb, solutions: dict[str, str]):
+    """The notebook with every exercise cell's source replaced by its reference solution (in place)."""
+    for ex_id, cell in find_exercise_cells(nb).items():
+        if ex_id in solutions:
+            nb.cells[cell.index].source = solutions[ex_id]
+    return nb
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m flashlab.grade.solutions",
+        description="Write solved copies of flashlab notebooks: exercise cells replaced by the reference solutions.",
+    )
+    p.add_argument("notebooks", nargs="+", help="learner notebooks, or folders of them")
+    p.add_argument("--out", required=True, type=Path, help="folder for the solved notebooks")
+    p.add_argument("--solutions", type=Path, default=None, help=f"solutions folder (default {SOLUTIONS_DIR})")
+    args = p.parse_args(argv)
+    sols = load_solutions(args.solutions)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for path in expand(args.notebooks):
+        nb = solve(nbformat.read(str(path), as_version=4), sols)
+        nbformat.write(nb, str(args.out / path.name))
+        print(args.out / path.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
