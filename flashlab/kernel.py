@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -203,22 +204,27 @@ def _attn_fwd(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried per head-dim class. Hopper (sm_90) and Ampere (sm_80/86/89) both
+# like BLOCK_M = 128 with 8 warps once D reaches 128 (two 64-row warpgroups share the Q tile), 4-8 warps at D <= 64,
+# and 2-4 pipeline stages for the K/V loads. At D = 256 a 128 x 256 fp32 accumulator would crowd out the registers,
+# so BLOCK_M drops to 64. fp32 inputs take exact (non-tensor-core) dots: small tiles.
+TUNING_SPACE = {
+    "d<=64": [(128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (128, 64, 8, 3)],
+    "d=128": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2)],
+    "d=256": [(64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2)],
+    "fp32": [(64, 32, 4, 2), (64, 64, 4, 2)],
+}
+
+
+def _tuning_class(block_d: int, dtype) -> str:
+    if dtype == torch.float32:
+        return "fp32"
+    return "d<=64" if block_d <= 64 else ("d=128" if block_d == 128 else "d=256")
+
+
 def _gpu_configs():
-    # Hopper (sm_90) and Ampere (sm_80/86/89) both like BLOCK_M = 128 with 8 warps for big head dims and
-    # 4-8 warps at D <= 64; pipeline depth 2-4. Configs that do not fit the chip's shared memory are pruned below.
-    configs = []
-    for bm, bn, warps, stages in [
-        (128, 64, 4, 3),
-        (128, 64, 8, 3),
-        (128, 128, 8, 3),
-        (128, 64, 4, 4),
-        (128, 128, 8, 2),
-        (64, 64, 4, 3),
-        (128, 32, 4, 2),
-        (64, 32, 4, 2),
-    ]:
-        configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
-    return configs
+    space = sorted({c for configs in TUNING_SPACE.values() for c in configs})
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in space]
 
 
 def _smem_limit() -> int:
@@ -230,18 +236,17 @@ def _smem_limit() -> int:
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """Drop configs whose pipelined K/V tiles plus the Q tile would not fit shared memory for this head dim."""
+    """Keep this head dim's configs whose Q tile plus pipelined K/V tiles fit the chip's shared memory."""
     bd = named_args["BLOCK_D"] if "BLOCK_D" in named_args else kwargs["BLOCK_D"]
-    esize = named_args["Q"].element_size()
+    q = named_args["Q"]
+    wanted = set(TUNING_SPACE[_tuning_class(bd, q.dtype)])
     limit = _smem_limit()
     kept = []
     for c in configs:
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        if bd >= 256 and (bm > 64 or bn > 64):
-            continue  # registers: a 128 x 256 fp32 accumulator alone fills the register file of 4 warps
-        if bd <= 64 and bn < 64:
+        if (bm, bn, c.num_warps, c.num_stages) not in wanted:
             continue
-        smem = (bm * bd + c.num_stages * 2 * bn * bd) * esize
+        smem = (bm * bd + c.num_stages * 2 * bn * bd) * q.element_size()
         if smem <= limit:
             kept.append(c)
     return kept or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
@@ -274,6 +279,7 @@ def _interpreted_language():
     environment variable is not set, so for the duration of a CPU launch each of them is swapped for an
     interpreted copy of its source, and put back afterwards.
     """
+    from triton.runtime import interpreter
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
@@ -287,9 +293,19 @@ def _interpreted_language():
             if isinstance(value, JITFunction):
                 saved.append((module, name, value))
                 setattr(module, name, _INTERPRETED_LIB.setdefault(value, InterpretedFunction(value.fn)))
+    # Triton 3.6 turns a scalar into a Python int with int(array of shape (1,)), which NumPy >= 2.5 refuses; the
+    # loop bounds `range(lo, hi, BLOCK_N)` need it. Re-patch tensor.__index__ after the interpreter patches it.
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = _patch_lang_tensor
     try:
         yield
     finally:
+        interpreter._patch_lang_tensor = patch_tensor
         for module, name, value in saved:
             setattr(module, name, value)
 
@@ -362,9 +378,19 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
     (the float64 definition) to within the input dtype's rounding. CUDA tensors run the compiled, autotuned kernel;
     CPU tensors run the same kernel through Triton's interpreter.
     """
-    shape, (offset, left, right) = _check_inputs(q, k, v, causal, window, scale)
+    _check_inputs(q, k, v, causal, window, scale)
+    o, lse = _launch(q, k, v, causal, window, scale)
+    return (o, lse) if return_lse else o
+
+
+def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None):
+    """Launch ``_attn_fwd`` on checked inputs. ``config`` (a dict of BLOCK_M, BLOCK_N, num_warps, num_stages)
+    bypasses the autotuner and ``reverse_m`` overrides the causal tile order: both only for experiments."""
+    from flashlab.masking import visible_band
+
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
+    offset, left, right = visible_band(nq, nk, causal, window)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     # the kernel assumes unit stride along D (16-byte vector loads); other strides are passed through untouched
@@ -375,7 +401,6 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
     win_right = big if right == float("inf") else int(right)
     o = torch.empty((b, hq, nq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
-    block_d = max(16, triton.next_power_of_2(d))
     args = (q, k, v, o, lse)
     args += (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     args += (v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2))
@@ -384,10 +409,10 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
     tune_n = triton.next_power_of_2(max(nq, nk))  # re-tune per power-of-two length, not per length
     meta = dict(
         HEAD_DIM=d,
-        BLOCK_D=block_d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or not q.is_cuda else "tf32",
         DOT_UPCAST=not q.is_cuda and q.dtype != torch.float32,
-        REVERSE_M=bool(causal),
+        REVERSE_M=bool(causal) if reverse_m is None else reverse_m,
     )
     if q.is_cuda:
         with torch.cuda.device(q.device):
@@ -395,12 +420,14 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
             def grid(meta):
                 return (triton.cdiv(nq, meta["BLOCK_M"]), b * hq)
 
-            _attn_fwd_tuned[grid](*args, tune_n, band_kind, **meta)
+            if config is None:
+                _attn_fwd_tuned[grid](*args, tune_n, band_kind, **meta)
+            else:
+                _attn_fwd[grid](*args, tune_n, band_kind, **meta, **config)
     else:
         grid = (triton.cdiv(nq, CPU_CONFIG["BLOCK_M"]), b * hq)
         with _interpreted_language():
             _interpreted_kernel()[grid](*args, tune_n, band_kind, **meta, **CPU_CONFIG)
-    return (o, lse) if return_lse else o
-
+    return o, lse
 
 __all__ = ["flash_attention", "CPU_CONFIG", "DTYPES"]
