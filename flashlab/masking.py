@@ -105,8 +105,9 @@ class TileMap:
 
 def tile_map(nq: int, nk: int, block_m: int, block_n: int, causal: bool = False, window=None) -> TileMap:
     """The plan: which tiles a tiled kernel with these block sizes computes and which it skips."""
-    if block_m < 1 or block_n < 1:
-        raise ValueError(f"block sizes must be >= 1; got block_m={block_m}, block_n={block_n}")
+    for name, b in (("block_m", block_m), ("block_n", block_n)):
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
+            raise ValueError(f"{name} must be a positive int (a block size >= 1); got {b!r}")
     band = visible_band(nq, nk, causal, window)
     n_m, n_n = -(-nq // block_m), -(-nk // block_n)
     state = np.empty((n_m, n_n), dtype=np.int8)

@@ -179,7 +179,13 @@ def test_tile_map_properties_are_consistent():
     assert tm.fraction_computed == tm.n_computed / tm.state.size
 
 
-@pytest.mark.parametrize("block_m,block_n", [(0, 4), (4, 0), (-1, 4)])
-def test_tile_map_bad_block_size(block_m, block_n):
-    with pytest.raises(ValueError, match="block"):
-        tile_map(8, 8, block_m, block_n)
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, None, "3"])
+def test_tile_map_bad_block_size(bad):
+    with pytest.raises(ValueError, match="block_m"):
+        tile_map(8, 8, bad, 4)
+    with pytest.raises(ValueError, match="block_n"):
+        tile_map(8, 8, 4, bad)
+
+
+def test_tile_map_accepts_numpy_ints():
+    assert tile_map(8, 8, np.int64(4), np.int32(2)).state.shape == (2, 4)
