@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
+from conftest import ROOT
 from flashlab import backends
 from flashlab.backends import (
     BACKENDS,
@@ -171,3 +172,19 @@ def test_command_line_help(capsys):
     text = capsys.readouterr().out
     for flag in ("--out", "--device", "--dtypes", "--head-dims", "--causal", "--seq-len"):
         assert flag in text
+
+
+RECORDED = ROOT / "data" / "results" / "h200-sdpa-backends.json"
+
+
+@pytest.mark.skipif(not RECORDED.exists(), reason="no recorded GPU probe committed yet")
+def test_recorded_gpu_probe_is_stamped_and_readable():
+    # notebook 08 shows this file on machines without a GPU: it must say what produced it, and parse as a table
+    data = json.loads(RECORDED.read_text())
+    meta = data["meta"]
+    assert meta["tool"] == "flashlab.backends" and meta["is_cuda_gpu"] is True
+    for key in ("device_name", "torch", "triton", "cuda", "date", "command"):
+        assert meta[key], key
+    assert data["rows"] and {r["backend"] for r in data["rows"]} >= {"MATH", "FLASH_ATTENTION"}
+    assert all(r["status"] in ("ran", "wrong", "raised") for r in data["rows"])
+    assert format_table(data["rows"])
