@@ -119,3 +119,15 @@ def test_tflops_random(answer):
             rel=1e-9,
             hints=HINTS,
         )
+
+
+@graded("05.achieved_tflops", 1)
+def test_tflops_causal_halves(answer):
+    """the same time with a causal mask is half the TFLOP/s: only half the score matrix is useful work"""
+    rng = np.random.default_rng()
+    n, t = int(rng.integers(1000, 16000)), float(10 ** rng.uniform(-3, -1))
+    full = expect_number(answer(2, 16, n, 128, t), _tflops(2, 16, n, 128, t, False), "TFLOP/s without a mask")
+    half = expect_number(
+        answer(2, 16, n, 128, t, causal=True), _tflops(2, 16, n, 128, t, True), "TFLOP/s with causal", hints=HINTS
+    )
+    assert abs(half / full - 0.5) < 1e-9

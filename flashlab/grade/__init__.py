@@ -33,13 +33,20 @@ def _source_of(fn) -> str:
     lines = linecache.getlines(filename)
     if lines and (filename.startswith("<ipython-input") or "ipykernel_" in filename):
         return "".join(lines)  # a notebook cell: everything in it, as the grader reads the cell
-    src = inspect.getsource(fn)
-    try:
+    src = inspect.cleandoc("\n" + inspect.getsource(fn))
+    try:  # the file's imports of names the function uses (a notebook cell would hold them)
+        used = {n.id for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
         tree = ast.parse("".join(linecache.getlines(filename)))
-        imports = [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        imports = []
+        for node in tree.body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a for a in node.names if (a.asname or a.name.split(".")[0]) in used]
+                if names:
+                    node.names = names
+                    imports.append(ast.unparse(node))
     except (SyntaxError, ValueError):
         imports = []
-    return "\n".join(imports) + "\n\n\n" + inspect.cleandoc("\n" + src) if imports else src
+    return "\n".join(imports) + "\n\n\n" + src if imports else src
 
 
 def format_result(result: ExerciseResult) -> str:
@@ -63,7 +70,8 @@ def check(exercise_id: str, fn, time_limit: float | None = None) -> None:
     """Run the grader's tests for ``exercise_id`` on ``fn`` and print the result. Never raises."""
     try:
         source = _source_of(fn)
-        result = run_exercise(exercise_id, source, time_limit=time_limit)
+        name = getattr(getattr(fn, "fn", fn), "__name__", None)
+        result = run_exercise(exercise_id, source, time_limit=time_limit, function=name)
         print(format_result(result))
     except Exception as e:  # the check must never stop the notebook
         print(f"could not check {exercise_id}: {type(e).__name__}: {e}")

@@ -51,6 +51,8 @@ class ExerciseResult:
             return "not implemented"
         if self.score == self.max_score:
             return "full marks"
+        if outputs and all(o.startswith("the exercise cell has a syntax error") for o in outputs):
+            return "syntax error"
         if any(o.startswith("your function raised") for o in outputs) and self.score == 0:
             return "raises"
         if any("changed its input" in o for o in outputs):
@@ -98,15 +100,22 @@ def _tail(path: Path) -> str:
         return ""
 
 
-def run_exercise(exercise_id: str, code: str, other_code=(), time_limit: float | None = None) -> ExerciseResult:
-    """Grade one exercise cell in a fresh process; never raises for anything the learner's code does."""
+def run_exercise(
+    exercise_id: str, code: str, other_code=(), time_limit: float | None = None, function: str | None = None
+) -> ExerciseResult:
+    """Grade one exercise cell in a fresh process; never raises for anything the learner's code does.
+
+    ``function`` names the function to grade if it is not the exercise's own name.
+    """
     ex = exercises.get(exercise_id)
     limit = ex.time_limit_s if time_limit is None else float(time_limit)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="flashlab-grade-") as tmp:
         tmp = Path(tmp)
         spec, out, log = tmp / "spec.json", tmp / "results.jsonl", tmp / "log.txt"
-        spec.write_text(json.dumps({"exercise": ex.id, "code": code, "other_code": list(other_code)}))
+        spec.write_text(
+            json.dumps({"exercise": ex.id, "code": code, "other_code": list(other_code), "function": function})
+        )
         env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", MPLBACKEND="Agg", PYTHONDONTWRITEBYTECODE="1")
         if ex.triton:
             env["TRITON_INTERPRET"] = "1"  # Triton's interpreter: the kernel runs on the CPU, no GPU needed

@@ -42,7 +42,12 @@ class Watch:
         if event != "call":
             return
         filename = frame.f_code.co_filename
-        if filename.startswith(_FLASHLAB_DIR) and not filename.startswith(_ALLOWED_DIRS):
+        caller = frame.f_back.f_code.co_filename if frame.f_back is not None else ""
+        if (
+            filename.startswith(_FLASHLAB_DIR)
+            and not filename.startswith(_ALLOWED_DIRS)
+            and not (caller.startswith(_FLASHLAB_DIR) and not caller.startswith(_ALLOWED_DIRS))  # entry points only
+        ):
             rel = filename[len(_FLASHLAB_DIR) :].removesuffix(".py").replace(os.sep, ".")
             name = f"flashlab.{rel}.{frame.f_code.co_name}".replace(".__init__.", ".")
             if name not in cls.forbidden:
@@ -251,9 +256,10 @@ def run(spec: dict, out_path: Path) -> None:
     except BaseException as e:  # the learner's top-level code
         fail_all(f"running the exercise cell failed: {describe_exception(e, e.__traceback__, cell_name)}")
         return
-    fn = namespace.get(ex.name)
+    fn_name = spec.get("function") or ex.name  # the inline check passes the name of the function it was given
+    fn = namespace.get(fn_name)
     if fn is None or not callable(fn):
-        fail_all(f"the exercise cell must define a function named `{ex.name}`")
+        fail_all(f"the exercise cell must define a function named `{fn_name}`")
         return
     if hasattr(fn, "fn") and callable(fn.fn) and not inspect.isfunction(fn):  # a @triton.jit function
         fn = fn.fn
