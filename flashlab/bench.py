@@ -69,7 +69,12 @@ CAUSAL_CHOICES = {"both": (False, True), "no": (False,), "yes": (True,)}
 
 @dataclass(frozen=True)
 class Cell:
-    """One point of the sweep: q, k, v are ``(batch, heads, seq_len, head_dim)`` of ``dtype``."""
+    """One point of the sweep: q is ``(batch, heads, q_len, head_dim)``, k and v ``(batch, kv_heads, seq_len,
+    head_dim)``, all of ``dtype``.
+
+    Prefill (the default): ``q_len = seq_len`` and ``kv_heads = heads``. Decode: ``q_len = 1``, one new token
+    against a KV cache of ``seq_len`` tokens, with ``kv_heads < heads`` under grouped-query attention.
+    """
 
     dtype: str
     head_dim: int
@@ -77,17 +82,38 @@ class Cell:
     causal: bool
     batch: int
     heads: int
+    q_len: int | None = None  # None: seq_len (prefill)
+    kv_heads: int | None = None  # None: heads (no GQA)
+
+    @property
+    def nq(self) -> int:
+        return self.seq_len if self.q_len is None else self.q_len
+
+    @property
+    def hk(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
 
     @property
     def flops(self) -> float:
-        return attention_flops(self.batch, self.heads, self.seq_len, self.head_dim, self.causal)
+        if self.nq == self.seq_len:
+            return attention_flops(self.batch, self.heads, self.seq_len, self.head_dim, self.causal)
+        # decode: Q K^T and P V over nq x seq_len scores per query head (nq = 1 sees every key: no mask)
+        return 4.0 * self.batch * self.heads * self.nq * self.seq_len * self.head_dim
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K and V (the KV cache) read once."""
+        return 2 * self.batch * self.hk * self.seq_len * self.head_dim * DTYPES[self.dtype].itemsize
 
     @property
     def io_bytes(self) -> int:
         """Bytes of Q, K, V read and O written, once each: the least any implementation must move."""
-        return 4 * self.batch * self.heads * self.seq_len * self.head_dim * DTYPES[self.dtype].itemsize
+        q_and_o = 2 * self.batch * self.heads * self.nq * self.head_dim * DTYPES[self.dtype].itemsize
+        return q_and_o + self.kv_bytes
 
     def label(self) -> str:
+        if self.nq != self.seq_len:
+            return f"{self.dtype} D={self.head_dim} decode KV={self.seq_len} B={self.batch} H={self.heads}/{self.hk}"
         mask = "causal" if self.causal else "full"
         return f"{self.dtype} D={self.head_dim} N={self.seq_len} {mask} B={self.batch} H={self.heads}"
 
@@ -106,6 +132,10 @@ class BenchConfig:
     dtypes: Sequence[str] | None = None
     causal: str = "both"
     backends: Sequence[str] | None = None
+    mode: str = "prefill"
+    batches: Sequence[int] | None = None  # decode only
+    q_heads: int | None = None  # decode only
+    kv_heads: int | None = None  # decode only
     tokens: int | None = None
     model_dim: int | None = None
     warmup: float | None = None  # ms
@@ -125,6 +155,10 @@ class BenchConfig:
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU; use --device cpu")
         gpu = device == "cuda"
+        if self.mode not in ("prefill", "decode"):
+            raise ValueError(f"mode must be 'prefill' or 'decode'; got {self.mode!r}")
+        if self.mode == "decode":
+            return self._resolve_decode(device)
         if self.quick or not gpu:
             defaults = dict(
                 seq_lens=(512, 2048) if gpu else (64, 100),
@@ -145,6 +179,30 @@ class BenchConfig:
                 warmup=25.0,
                 rep=100.0,
             )
+        return self._fill(device, defaults)
+
+    def _resolve_decode(self, device: str) -> BenchConfig:
+        gpu = device == "cuda"
+        defaults = dict(
+            seq_lens=(4096, 32768) if gpu and self.quick else (4096, 32768, 131072) if gpu else (100, 257),
+            head_dims=(128,) if gpu else (16,),
+            dtypes=("bf16",) if gpu else ("fp32",),
+            batches=(1, 8) if gpu else (1, 2),
+            q_heads=64 if gpu else 4,
+            kv_heads=8 if gpu else 2,
+            tokens=0,
+            model_dim=0,
+            warmup=(10.0 if self.quick else 25.0) if gpu else 1.0,
+            rep=(30.0 if self.quick else 100.0) if gpu else 5.0,
+        )
+        filled = self._fill(device, defaults)
+        if min(filled.batches, default=0) < 1:
+            raise ValueError(f"batches must be a non-empty list of positive ints; got {filled.batches}")
+        if filled.kv_heads < 1 or filled.q_heads < 1 or filled.q_heads % filled.kv_heads:
+            raise ValueError(f"q_heads ({filled.q_heads}) must be a positive multiple of kv_heads ({filled.kv_heads})")
+        return replace(filled, batches=tuple(int(b) for b in filled.batches), causal="no")
+
+    def _fill(self, device: str, defaults: dict) -> BenchConfig:
         filled = {k: (getattr(self, k) if getattr(self, k) is not None else v) for k, v in defaults.items()}
         filled["dtypes"] = tuple(_dtype_name(d) for d in filled["dtypes"])
         filled["seq_lens"] = tuple(int(n) for n in filled["seq_lens"])
@@ -155,7 +213,7 @@ class BenchConfig:
         for name, values in (("seq_lens", filled["seq_lens"]), ("head_dims", filled["head_dims"])):
             if not values or min(values) < 1:
                 raise ValueError(f"{name} must be a non-empty list of positive ints; got {values}")
-        for name in ("tokens", "model_dim"):
+        for name in ("tokens", "model_dim") if self.mode == "prefill" else ():
             if filled[name] < 1:
                 raise ValueError(f"{name} must be a positive int; got {filled[name]}")
         if filled["warmup"] < 0 or filled["rep"] <= 0:
@@ -167,6 +225,14 @@ class BenchConfig:
     def cells(self) -> list[Cell]:
         """The sweep's cells, in the order they run: dtype, then head dim, then causal, then sequence length."""
         c = self if self.device is not None else self.resolve()
+        if c.mode == "decode":
+            return [
+                Cell(dtype, d, n, False, batch=b, heads=c.q_heads, q_len=1, kv_heads=c.kv_heads)
+                for dtype in c.dtypes
+                for d in c.head_dims
+                for n in c.seq_lens
+                for b in c.batches
+            ]
         return [
             Cell(dtype, d, n, causal, batch=max(1, c.tokens // n), heads=max(1, c.model_dim // d))
             for dtype in c.dtypes
@@ -179,19 +245,22 @@ class BenchConfig:
         """The command-line flags that reproduce this (resolved) configuration."""
         c = self if self.device is not None else self.resolve()
         argv = [
+            "--mode", c.mode,
             "--device", c.device,
             "--dtypes", ",".join(c.dtypes),
             "--head-dims", ",".join(map(str, c.head_dims)),
             "--seq-lens", ",".join(map(str, c.seq_lens)),
-            "--causal", c.causal,
             "--backends", ",".join(c.backends),
-            "--tokens", str(c.tokens),
-            "--model-dim", str(c.model_dim),
             "--warmup", f"{c.warmup:g}",
             "--rep", f"{c.rep:g}",
             "--check-rows", str(c.check_rows),
             "--seed", str(c.seed),
         ]  # fmt: skip
+        if c.mode == "decode":
+            argv += ["--batches", ",".join(map(str, c.batches)), "--q-heads", str(c.q_heads)]
+            argv += ["--kv-heads", str(c.kv_heads)]
+        else:
+            argv += ["--causal", c.causal, "--tokens", str(c.tokens), "--model-dim", str(c.model_dim)]
         if c.max_memory_gb is not None:
             argv += ["--max-memory-gb", f"{c.max_memory_gb:g}"]
         if not c.ceilings:
@@ -213,11 +282,16 @@ def _dtype_name(name: str) -> str:
 def naive_attention(q, k, v, causal: bool = False, scale: float | None = None):
     """Materialised attention in torch, three kernels the way a textbook writes it: matmul -> softmax -> matmul.
 
-    q ``(B, H, Nq, D)``, k/v ``(B, H, Nk, D)``. The ``(B, H, Nq, Nk)`` score matrix S and probabilities P are
-    written to memory in full -- the traffic FlashAttention avoids. Causal is aligned bottom-right
+    q ``(B, H, Nq, D)``, k/v ``(B, Hk, Nk, D)``. The ``(B, H, Nq, Nk)`` score matrix S and probabilities P are
+    written to memory in full -- the traffic FlashAttention avoids. With fewer K/V heads (GQA) K and V are first
+    copied once per query head, as a framework without a GQA kernel does. Causal is aligned bottom-right
     (``flashlab.masking``); Nq <= Nk here, so every row sees at least one key.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)  # (B, H, Nk, D): a copy of K per query head
+        v = v.repeat_interleave(group, dim=1)  # (B, H, Nk, D)
     s = (q @ k.transpose(-2, -1)) * scale  # (B, H, Nq, Nk): written to memory
     if causal:
         nq, nk = s.shape[-2:]
@@ -232,8 +306,9 @@ def reference_rows(q, k, v, causal: bool, rows, scale: float | None = None, max_
 
     A row's output depends on its own query and all keys, so a sample of rows checks a kernel without building
     the full N x N float64 score matrix. The mask uses ``flashlab.masking.visible_band`` (causal aligned
-    bottom-right, as every flashlab implementation). Heads are processed in groups of at most ``max_bytes`` of
-    scores. Rows that see no key give zeros, as in ``flashlab.reference``.
+    bottom-right, as every flashlab implementation). k/v may have fewer heads than q (GQA: query head h reads K/V
+    head ``h // group``). Heads are processed in groups of at most about ``max_bytes`` of float64 scores and K/V.
+    Rows that see no key give zeros, as in ``flashlab.reference``.
     """
     nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -243,15 +318,17 @@ def reference_rows(q, k, v, causal: bool, rows, scale: float | None = None, max_
     j = torch.arange(nk, device=q.device)[None, :]  # (1, Nk)
     visible = (j >= diag - left) & (j <= diag + right)  # (R, Nk)
     b, h = q.shape[:2]
-    heads_per_step = max(1, max_bytes // (8 * len(rows) * nk))
+    group = h // k.shape[1]
+    heads_per_step = max(1, max_bytes // (8 * nk * (len(rows) + 2 * d)))
     out = torch.empty(b, h, len(rows), v.shape[-1], dtype=torch.float64, device=q.device)
     for h0 in range(0, h, heads_per_step):
-        hs = slice(h0, h0 + heads_per_step)
-        qs = q[:, hs, rows].double()  # (B, h, R, D)
-        s = (qs @ k[:, hs].double().transpose(-2, -1)) * scale  # (B, h, R, Nk)
+        hs = slice(h0, min(h, h0 + heads_per_step))
+        kv = torch.arange(hs.start, hs.stop, device=q.device) // group  # the K/V head each query head reads
+        qs = q[:, hs][:, :, rows].double()  # (B, h, R, D)
+        s = (qs @ k[:, kv].double().transpose(-2, -1)) * scale  # (B, h, R, Nk)
         s = s.masked_fill(~visible, float("-inf"))
         p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key -> zeros
-        out[:, hs] = p @ v[:, hs].double()  # (B, h, R, D)
+        out[:, hs] = p @ v[:, kv].double()  # (B, h, R, D)
     return out
 
 
@@ -260,7 +337,8 @@ class Backend:
     """A way to compute attention: ``run(q, k, v, causal)`` -> o, all ``(B, H, N, D)``.
 
     ``unavailable(device, dtype)`` returns why it cannot run there (or None); ``materialises`` says it holds the
-    N x N score matrix, so the harness checks it fits in memory before running it.
+    score matrix (and, under GQA, copies of K and V), so the harness checks it fits in memory before running it;
+    ``score_bytes`` is how many bytes it holds per score entry.
     """
 
     name: str
@@ -268,15 +346,23 @@ class Backend:
     run: Callable
     unavailable: Callable = lambda device, dtype: None
     materialises: bool = False
-    score_bytes_per_entry: Callable = lambda dtype: 2 * dtype.itemsize  # S and P alive at once
+    score_bytes: Callable = lambda dtype: 2 * dtype.itemsize  # S and P alive at once
+
+    def workspace_bytes(self, cell: Cell) -> int:
+        """Memory a materialising backend needs beyond its inputs: S and P, plus K/V repeated per query head."""
+        dtype = DTYPES[cell.dtype]
+        scores = cell.batch * cell.heads * cell.nq * cell.seq_len * self.score_bytes(dtype)
+        repeated_kv = 0 if cell.hk == cell.heads else 2 * cell.batch * cell.heads * cell.seq_len * cell.head_dim
+        return scores + repeated_kv * dtype.itemsize
 
 
 def _sdpa_backend(member: str, description: str, cuda_only: bool, materialises: bool = False) -> Backend:
     def run(q, k, v, causal):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}  # K/V heads shared by query heads
         with sdpa_kernel([getattr(SDPBackend, member)]):  # pinned: no silent fallback to another backend
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
 
     def unavailable(device, dtype):
         if cuda_only and device != "cuda":
@@ -290,7 +376,7 @@ def _sdpa_backend(member: str, description: str, cuda_only: bool, materialises: 
         unavailable=unavailable,
         materialises=materialises,
         # the math backend computes half-precision inputs in fp32 on CUDA: S and P at 4 bytes each
-        score_bytes_per_entry=(lambda dtype: 8) if materialises else (lambda dtype: 2 * dtype.itemsize),
+        score_bytes=(lambda dtype: 8) if materialises else (lambda dtype: 2 * dtype.itemsize),
     )
 
 
@@ -388,9 +474,11 @@ def bench_cell(cell: Cell, backends: Sequence[Backend], config: BenchConfig, met
     """Check, measure and time every backend on one cell; one result row per backend."""
     device, dtype = config.device, DTYPES[cell.dtype]
     gen = torch.Generator(device=device).manual_seed(config.seed)
-    shape = (cell.batch, cell.heads, cell.seq_len, cell.head_dim)  # (B, H, N, D)
-    q, k, v = (torch.randn(shape, generator=gen, device=device).to(dtype) for _ in range(3))
-    rows = _check_rows(cell.seq_len, config.check_rows).to(device)
+    shape = (cell.batch, cell.heads, cell.nq, cell.head_dim)  # (B, H, Nq, D)
+    kv_shape = (cell.batch, cell.hk, cell.seq_len, cell.head_dim)  # (B, Hk, Nk, D)
+    q = torch.randn(shape, generator=gen, device=device).to(dtype)
+    k, v = (torch.randn(kv_shape, generator=gen, device=device).to(dtype) for _ in range(2))
+    rows = _check_rows(cell.nq, config.check_rows).to(device)
     batches = sorted({0, cell.batch - 1})  # the first and last batch entries
     ref = reference_rows(q[batches], k[batches], v[batches], cell.causal, rows)  # (b, H, R, D) float64
     tol = TOLERANCE[cell.dtype]
@@ -404,6 +492,8 @@ def bench_cell(cell: Cell, backends: Sequence[Backend], config: BenchConfig, met
             causal=cell.causal,
             batch=cell.batch,
             heads=cell.heads,
+            kv_heads=cell.hk,
+            q_len=cell.nq,
             status="ok",
             reason="",
             rel_err=float("nan"),
@@ -424,12 +514,11 @@ def bench_cell(cell: Cell, backends: Sequence[Backend], config: BenchConfig, met
             row.update(status="skipped", reason=reason)
             continue
         if backend.materialises:  # pre-check: would the score matrix fit?
-            need = cell.batch * cell.heads * cell.seq_len**2 * backend.score_bytes_per_entry(dtype)
+            need = backend.workspace_bytes(cell)
             free = _free_memory_bytes(device, config.max_memory_gb)
             if need > 0.9 * free:
-                row.update(
-                    status="oom", reason=f"predicted: S and P need {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
-                )
+                what = "S and P" if cell.hk == cell.heads else "S, P and K/V repeated per query head"
+                row.update(status="oom", reason=f"predicted: {what} need {need / 1e9:.3g} GB, {free / 1e9:.3g} GB free")
                 continue
 
         def fn(backend=backend):
@@ -518,7 +607,7 @@ def measure_ceilings(device: str) -> dict:
 
 STAMP_COLUMNS = ("device_name", "torch", "triton", "cuda", "date")
 ROW_COLUMNS = (
-    "backend", "dtype", "head_dim", "seq_len", "causal", "batch", "heads", "status", "reason",
+    "backend", "dtype", "head_dim", "seq_len", "causal", "batch", "heads", "kv_heads", "q_len", "status", "reason",
     "rel_err", "max_abs_err", "tol", "time_ms", "tflops", "bandwidth_gbps", "peak_extra_mb", "flops", "io_bytes",
 ) + STAMP_COLUMNS  # fmt: skip
 
@@ -645,11 +734,11 @@ def run_sweep(
 def speedups(results: BenchResults, numerator: str = "flashlab", denominator: str = "sdpa_flash") -> dict:
     """Time of ``denominator`` / time of ``numerator`` per cell (>1: numerator faster), for cells where both ran.
 
-    Keys are ``(dtype, head_dim, causal, seq_len)``.
+    Keys are ``(dtype, head_dim, causal, seq_len, batch)``.
     """
 
     def key(r):
-        return (r["dtype"], r["head_dim"], r["causal"], r["seq_len"])
+        return (r["dtype"], r["head_dim"], r["causal"], r["seq_len"], r["batch"])
 
     num = {key(r): r["time_ms"] for r in results.ok_rows(backend=numerator)}
     den = {key(r): r["time_ms"] for r in results.ok_rows(backend=denominator)}
@@ -662,25 +751,35 @@ def geomean(values) -> float:
 
 
 def summary_table(results: BenchResults) -> str:
-    """TFLOP/s of every backend per cell, then flashlab / FA2 and flashlab / cuDNN, and their geo-means."""
+    """Per cell, every backend's TFLOP/s (prefill) or Q/K/V/O bandwidth in TB/s (decode, where K and V are nearly
+    all of it), then the speed ratios flashlab / FA2 and flashlab / cuDNN, and their geo-means."""
+    decode = results.meta.get("config", {}).get("mode") == "decode"
     names = list(dict.fromkeys(r["backend"] for r in results.rows))
-    cells = list(dict.fromkeys((r["dtype"], r["head_dim"], r["causal"], r["seq_len"]) for r in results.rows))
-    status = {(r["dtype"], r["head_dim"], r["causal"], r["seq_len"], r["backend"]): r for r in results.rows}
+
+    def key(r):
+        return (r["dtype"], r["head_dim"], r["causal"], r["seq_len"], r["batch"])
+
+    cells = list(dict.fromkeys(key(r) for r in results.rows))
+    status = {key(r) + (r["backend"],): r for r in results.rows}
     vs_fa2 = speedups(results, "flashlab", "sdpa_flash")
     vs_cudnn = speedups(results, "flashlab", "sdpa_cudnn")
-    head = ["dtype", "D", "mask", "N"] + names + ["fl/FA2", "fl/cuDNN"]
+    head = ["dtype", "D", "mask", "N", "B"] + names + ["fl/FA2", "fl/cuDNN"]
     lines = []
     for c in cells:
-        line = [c[0], str(c[1]), "causal" if c[2] else "full", str(c[3])]
+        line = [c[0], str(c[1]), "decode" if decode else "causal" if c[2] else "full", str(c[3]), str(c[4])]
         for name in names:
             r = status.get(c + (name,))
-            line.append("-" if r is None else f"{r['tflops']:.3g}" if r["status"] == "ok" else r["status"])
+            if r is None or r["status"] != "ok":
+                line.append("-" if r is None else r["status"])
+            else:
+                line.append(f"{r['bandwidth_gbps'] / 1e3:.3g}" if decode else f"{r['tflops']:.3g}")
         line += [f"{vs_fa2[c]:.2f}" if c in vs_fa2 else "-", f"{vs_cudnn[c]:.2f}" if c in vs_cudnn else "-"]
         lines.append(line)
     widths = [max(len(x) for x in col) for col in zip(head, *lines, strict=True)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    what = "decode, Q/K/V/O bandwidth in TB/s (or why not)" if decode else "forward TFLOP/s (or why not)"
     out = [f"{results.meta['device_name']}, torch {results.meta['torch']}, triton {results.meta['triton']}, "
-           f"{results.meta['date']} -- forward TFLOP/s (or why not)"]  # fmt: skip
+           f"{results.meta['date']} -- {what}"]  # fmt: skip
     out += [fmt.format(*head)] + [fmt.format(*line) for line in lines]
     for name, ratios in (("FA2 (sdpa_flash)", vs_fa2), ("cuDNN (sdpa_cudnn)", vs_cudnn)):
         if ratios:
@@ -704,8 +803,11 @@ def summary_table(results: BenchResults) -> str:
 
 
 def default_prefix(meta: dict) -> Path:
-    """``data/results/<gpu>-<dtypes>-<date>`` for a GPU run; ``test-artifacts/bench/cpu-...`` on the CPU."""
+    """``data/results/<gpu>-<dtypes>-<date>`` for a GPU run (``<gpu>-decode-...`` in decode mode);
+    ``test-artifacts/bench/cpu-...`` on the CPU."""
     dtypes = "-".join(meta["config"]["dtypes"])
+    if meta["config"].get("mode") == "decode":
+        dtypes = "decode-" + dtypes
     date = meta["date"][:10]
     if meta["is_cuda_gpu"]:
         slug = meta["device_name"].lower().replace("nvidia", "").strip().replace(" ", "-")
@@ -713,15 +815,17 @@ def default_prefix(meta: dict) -> Path:
     return Path("test-artifacts/bench") / f"cpu-{dtypes}-{date}"
 
 
-def newest_gpu_results(directory="data/results") -> Path | None:
-    """The newest ``*.json`` in ``directory`` whose stamp says a CUDA GPU produced it (by stamp date), or None."""
+def newest_gpu_results(directory="data/results", mode: str = "prefill") -> Path | None:
+    """The newest ``*.json`` in ``directory`` whose stamp says a CUDA GPU produced it in ``mode`` (by stamp date),
+    or None."""
     found = []
     for path in Path(directory).glob("*.json"):
         try:
             meta = json.loads(path.read_text())["meta"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if meta.get("tool") == "flashlab.bench" and meta.get("is_cuda_gpu"):
+        file_mode = (meta.get("config") or {}).get("mode", "prefill")
+        if meta.get("tool") == "flashlab.bench" and meta.get("is_cuda_gpu") and file_mode == mode:
             found.append((meta.get("date", ""), path.name, path))
     return max(found)[2] if found else None
 
@@ -752,10 +856,20 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0]
         + " Each (backend, cell) is checked against a float64 reference before it is timed.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Defaults marked None depend on the device: on a GPU the issue's grid (bf16, D 64,128, "
-        "N 1k..16k, 16k tokens, model dim 2048, warmup 25, rep 100); on the CPU or with --quick a tiny grid.",
+        epilog="Defaults marked None depend on the device and mode: on a GPU, prefill runs the issue's grid (bf16, "
+        "D 64,128, N 1k..16k, 16k tokens, model dim 2048, warmup 25, rep 100) and decode bf16, D 128, KV 4k,32k,128k, "
+        "batches 1,8, 64 query / 8 KV heads; on the CPU or with --quick, tiny grids.",
     )
-    p.add_argument("--seq-lens", type=_sizes, help="sequence lengths N, comma-separated ('2k' = 2048)")
+    p.add_argument(
+        "--mode",
+        choices=["prefill", "decode"],
+        default="prefill",
+        help="prefill: N queries attend to N keys (the issue's grid); decode: one query token per sequence against "
+        "a KV cache of N tokens, grouped-query heads (--q-heads / --kv-heads), batches from --batches",
+    )
+    p.add_argument(
+        "--seq-lens", type=_sizes, help="sequence lengths N, comma-separated ('2k' = 2048); in decode, KV cache lengths"
+    )
     p.add_argument("--head-dims", type=_sizes, help="head dims D, comma-separated")
     p.add_argument("--dtypes", type=_names, help=f"dtypes, comma-separated, from {sorted(DTYPES)}")
     p.add_argument("--causal", choices=sorted(CAUSAL_CHOICES), default="both", help="causal mask: yes, no or both")
@@ -764,8 +878,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=_names,
         help=f"backends to run, comma-separated (default: all of {','.join(BACKENDS)})",
     )
-    p.add_argument("--tokens", type=int, help="tokens per batch B*N; batch B = tokens // N (at least 1)")
-    p.add_argument("--model-dim", type=int, help="model width H*D; heads H = model_dim // D (at least 1)")
+    p.add_argument("--tokens", type=int, help="prefill: tokens per batch B*N; batch B = tokens // N (at least 1)")
+    p.add_argument("--model-dim", type=int, help="prefill: model width H*D; heads H = model_dim // D (at least 1)")
+    p.add_argument("--batches", type=_sizes, help="decode: batch sizes, comma-separated (default 1,8 on a GPU)")
+    p.add_argument("--q-heads", type=int, help="decode: query heads (default 64 on a GPU)")
+    p.add_argument("--kv-heads", type=int, help="decode: key/value heads, dividing --q-heads (default 8 on a GPU)")
     p.add_argument("--warmup", type=float, help="warm-up time per measurement, ms (do_bench's warmup)")
     p.add_argument("--rep", type=float, help="timed repetitions per measurement, ms (do_bench's rep); median reported")
     p.add_argument(
@@ -799,6 +916,10 @@ def main(argv: Sequence[str] | None = None) -> BenchResults:
         dtypes=args.dtypes,
         causal=args.causal,
         backends=args.backends,
+        mode=args.mode,
+        batches=args.batches,
+        q_heads=args.q_heads,
+        kv_heads=args.kv_heads,
         tokens=args.tokens,
         model_dim=args.model_dim,
         warmup=args.warmup,

@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -131,7 +132,9 @@ def test_sweep_rows_files_and_stamps(tmp_path):
     assert (meta["torch"], meta["triton"]) == (torch.__version__, triton.__version__)
     stamped = datetime.datetime.strptime(meta["date"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
     assert abs(datetime.datetime.now(datetime.timezone.utc) - stamped) < datetime.timedelta(minutes=10)
-    assert meta["command"].startswith("python -m flashlab.bench --device cpu --dtypes fp32 --head-dims 24")
+    assert meta["command"].startswith(
+        "python -m flashlab.bench --mode prefill --device cpu --dtypes fp32 --head-dims 24"
+    )
     assert data["ceilings"]["copy_tbps"] is None  # measured on GPUs only
     assert data["rows"][0]["peak_extra_mb"] is None  # NaN is written as null: strict JSON
 
@@ -217,6 +220,7 @@ def test_an_unavailable_backend_is_skipped_with_its_reason():
 def _row(backend, n, time_ms, causal=False):
     r = {c: "" for c in bench.ROW_COLUMNS}
     r.update(backend=backend, dtype="bf16", head_dim=64, seq_len=n, causal=causal, status="ok", time_ms=time_ms)
+    r.update(batch=16384 // n)
     r.update(tflops=1.0 / time_ms, reason="")
     return r
 
@@ -226,9 +230,9 @@ def test_speedups_and_geomean():
     rows += [_row("flashlab", 2048, 4.0), _row("sdpa_flash", 2048, 2.0), _row("sdpa_cudnn", 2048, 3.0)]
     meta = dict(device_name="test", torch="t", triton="t", date="2026-01-01")
     results = BenchResults(meta=meta, rows=rows)
-    assert bench.speedups(results) == {("bf16", 64, False, 1024): 2.0, ("bf16", 64, False, 2048): 0.5}
+    assert bench.speedups(results) == {("bf16", 64, False, 1024, 16): 2.0, ("bf16", 64, False, 2048, 8): 0.5}
     assert bench.geomean([2.0, 0.5]) == pytest.approx(1.0)
-    assert bench.speedups(results, denominator="sdpa_cudnn") == {("bf16", 64, False, 2048): 0.75}
+    assert bench.speedups(results, denominator="sdpa_cudnn") == {("bf16", 64, False, 2048, 8): 0.75}
     table = bench.summary_table(results)
     assert "geo-mean 1.00x over 2 cells (min 0.50x, max 2.00x)" in table
     assert "flashlab vs cuDNN (sdpa_cudnn): geo-mean 0.75x over 1 cells" in table
@@ -245,6 +249,10 @@ def test_newest_gpu_results_ignores_cpu_runs(tmp_path):
     write("h200-new.json", "2026-11-29T00:00:00Z", True)
     (tmp_path / "notes.json").write_text("[1, 2]")  # not a results file
     assert bench.newest_gpu_results(tmp_path).name == "h200-new.json"
+    meta = dict(tool="flashlab.bench", date="2026-11-30T00:00:00Z", is_cuda_gpu=True, config=dict(mode="decode"))
+    (tmp_path / "h200-decode.json").write_text(json.dumps(dict(meta=meta, rows=[])))
+    assert bench.newest_gpu_results(tmp_path).name == "h200-new.json"  # prefill by default
+    assert bench.newest_gpu_results(tmp_path, mode="decode").name == "h200-decode.json"
 
 
 def test_default_file_names():
@@ -252,6 +260,50 @@ def test_default_file_names():
     assert str(bench.default_prefix(meta)) == "data/results/h200-bf16-2026-11-29"
     meta.update(is_cuda_gpu=False, device_name="CPU")
     assert str(bench.default_prefix(meta)) == "test-artifacts/bench/cpu-bf16-2026-11-29"
+    meta.update(is_cuda_gpu=True, device_name="NVIDIA H200", config=dict(dtypes=["bf16"], mode="decode"))
+    assert str(bench.default_prefix(meta)) == "data/results/h200-decode-bf16-2026-11-29"
+
+
+# --- decode: one query token against a KV cache, grouped-query heads ---------------------------------------------
+
+
+def test_naive_attention_with_gqa_equals_numpy_reference():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, 1, 24, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 37, 24, generator=g, dtype=torch.float64) for _ in range(2))
+    want, _ = reference.attention(q.numpy(), k.numpy(), v.numpy())
+    np.testing.assert_allclose(naive_attention(q, k, v).numpy(), want, rtol=1e-12, atol=1e-12)
+    got = reference_rows(q, k, v, False, torch.tensor([0]), max_bytes=1)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-12)
+
+
+def test_decode_sweep():
+    cfg = BenchConfig(mode="decode", device="cpu", seq_lens=(37, 100), head_dims=(24,), batches=(1, 3))
+    cfg = replace(cfg, q_heads=6, kv_heads=2, backends=("naive", "flashlab", "sdpa_flash", "sdpa_math"), **FAST)
+    results = run_sweep(cfg, progress=False)
+    assert len(results.rows) == 2 * 2 * 4
+    assert {(r["q_len"], r["heads"], r["kv_heads"], r["causal"]) for r in results.rows} == {(1, 6, 2, False)}
+    assert {(r["seq_len"], r["batch"]) for r in results.rows} == {(37, 1), (37, 3), (100, 1), (100, 3)}
+    for r in results.rows:
+        assert r["status"] == "ok" and r["rel_err"] < 1e-5, r
+    r = results.ok_rows(backend="naive", seq_len=100, batch=3)[0]
+    assert r["io_bytes"] == (2 * 3 * 6 * 1 * 24 + 2 * 3 * 2 * 100 * 24) * 4  # Q and O, then the KV cache
+    assert r["flops"] == 4 * 3 * 6 * 1 * 100 * 24
+    assert "--mode decode" in results.meta["command"] and "--kv-heads 2" in results.meta["command"]
+    assert "decode, Q/K/V/O bandwidth in TB/s" in bench.summary_table(results)
+    assert str(bench.default_prefix(results.meta)).startswith("test-artifacts/bench/cpu-decode-fp32-")
+
+
+def test_decode_pre_check_counts_repeated_kv():
+    cell = bench.Cell("bf16", 128, 131072, False, batch=8, heads=64, q_len=1, kv_heads=8)
+    naive = bench.BACKENDS["naive"]
+    # S and P: 8 x 64 x 131,072 entries x 2 B x 2; K and V repeated to 64 heads: 2 x 8 x 64 x 131,072 x 128 x 2 B
+    assert naive.workspace_bytes(cell) == 8 * 64 * 131072 * 4 + 2 * 8 * 64 * 131072 * 128 * 2
+    cfg = BenchConfig(mode="decode", device="cpu", backends=("naive", "sdpa_flash"), max_memory_gb=1e-5, **FAST)
+    rows = run_sweep(cfg, progress=False).rows
+    assert {r["status"] for r in rows if r["backend"] == "naive"} == {"oom"}
+    assert "repeated per query head" in rows[0]["reason"]
+    assert {r["status"] for r in rows if r["backend"] == "sdpa_flash"} == {"ok"}
 
 
 # --- bad input -----------------------------------------------------------------------------------------------------
@@ -268,6 +320,9 @@ def test_default_file_names():
         (dict(rep=0.0), "rep"),
         (dict(device="tpu"), "device"),
         (dict(check_rows=0), "check_rows"),
+        (dict(mode="train"), "mode"),
+        (dict(mode="decode", q_heads=6, kv_heads=4), "multiple of kv_heads"),
+        (dict(mode="decode", batches=(0,)), "batches"),
     ],
 )
 def test_bad_config_raises_value_error(overrides, match):
@@ -317,7 +372,7 @@ def test_help_explains_every_flag():
     parser = bench.build_parser()
     flags = [s for a in parser._actions for s in a.option_strings]
     brief = ["--seq-lens", "--head-dims", "--dtypes", "--causal", "--backends", "--tokens", "--model-dim"]
-    brief += ["--warmup", "--rep", "--out", "--device", "--quick"]
+    brief += ["--warmup", "--rep", "--out", "--device", "--quick", "--mode", "--batches", "--q-heads", "--kv-heads"]
     for flag in set(flags) | set(brief):
         assert flag in done.stdout, f"--help does not list {flag}"
     for action in parser._actions:
