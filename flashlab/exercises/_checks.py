@@ -13,16 +13,13 @@ import numpy as np
 
 
 def fmt(x) -> str:
-    """A number as a learner would write it: 4 significant digits, or a short array."""
+    """A number as a learner would write it (4 significant digits), or a short array."""
     if isinstance(x, (numbers.Real, np.floating, np.integer)) and not isinstance(x, bool):
         x = float(x)
-        if math.isinf(x) or math.isnan(x):
-            return str(x)
-        if x != 0 and (abs(x) >= 1e6 or abs(x) < 1e-3):
-            return f"{x:.4g}"
-        return f"{x:.4f}".rstrip("0").rstrip(".") if "." in f"{x:.4f}" else f"{x}"
-    arr = np.asarray(x)
-    return np.array2string(arr, precision=4, threshold=12, edgeitems=3)
+        if math.isfinite(x) and x != 0 and 1e-3 <= abs(x) < 1e6:
+            return f"{x:.4f}".rstrip("0").rstrip(".")
+        return f"{x:.4g}"
+    return np.array2string(np.asarray(x), precision=4, threshold=12, edgeitems=3)
 
 
 def as_number(got, what: str) -> float:
@@ -45,14 +42,19 @@ def unpack(got, n: int, what: str):
     return tuple(got)
 
 
-def _factor_hint(got: float, want: float, hints: dict[str, float] | None) -> str:
-    if not hints or want == 0 or got == 0:
-        return ""
-    ratio = got / want
-    for text, factor in hints.items():
-        if factor != 0 and math.isclose(ratio, factor, rel_tol=1e-3):
-            return f" -- off by a factor of {fmt(factor)}: {text}"
+def _explain(factor: float, hints: dict[str, float] | None) -> str:
+    """The explanation in ``hints`` whose factor matches ``factor``, or ''."""
+    for text, f in (hints or {}).items():
+        if f != 0 and math.isclose(factor, f, rel_tol=1e-3):
+            return text
     return ""
+
+
+def _factor_hint(got: float, want: float, hints: dict[str, float] | None) -> str:
+    if want == 0 or got == 0:
+        return ""
+    text = _explain(got / want, hints)
+    return f" -- off by a factor of {fmt(got / want)}: {text}" if text else ""
 
 
 def expect_number(got, want: float, what: str, rel: float = 1e-6, abs_: float = 1e-12, hints=None) -> float:
@@ -115,7 +117,8 @@ def expect_array(got, want, what: str, rtol: float = 1e-6, atol: float = 1e-9, h
             if np.allclose(ratios, ratios.flat[0], rtol=1e-4) and not np.isclose(ratios.flat[0], 1.0):
                 factor = float(ratios.flat[0])
                 msg += f" -- every value is off by the same factor {fmt(factor)}"
-                msg += _factor_hint(factor, 1.0, hints).replace(f" -- off by a factor of {fmt(factor)}", "")
+                text = _explain(factor, hints)
+                msg += f": {text}" if text else ""
         raise AssertionError(msg)
     return arr
 

@@ -101,7 +101,7 @@ def _tail(path: Path) -> str:
 
 
 def run_exercise(
-    exercise_id: str, code: str, other_code=(), time_limit: float | None = None, function: str | None = None
+    exercise_id: str, code: str, time_limit: float | None = None, function: str | None = None
 ) -> ExerciseResult:
     """Grade one exercise cell in a fresh process; never raises for anything the learner's code does.
 
@@ -113,9 +113,7 @@ def run_exercise(
     with tempfile.TemporaryDirectory(prefix="flashlab-grade-") as tmp:
         tmp = Path(tmp)
         spec, out, log = tmp / "spec.json", tmp / "results.jsonl", tmp / "log.txt"
-        spec.write_text(
-            json.dumps({"exercise": ex.id, "code": code, "other_code": list(other_code), "function": function})
-        )
+        spec.write_text(json.dumps({"exercise": ex.id, "code": code, "function": function}))
         env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", MPLBACKEND="Agg", PYTHONDONTWRITEBYTECODE="1")
         if ex.triton:
             env["TRITON_INTERPRET"] = "1"  # Triton's interpreter: the kernel runs on the CPU, no GPU needed
@@ -200,18 +198,17 @@ def grade(paths, out_dir=None, jobs: int | None = None, time_limit: float | None
                 why = sub.error or "no exercise cell for this exercise in the notebook (tag `exercise`)"
                 sub.results.append(ExerciseResult(ex_id, _blank_tests(ex_id, "failed", why), "missing"))
                 continue
-            others = [c.source for k, c in cells.items() if k != ex_id and c.index < cells[ex_id].index]
             slot = len(sub.results)
             sub.results.append(None)
-            tasks.append((sub, slot, ex_id, cells[ex_id].source, others))
+            tasks.append((sub, slot, ex_id, cells[ex_id].source))
 
     jobs = jobs or max(1, os.cpu_count() or 1)
     bar = tqdm(total=len(tasks), desc="grading", unit="exercise", disable=not progress)
 
     def work(task):
-        sub, slot, ex_id, code, others = task
+        sub, slot, ex_id, code = task
         try:
-            res = run_exercise(ex_id, code, others, time_limit=time_limit)
+            res = run_exercise(ex_id, code, time_limit=time_limit)
         except Exception as e:  # the grader's own failure: record it, grade the rest
             why = f"grader error: {type(e).__name__}: {e}"
             res = ExerciseResult(ex_id, _blank_tests(ex_id, "failed", why), "crashed")

@@ -1,9 +1,10 @@
 """One exercise of one submission, graded in a process of its own: ``python -m flashlab.grade.worker SPEC OUT``.
 
-SPEC is a JSON file ``{"exercise": "NN.name", "code": <the exercise cell>, "other_code": [<the notebook's other
-exercise cells>]}``. The worker runs the learner's cell, then the exercise's pytest tests with a plugin that hands
-them the learner's function as the fixture ``answer``, and appends one JSON line per test to OUT as it goes (so a
-parent that has to kill a never-returning answer still has every result that came before it).
+SPEC is a JSON file ``{"exercise": "NN.name", "code": <the exercise cell>, "function": <name, optional>}``; the
+exercise cell is all the grader sees of a notebook. The worker runs the learner's cell, then the exercise's pytest
+tests with a plugin that hands them the learner's function as the fixture ``answer``, and appends one JSON line
+per test to OUT as it goes (so a parent that has to kill a never-returning answer still has every result that
+came before it).
 
 While the learner's function runs, the plugin watches (``sys.setprofile``) for calls into flashlab's own code
 outside the grader: an answer that calls flashlab's implementation scores 0 for the exercise. It also checks that
@@ -32,38 +33,42 @@ _ALLOWED_DIRS = tuple(_FLASHLAB_DIR + sub + os.sep for sub in ("grade", "exercis
 
 
 class Watch:
-    """Counts nesting into the learner's function and records calls into flashlab made from inside it."""
+    """While the learner's function runs (``with watch:``), record every call it makes into flashlab's own code.
 
-    depth = 0
-    forbidden: list[str] = []
+    Only entry points are recorded (a flashlab function called from outside flashlab), and calls into the grader
+    and the exercises' own harness code are allowed.
+    """
 
-    @classmethod
-    def profile(cls, frame, event, arg):
+    def __init__(self):
+        self.depth = 0
+        self.forbidden: list[str] = []
+
+    def profile(self, frame, event, arg):
         if event != "call":
             return
-        filename = frame.f_code.co_filename
-        caller = frame.f_back.f_code.co_filename if frame.f_back is not None else ""
-        if (
-            filename.startswith(_FLASHLAB_DIR)
-            and not filename.startswith(_ALLOWED_DIRS)
-            and not (caller.startswith(_FLASHLAB_DIR) and not caller.startswith(_ALLOWED_DIRS))  # entry points only
-        ):
-            rel = filename[len(_FLASHLAB_DIR) :].removesuffix(".py").replace(os.sep, ".")
-            name = f"flashlab.{rel}.{frame.f_code.co_name}".replace(".__init__.", ".")
-            if name not in cls.forbidden:
-                cls.forbidden.append(name)
+        if not _is_flashlab(frame.f_code.co_filename):
+            return
+        if frame.f_back is not None and _is_flashlab(frame.f_back.f_code.co_filename):
+            return  # flashlab calling itself: the entry point is already recorded
+        rel = frame.f_code.co_filename[len(_FLASHLAB_DIR) :].removesuffix(".py").replace(os.sep, ".")
+        name = f"flashlab.{rel}.{frame.f_code.co_name}".replace(".__init__.", ".")
+        if name not in self.forbidden:
+            self.forbidden.append(name)
 
-    @classmethod
-    def __enter__(cls):
-        if cls.depth == 0:
-            sys.setprofile(cls.profile)
-        cls.depth += 1
+    def __enter__(self):
+        if self.depth == 0:
+            sys.setprofile(self.profile)
+        self.depth += 1
 
-    @classmethod
-    def __exit__(cls, *exc):
-        cls.depth -= 1
-        if cls.depth == 0:
+    def __exit__(self, *exc):
+        self.depth -= 1
+        if self.depth == 0:
             sys.setprofile(None)
+
+
+def _is_flashlab(filename: str) -> bool:
+    """Code in flashlab's package, outside the grader and the exercises."""
+    return filename.startswith(_FLASHLAB_DIR) and not filename.startswith(_ALLOWED_DIRS)
 
 
 watch = Watch()
@@ -238,12 +243,6 @@ def run(spec: dict, out_path: Path) -> None:
 
     namespace: dict = {"__name__": "__exercise__"}
     exec("import math\nimport numpy as np\n", namespace)
-    for i, other in enumerate(spec.get("other_code", [])):  # helpers the learner may share between exercises
-        try:
-            code = runnable_code(other, keep_assignments=False)
-            exec(compile(code, f"<another exercise cell {i}>", "exec"), namespace)
-        except Exception:  # noqa: S110 - another exercise's problems are graded there, not here
-            pass
     source = spec["code"]
     try:
         code = runnable_code(source)
@@ -282,12 +281,12 @@ def run(spec: dict, out_path: Path) -> None:
         "ignore",
     ]
     pytest.main(args, plugins=[plugin])
-    if Watch.forbidden:
-        names = ", ".join(Watch.forbidden[:3])
+    if watch.forbidden:
+        names = ", ".join(watch.forbidden[:3])
         _write(
             out_path,
             {
-                "forbidden": Watch.forbidden,
+                "forbidden": watch.forbidden,
                 "output": f"your function calls flashlab's own implementation ({names}); this exercise asks you to "
                 "write it yourself, so it scores 0",
             },
