@@ -58,7 +58,8 @@ def test_kv_random(answer):
         layers, heads, d = int(rng.integers(2, 128)), int(rng.integers(1, 65)), int(rng.choice([64, 80, 96, 128]))
         b = int(rng.choice([1, 2, 4]))
         want = 2 * layers * heads * d * b
-        expect_int(answer(layers, heads, d, b), want, f"kv_cache_bytes_per_token({layers}, {heads}, {d}, {b})")
+        got = answer(layers, heads, d, b)
+        expect_int(got, want, f"kv_cache_bytes_per_token({layers}, {heads}, {d}, {b})", hints=HINTS)
 
 
 @graded("07.kv_cache_bytes_per_token", 2)
