@@ -348,3 +348,30 @@ def test_messages_name_shape_index_and_factor():
         expect_int(8 * 134_217_728, 134_217_728, "bytes", hints={"counted bits": 8.0})
     with pytest.raises(AssertionError, match="should be one number"):
         expect_number("2.471", 2.471, "output")
+
+
+# -- what the grader takes from a cell ---------------------------------------------------------------------------
+
+
+def test_runnable_code_keeps_definitions_and_drops_trial_runs():
+    cell = "%matplotlib inline\nimport numpy as np\nX = 3\n\ndef f(a):\n    return a + X\n\nprint(f(1))\nf(2)\n"
+    code = runnable_code(cell)
+    namespace: dict = {}
+    exec(code, namespace)
+    assert namespace["f"](1) == 4
+    assert "print" not in code and "matplotlib" not in code
+    assert code.splitlines()[4] == "def f(a):"  # line numbers kept, so messages point at the learner's lines
+    with pytest.raises(SyntaxError):
+        runnable_code("def f(:\n    pass")
+
+
+def test_append_exercises_is_idempotent(tmp_path):
+    from flashlab.grade.solutions import append_exercises
+
+    path = tmp_path / "05_something.ipynb"
+    nbformat.write(notebook_of([nbformat.v4.new_code_cell("x = 1")]), path)
+    assert append_exercises(path) is True
+    assert append_exercises(path) is False  # already there: never appended twice
+    nb = nbformat.read(path, as_version=4)
+    assert nb.cells[1].source == "x = 1"  # the notebook's own cells are untouched
+    assert sorted(find_exercise_cells(nb)) == sorted(ex.id for ex in exercises_of("05"))
