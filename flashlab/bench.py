@@ -637,7 +637,7 @@ class BenchResults:
             writer = csv.DictWriter(f, fieldnames=ROW_COLUMNS)
             writer.writeheader()
             for r in self.rows:
-                writer.writerow({k: ("" if _is_nan(r[k]) else r[k]) for k in ROW_COLUMNS})
+                writer.writerow({k: ("" if _is_nan(r.get(k, "")) else r.get(k, "")) for k in ROW_COLUMNS})
         return json_path, csv_path
 
     @classmethod
