@@ -224,7 +224,7 @@ class BenchConfig:
 
     def cells(self) -> list[Cell]:
         """The sweep's cells, in the order they run: dtype, then head dim, then causal, then sequence length."""
-        c = self if self.device is not None else self.resolve()
+        c = self.resolve()  # idempotent: a resolved config resolves to itself
         if c.mode == "decode":
             return [
                 Cell(dtype, d, n, False, batch=b, heads=c.q_heads, q_len=1, kv_heads=c.kv_heads)
@@ -243,7 +243,7 @@ class BenchConfig:
 
     def to_argv(self) -> list[str]:
         """The command-line flags that reproduce this (resolved) configuration."""
-        c = self if self.device is not None else self.resolve()
+        c = self.resolve()  # idempotent: a resolved config resolves to itself
         argv = [
             "--mode", c.mode,
             "--device", c.device,
@@ -907,10 +907,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> BenchResults:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    config = BenchConfig(
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The ``BenchConfig`` a parsed command line asks for (unresolved: device defaults still to fill in)."""
+    return BenchConfig(
         seq_lens=args.seq_lens,
         head_dims=args.head_dims,
         dtypes=args.dtypes,
@@ -931,6 +930,12 @@ def main(argv: Sequence[str] | None = None) -> BenchResults:
         max_memory_gb=args.max_memory_gb,
         seed=args.seed,
     )
+
+
+def main(argv: Sequence[str] | None = None) -> BenchResults:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
     results = run_sweep(
         config, progress=not args.no_progress, command=shlex.join(["python", "-m", "flashlab.bench", *argv])
     )

@@ -335,6 +335,13 @@ def test_unknown_backend_raises():
         run_sweep(tiny_config(backends=("naive", "fa9")), progress=False)
 
 
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_stamped_flags_reproduce_the_config(mode):
+    cfg = BenchConfig(mode=mode, device="cpu", seq_lens=(37, 2048), head_dims=(24,), max_memory_gb=3.5).resolve()
+    again = bench.config_from_args(bench.build_parser().parse_args(cfg.to_argv())).resolve()
+    assert again == cfg
+
+
 def test_cli_rejects_malformed_sizes(capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--seq-lens", "1k,two"])
