@@ -206,11 +206,13 @@ def _attn_fwd(
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried per head-dim class. Hopper (sm_90) and Ampere (sm_80/86/89) both
 # like BLOCK_M = 128 with 8 warps once D reaches 128 (two 64-row warpgroups share the Q tile), 4-8 warps at D <= 64,
-# and 2-4 pipeline stages for the K/V loads. At D = 256 a 128 x 256 fp32 accumulator would crowd out the registers,
-# so BLOCK_M drops to 64. fp32 inputs take exact (non-tensor-core) dots: small tiles.
+# and 2-4 pipeline stages for the K/V loads. Short sequences (N ~ 1-2K) prefer 64 x 64 tiles: twice the programs
+# to spread over the 132 SMs of an H200 (measured: docs/kernel-notes.md). At D = 256 a 128 x 256 fp32
+# accumulator would crowd out the registers, so BLOCK_M drops to 64. fp32 inputs take exact (non-tensor-core)
+# dots: small tiles.
 TUNING_SPACE = {
-    "d<=64": [(128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (128, 64, 8, 3)],
-    "d=128": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2)],
+    "d<=64": [(128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 8, 3)],
+    "d=128": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4)],
     "d=256": [(64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2)],
     "fp32": [(64, 32, 4, 2), (64, 64, 4, 2)],
 }
