@@ -229,29 +229,32 @@ def _gpu_configs():
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in space]
 
 
-def _smem_limit() -> int:
-    try:
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        return int(getattr(props, "shared_memory_per_block_optin", 0)) or 101376
-    except Exception:  # pragma: no cover - no CUDA
-        return 101376
+# Smaller configs for GPUs with less shared memory (e.g. ~100 KiB per block on consumer cards), used only when
+# none of the head dim's own configs fits.
+FALLBACK_SPACE = [(64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1)]
+
+
+def _smem_limit(device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0)) or 101376
 
 
 def _prune_configs(configs, named_args, **kwargs):
     """Keep this head dim's configs whose Q tile plus pipelined K/V tiles fit the chip's shared memory."""
     bd = named_args["BLOCK_D"] if "BLOCK_D" in named_args else kwargs["BLOCK_D"]
     q = named_args["Q"]
+    limit = _smem_limit(q.device)
+
+    def fits(bm, bn, stages):
+        return (bm * bd + stages * 2 * bn * bd) * q.element_size() <= limit
+
     wanted = set(TUNING_SPACE[_tuning_class(bd, q.dtype)])
-    limit = _smem_limit()
-    kept = []
-    for c in configs:
-        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        if (bm, bn, c.num_warps, c.num_stages) not in wanted:
-            continue
-        smem = (bm * bd + c.num_stages * 2 * bn * bd) * q.element_size()
-        if smem <= limit:
-            kept.append(c)
-    return kept or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
+    kept = [c for c in configs if (*c.kwargs.values(), c.num_warps, c.num_stages) in wanted]
+    kept = [c for c in kept if fits(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages)]
+    if not kept:
+        small = [c for c in FALLBACK_SPACE if fits(c[0], c[1], c[3])] or FALLBACK_SPACE[-1:]
+        kept = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in small]
+    return kept
 
 
 _attn_fwd_tuned = triton.autotune(
