@@ -18,7 +18,7 @@ EXERCISES = [
         id="04.attention_inner_step",
         title="the inner loop of the Triton kernel: one key/value tile",
         signature="q, k, v, valid, m, l, acc, scale",
-        imports="import triton\nimport triton.language as tl",
+        imports="import triton.language as tl  # noqa: F401 -- the tl operations you will need",
         doc="""
         One step of the FlashAttention kernel's inner loop, written with triton.language (tl) operations.
         The kernel around it loads the tiles and calls it once per key/value tile; it runs inside that kernel.
@@ -34,7 +34,8 @@ EXERCISES = [
         Returns (m_new, l_new, acc_new). The lesson's loop: scores s = q k^T * scale (tl.dot, tl.trans);
         mask invalid keys with tl.where; m_new = max(m, row max of s); alpha = exp(m - m_new);
         p = exp(s - m_new[:, None]); l_new = alpha * l + row sum of p; acc_new = alpha[:, None] * acc + p v.
-        Calling flashlab's own kernel scores 0.
+        It runs as part of the kernel (decorating it with @triton.jit is optional). Calling flashlab's own
+        kernel scores 0.
         """,
         time_limit_s=90.0,
         triton=True,
