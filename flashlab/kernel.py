@@ -20,6 +20,10 @@ The key tiles a query tile visits are split into three stages by the mask band (
 
 Tiles outside the band are never loaded: the loop bounds come from the band, not from a per-tile test.
 
+Loads: plain pointer loads with masks (``tl.load``) everywhere; on Hopper at head dims <= 64 the tiles are moved
+by the tensor-memory accelerator instead (``desc.load``, TMA: one instruction per tile, out-of-bounds rows and
+columns filled with zeros), which measured 5-10 % faster there (``docs/kernel-notes.md``).
+
 On CUDA tensors the kernel is compiled (autotuned over block sizes, warps and pipeline stages). On CPU tensors the
 very same kernel source runs through Triton's interpreter (one small tile config), so every notebook runs without a
 GPU and without the user setting ``TRITON_INTERPRET``.
@@ -57,6 +61,7 @@ LN_2 = 0.6931471805599453  # log(x) = log2(x) * ln(2)
 @triton.jit
 def _attn_fwd(
     Q, K, V, O, LSE,  # tensors: q, k, v, the output, the log-sum-exp
+    desc_q, desc_k, desc_v, desc_o,  # TMA tensor descriptors of q, k, v, o (Hopper); unused without USE_TMA
     stride_qb, stride_qh, stride_qm,  # strides (elements) of q over batch, head, row; D has stride 1
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -64,7 +69,7 @@ def _attn_fwd(
     HQ, GROUP, NQ, NK,  # query heads, query heads per K/V head, query and key lengths
     offset, win_left, win_right,  # the band: query i sees keys [i + offset - win_left, i + offset + win_right]
     qk_scale,  # softmax scale * log2(e)
-    TUNE_KEY_N, TUNE_KEY_BAND,  # only read by the autotuner (its cache key)
+    TUNE_KEY_N, TUNE_KEY_ROWS, TUNE_KEY_BAND,  # only read by the autotuner (its cache key)
     HEAD_DIM: tl.constexpr,  # D
     BLOCK_D: tl.constexpr,  # D rounded up to a power of two (the tile's width)
     BLOCK_M: tl.constexpr,  # query rows per program
@@ -72,6 +77,7 @@ def _attn_fwd(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (exact fp32 dots), "tf32" otherwise (ignored for 16-bit)
     DOT_UPCAST: tl.constexpr,  # interpreter: feed 16-bit tiles to the dots as fp32 (NumPy has no bf16 matmul)
     REVERSE_M: tl.constexpr,  # causal: start the query tiles with the most work first
+    USE_TMA: tl.constexpr,  # load/store whole tiles with the tensor-memory accelerator (out-of-bounds -> zeros)
 ):
     # fmt: on
     # -- which tile of which head this program owns
@@ -94,11 +100,14 @@ def _attn_fwd(
     d_ok = offs_d < HEAD_DIM
 
     # -- load the Q tile once: BLOCK_M * D * bytes(dtype) from HBM, reused for every key tile
-    q = tl.load(
-        q_base + offs_m[:, None] * stride_qm + offs_d[None, :],
-        mask=(offs_m[:, None] < NQ) & d_ok[None, :],
-        other=0.0,
-    )  # (BLOCK_M, BLOCK_D)
+    if USE_TMA:
+        q = desc_q.load([off_b, off_h, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, BLOCK_D)
+    else:
+        q = tl.load(
+            q_base + offs_m[:, None] * stride_qm + offs_d[None, :],
+            mask=(offs_m[:, None] < NQ) & d_ok[None, :],
+            other=0.0,
+        )  # (BLOCK_M, BLOCK_D)
     if DOT_UPCAST:  # exact: a 16-bit value is also an fp32 value, and the tensor cores multiply them exactly too
         q = q.to(tl.float32)
 
@@ -136,7 +145,9 @@ def _attn_fwd(
             k_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None]
             v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :]
             # -- load K tile: BLOCK_N * D * bytes(dtype) (from L2 when the other query tiles of this head read it)
-            if stage == 1:
+            if USE_TMA:
+                k = desc_k.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, BLOCK_D).T
+            elif stage == 1:
                 if BLOCK_D == HEAD_DIM:
                     k = tl.load(k_ptrs)
                 else:
@@ -169,7 +180,9 @@ def _attn_fwd(
             l_i = l_i * alpha + tl.sum(p, 1)
 
             # -- load V tile: BLOCK_N * D * bytes(dtype)
-            if stage == 1:
+            if USE_TMA:
+                v = desc_v.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+            elif stage == 1:
                 if BLOCK_D == HEAD_DIM:
                     v = tl.load(v_ptrs)
                 else:
@@ -192,11 +205,14 @@ def _attn_fwd(
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # natural log
     row_ok = offs_m < NQ
     tl.store(LSE + pid_bh.to(tl.int64) * NQ + offs_m, lse, mask=row_ok)
-    tl.store(
-        o_base + offs_m[:, None] * stride_om + offs_d[None, :],
-        o.to(O.dtype.element_ty),
-        mask=row_ok[:, None] & d_ok[None, :],
-    )
+    if USE_TMA:
+        desc_o.store([off_b, off_h, pid_m * BLOCK_M, 0], o.to(O.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_D))
+    else:
+        tl.store(
+            o_base + offs_m[:, None] * stride_om + offs_d[None, :],
+            o.to(O.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -224,9 +240,22 @@ def _tuning_class(block_d: int, dtype) -> str:
     return "d<=64" if block_d <= 64 else ("d=128" if block_d == 128 else "d=256")
 
 
+def _set_tma_block_shapes(nargs):
+    """Autotuner pre-hook: the TMA descriptors' box is the tile, so it changes with BLOCK_M / BLOCK_N."""
+    if _TensorDescriptor is not None and isinstance(nargs["desc_q"], _TensorDescriptor):
+        bm, bn, bd = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_D"]
+        nargs["desc_q"].block_shape = nargs["desc_o"].block_shape = [1, 1, bm, bd]
+        nargs["desc_k"].block_shape = nargs["desc_v"].block_shape = [1, 1, bn, bd]
+
+
+def _config(bm, bn, warps, stages):
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages, pre_hook=_set_tma_block_shapes
+    )
+
+
 def _gpu_configs():
-    space = sorted({c for configs in TUNING_SPACE.values() for c in configs})
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in space]
+    return [_config(*c) for c in sorted({c for configs in TUNING_SPACE.values() for c in configs})]
 
 
 # Smaller configs for GPUs with less shared memory (e.g. ~100 KiB per block on consumer cards), used only when
@@ -253,15 +282,23 @@ def _prune_configs(configs, named_args, **kwargs):
     kept = [c for c in kept if fits(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages)]
     if not kept:
         small = [c for c in FALLBACK_SPACE if fits(c[0], c[1], c[3])] or FALLBACK_SPACE[-1:]
-        kept = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in small]
+        kept = [_config(*c) for c in small]
     return kept
 
 
 _attn_fwd_tuned = triton.autotune(
     configs=_gpu_configs(),
-    key=["TUNE_KEY_N", "TUNE_KEY_BAND", "HEAD_DIM", "DOT_PRECISION"],
+    key=["TUNE_KEY_N", "TUNE_KEY_ROWS", "TUNE_KEY_BAND", "HEAD_DIM", "DOT_PRECISION", "USE_TMA"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_attn_fwd)
+
+try:  # host-side TMA descriptors (Triton >= 3.3); the interpreter path never uses them
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # pragma: no cover
+    _TensorDescriptor = None
+# TMA loads paid at head dims <= 64 on the H200 (+5-10 %) but not at 128 (-3..+3 %, and erratic run to run at
+# N = 1K causal): docs/kernel-notes.md.
+TMA_MAX_HEAD_DIM = 64
 
 _interpreted = None
 
@@ -388,9 +425,23 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
     return (o, lse) if return_lse else o
 
 
-def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None):
+def _tma_descriptors(q, k, v, o):
+    """TMA descriptors for q, k, v, o on Hopper or newer, or None where TMA cannot be used (older GPU, older
+    Triton, or a tensor whose address or strides are not 16-byte aligned)."""
+    bd = max(16, triton.next_power_of_2(q.shape[-1]))  # the box width; the pre-hook sets the box height
+    if _TensorDescriptor is None or bd > TMA_MAX_HEAD_DIM or torch.cuda.get_device_capability(q.device)[0] < 9:
+        return None
+    for x in (q, k, v, o):
+        strides = [st for st, n in zip(x.stride()[:-1], x.shape[:-1], strict=True) if n > 1]
+        if x.data_ptr() % 16 or any(st * x.element_size() % 16 for st in strides):
+            return None
+    return [_TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 16, bd]) for x in (q, k, v, o)]
+
+
+def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None, use_tma=None):
     """Launch ``_attn_fwd`` on checked inputs. ``config`` (a dict of BLOCK_M, BLOCK_N, num_warps, num_stages)
-    bypasses the autotuner and ``reverse_m`` overrides the causal tile order: both only for experiments."""
+    bypasses the autotuner, ``reverse_m`` overrides the causal tile order and ``use_tma=False`` forces pointer
+    loads: all three only for experiments (scripts/kernel_gpu_check.py)."""
     from flashlab.masking import visible_band
 
     b, hq, nq, d = q.shape
@@ -406,18 +457,21 @@ def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None):
     win_right = big if right == float("inf") else int(right)
     o = torch.empty((b, hq, nq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
-    args = (q, k, v, o, lse)
+    descs = _tma_descriptors(q, k, v, o) if q.is_cuda and use_tma is not False else None
+    args = (q, k, v, o, lse) + (tuple(descs) if descs else (q, k, v, o))
     args += (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     args += (v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2))
     args += (hq, hq // hk, nq, nk, offset, win_left, win_right, float(scale) * LOG2_E)
     band_kind = 0 if window is None and not causal else (1 if window is None else 2)
-    tune_n = triton.next_power_of_2(max(nq, nk))  # re-tune per power-of-two length, not per length
+    # re-tune per power-of-two length and per power-of-two amount of work (B * Hq * Nq query rows), not per shape
+    tune = (triton.next_power_of_2(max(nq, nk)), triton.next_power_of_2(b * hq * nq), band_kind)
     meta = dict(
         HEAD_DIM=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or not q.is_cuda else "tf32",
         DOT_UPCAST=not q.is_cuda and q.dtype != torch.float32,
         REVERSE_M=bool(causal) if reverse_m is None else reverse_m,
+        USE_TMA=descs is not None,
     )
     if q.is_cuda:
         with torch.cuda.device(q.device):
@@ -426,13 +480,15 @@ def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None):
                 return (triton.cdiv(nq, meta["BLOCK_M"]), b * hq)
 
             if config is None:
-                _attn_fwd_tuned[grid](*args, tune_n, band_kind, **meta)
+                _attn_fwd_tuned[grid](*args, *tune, **meta)
             else:
-                _attn_fwd[grid](*args, tune_n, band_kind, **meta, **config)
+                descs_by_name = dict(zip(("desc_q", "desc_k", "desc_v", "desc_o"), args[5:9], strict=True))
+                _set_tma_block_shapes({**descs_by_name, **meta, **config})
+                _attn_fwd[grid](*args, *tune, **meta, **config)
     else:
         grid = (triton.cdiv(nq, CPU_CONFIG["BLOCK_M"]), b * hq)
         with _interpreted_language():
-            _interpreted_kernel()[grid](*args, tune_n, band_kind, **meta, **CPU_CONFIG)
+            _interpreted_kernel()[grid](*args, *tune, **meta, **CPU_CONFIG)
     return o, lse
 
 __all__ = ["flash_attention", "CPU_CONFIG", "DTYPES"]
