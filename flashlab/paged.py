@@ -281,6 +281,8 @@ def simulate(requests, allocator, *, max_steps: int = 1_000_000, progress: bool 
         done += len(finished_now)
         step += 1
         if done == len(requests):
+            for rid in finished_now:  # leave the allocator empty, ready for another run
+                allocator.free(rid)
             bar.update(len(finished_now))
             break
     bar.close()

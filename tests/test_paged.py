@@ -49,6 +49,15 @@ def test_contiguous_exact_leaves_holes_a_longer_request_cannot_use():
     assert paged.steps < r.steps
 
 
+def test_an_allocator_is_empty_after_a_run_and_can_be_reused():
+    reqs = random_requests(40, 50, arrivals_per_step=1.5, seed=11)
+    for alloc in (ContiguousAllocator(200, 50), PagedAllocator(200, 7)):
+        first = simulate(reqs, alloc)
+        assert alloc.reserved() == 0
+        second = simulate(reqs, alloc)
+        assert first.used.tolist() == second.used.tolist() and first.steps == second.steps
+
+
 def test_stranded_memory_is_zero_for_paged():
     reqs = random_requests(60, 64, arrivals_per_step=2.0, seed=3)
     r = simulate(reqs, PagedAllocator(300, 8))
