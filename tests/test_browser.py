@@ -65,8 +65,17 @@ def _free_port() -> int:
 @pytest.fixture
 def jupyterlab(tmp_path):
     """Serve a copy of notebook 02 from a fresh folder; yield the notebook's URL; stop the server afterwards."""
+    # check the tools first, so a machine without them skips at once (CI, which installs them, fails instead)
+    if not Path(CHROMIUM).is_file():
+        _skip_or_fail(f"no chromium at {CHROMIUM} (apt-get install chromium)")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        _skip_or_fail("playwright (the Python package) is not installed")
     if not (NOTEBOOKS / NOTEBOOK).is_file():
         pytest.fail(f"{NOTEBOOKS / NOTEBOOK} is missing")
+    if "flashlab.widgets.explorer(" not in (NOTEBOOKS / NOTEBOOK).read_text(encoding="utf-8"):
+        pytest.fail(f"{NOTEBOOK} has no cell that shows the explorer (flashlab.widgets.explorer())")
     root = tmp_path / "notebooks"
     root.mkdir()
     shutil.copy(NOTEBOOKS / NOTEBOOK, root / NOTEBOOK)
@@ -136,12 +145,7 @@ def _score_text(page) -> str:
 
 
 def test_explorer_slider_changes_the_score_memory_shown(jupyterlab):
-    if not Path(CHROMIUM).is_file():
-        _skip_or_fail(f"no chromium at {CHROMIUM} (apt-get install chromium)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _skip_or_fail("playwright (the Python package) is not installed")
+    from playwright.sync_api import sync_playwright
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
