@@ -449,6 +449,8 @@ def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None, use_tma
     offset, left, right = visible_band(nq, nk, causal, window)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
+    if scale < 0:  # the running max assumes max(s) * scale = max(s * scale); -q with -scale is exact and keeps it so
+        q, scale = -q, -scale
     # the kernel assumes unit stride along D (16-byte vector loads); other strides are passed through untouched
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
 
