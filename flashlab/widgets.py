@@ -33,6 +33,7 @@ DTYPES = [("fp16 / bf16 (2 B)", 2), ("fp32 (4 B)", 4), ("fp8 (1 B)", 1)]
 
 NAIVE, FLASH, COMPUTE, ROOF = "#d62728", "#1f77b4", "#555555", "#222222"  # colours shared by readouts and plots
 PLOT_W, PLOT_H = 430, 280  # each of the two SVG panels, in pixels: fixed, so nothing jumps when values change
+CAPTION_H = 36  # the line of text under the panels
 
 
 def _tokens_label(n: int) -> str:
@@ -93,7 +94,9 @@ class Explorer(widgets.VBox):
             rows.append(widgets.HTML(f"<b>{label}</b>", layout=widgets.Layout(width="110px", height="24px")))
             rows.append(value)
         grid = widgets.GridBox(rows, layout=widgets.Layout(grid_template_columns="110px 790px", grid_gap="2px 8px"))
-        self.plot = widgets.HTML(layout=widgets.Layout(width=f"{2 * PLOT_W + 20}px", height=f"{PLOT_H + 10}px"))
+        self.plot = widgets.HTML(
+            layout=widgets.Layout(width=f"{2 * PLOT_W + 20}px", height=f"{PLOT_H + CAPTION_H + 10}px")
+        )
         self.plot.add_class("flashlab-plot")
         self.readouts["plot"] = self.plot
         self.cost = None
@@ -132,9 +135,17 @@ class Explorer(widgets.VBox):
     # --- the pictures ---------------------------------------------------------------------------------------------
 
     def _svg(self, cost) -> str:
+        naive_i, flash_i = cost.naive.arithmetic_intensity, cost.flash.arithmetic_intensity
+        caption = (
+            f"The naive point stays at {naive_i:,.0f} FLOP/B whatever n: its FLOPs and its score traffic both grow as "
+            f"n&sup2;. The flash point moves right as n grows ({flash_i:,.0f} FLOP/B now): the same FLOPs, but "
+            f"traffic that grows only as n."
+        )
         return (
             f"<div style='display:flex;gap:20px;width:{2 * PLOT_W + 20}px;height:{PLOT_H}px'>"
             f"{_roofline_svg(cost)}{_times_svg(cost, self.model.value, self.gpu.value, self.dtype.value)}</div>"
+            f"<div style='width:{2 * PLOT_W + 20}px;height:{CAPTION_H}px;font-size:12px;line-height:16px;"
+            f"color:#444'>{caption}</div>"
         )
 
 
