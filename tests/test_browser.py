@@ -177,6 +177,8 @@ def test_explorer_slider_changes_the_score_memory_shown(jupyterlab):
             explorer = page.locator(".flashlab-explorer").first
             explorer.scroll_into_view_if_needed()
             before = _score_text(page)
+            plot = explorer.locator(".flashlab-plot").first
+            plot_before = plot.inner_text()
 
             # Move the sequence-length slider: focus its handle and step right with the keyboard, as a user would;
             # if the keyboard does not move it, drag the handle with the mouse instead.
@@ -200,6 +202,7 @@ def test_explorer_slider_changes_the_score_memory_shown(jupyterlab):
                     timeout=30_000,
                 )
             after = _score_text(page)
+            plot_after = plot.inner_text()
             page.wait_for_timeout(500)  # let the plot redraw before the picture is taken
             explorer.screenshot(path=str(ARTIFACTS / "explorer.png"))
         except Exception:
@@ -211,3 +214,4 @@ def test_explorer_slider_changes_the_score_memory_shown(jupyterlab):
 
     assert re.search(r"\d", after), f"the score-memory readout shows no number: {after!r}"
     assert after != before, f"moving the slider did not change the score-matrix memory shown ({before!r})"
+    assert "FLOP/B" in plot_after and plot_after != plot_before, "the roofline plot did not redraw"
