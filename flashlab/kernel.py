@@ -453,6 +453,8 @@ def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None, use_tma
         q, scale = -q, -scale
     # the kernel assumes unit stride along D (16-byte vector loads); other strides are passed through untouched
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    if max(nq * q.stride(2), nk * k.stride(2), nk * v.stride(2)) >= 2**31:  # row offsets are 32-bit in the kernel
+        raise ValueError("sequence too long for this memory layout (row offsets exceed 2**31); pass contiguous tensors")
 
     big = nq + nk + 1  # "unbounded" side of the band: wider than any distance in the score matrix
     win_left = big if left == float("inf") else int(left)
