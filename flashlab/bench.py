@@ -426,6 +426,9 @@ def _free_memory_bytes(device: str, max_memory_gb: float | None) -> float:
     if max_memory_gb is not None:
         return max_memory_gb * 1e9
     if device == "cuda":
+        # Earlier cells leave blocks cached by PyTorch's allocator; the driver counts them as used, so hand them
+        # back first (without this the H200 run of 2026-11-29 saw "13 GB free" of 141 GB and skipped naive).
+        torch.cuda.empty_cache()
         return float(torch.cuda.mem_get_info()[0])
     try:
         return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
