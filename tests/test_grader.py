@@ -210,6 +210,8 @@ def test_every_learner_notebook_has_its_exercises():
             any(t.startswith("exercise") for t in c.get("metadata", {}).get("tags", [])) for c in nb.cells[first:]
         ), f"{path.name}: the exercise cells must be the last cells of the notebook"
         assert tags.count("exercise") == tags.count("exercise-check") == len(want)
+        for ex_id, cell in found.items():  # the stubs learners get are the registry's current ones
+            assert cell.source == exercises.get(ex_id).stub_source(), f"{path.name}: {ex_id}'s stub is out of date"
 
 
 # -- stubs and solutions -----------------------------------------------------------------------------------------
