@@ -299,6 +299,9 @@ except ImportError:  # pragma: no cover
 # TMA loads paid at head dims <= 64 on the H200 (+5-10 %) but not at 128 (-3..+3 %, and erratic run to run at
 # N = 1K causal): docs/kernel-notes.md.
 TMA_MAX_HEAD_DIM = 64
+# ...and with a causal or window mask at N <= 1K it swung between 0.89x and 1.30x FA2 from run to run at
+# D = 64 (same tile config each time), while pointer loads gave 1.22x every time: pointer loads there.
+TMA_MIN_MASKED_KEYS = 1024
 
 _interpreted = None
 
@@ -461,7 +464,9 @@ def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None, use_tma
     win_right = big if right == float("inf") else int(right)
     o = torch.empty((b, hq, nq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
-    descs = _tma_descriptors(q, k, v, o) if q.is_cuda and use_tma is not False else None
+    if use_tma is None:  # masked short sequences: TMA was erratic there on the H200 (docs/kernel-notes.md)
+        use_tma = not ((causal or window is not None) and nk <= TMA_MIN_MASKED_KEYS)
+    descs = _tma_descriptors(q, k, v, o) if q.is_cuda and use_tma else None
     args = (q, k, v, o, lse) + (tuple(descs) if descs else (q, k, v, o))
     args += (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     args += (v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2))
