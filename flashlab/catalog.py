@@ -18,11 +18,15 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+# The catalogues live in the repository's data/ folder (an editable install reads them there); a regular install
+# copies them to <prefix>/share/flashlab/data (pyproject.toml's data-files).
+DATA_DIRS = (Path(__file__).resolve().parents[1] / "data", Path(sys.prefix) / "share" / "flashlab" / "data")
+DATA_DIR = next((d for d in DATA_DIRS if (d / "gpus.json").is_file()), DATA_DIRS[0])
 
 TB, GB, MB = 1e12, 1e9, 1e6  # decimal units: bandwidths, FLOP rates and HBM sizes (as datasheets use them)
 KiB, MiB = 1024, 1024**2  # binary units: on-chip memories (shared memory, L2), as CUDA reports them
@@ -179,8 +183,8 @@ def _load(filename: str) -> dict:
     path = DATA_DIR / filename
     if not path.is_file():
         raise FileNotFoundError(
-            f"{path} not found: flashlab reads its catalogues from the repository's data/ folder, so install it "
-            f"editable (pip install -e .) from a clone of the repository"
+            f"{filename} not found in {' or '.join(str(d) for d in DATA_DIRS)}: install flashlab from a clone of "
+            f"the repository (pip install -e . or pip install .), which carries its data/ folder"
         )
     with path.open(encoding="utf-8") as f:
         data = json.load(f)
