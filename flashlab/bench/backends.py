@@ -1,0 +1,146 @@
+"""The backends timed side by side: naive materialised attention, flashlab's kernel and each PyTorch SDPA backend
+pinned explicitly; and the float64 reference rows every backend is checked against."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import flashlab
+from flashlab.bench.config import DTYPES, Cell
+from flashlab.masking import visible_band
+
+# ----------------------------------------------------------------------------------------------------------------
+# The backends
+
+
+def naive_attention(q, k, v, causal: bool = False, scale: float | None = None):
+    """Materialised attention in torch, three kernels the way a textbook writes it: matmul -> softmax -> matmul.
+
+    q ``(B, H, Nq, D)``, k/v ``(B, Hk, Nk, D)``. The ``(B, H, Nq, Nk)`` score matrix S and probabilities P are
+    written to memory in full -- the traffic FlashAttention avoids. With fewer K/V heads (GQA) K and V are first
+    copied once per query head, as a framework without a GQA kernel does. Causal is aligned bottom-right
+    (``flashlab.masking``); Nq <= Nk here, so every row sees at least one key.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)  # (B, H, Nk, D): a copy of K per query head
+        v = v.repeat_interleave(group, dim=1)  # (B, H, Nk, D)
+    s = (q @ k.transpose(-2, -1)) * scale  # (B, H, Nq, Nk): written to memory
+    if causal:
+        nq, nk = s.shape[-2:]
+        visible = torch.ones(nq, nk, dtype=torch.bool, device=s.device).tril(diagonal=nk - nq)  # (Nq, Nk)
+        s = s.masked_fill(~visible, float("-inf"))
+    p = torch.softmax(s, dim=-1)  # (B, H, Nq, Nk): read S, write P
+    return p @ v  # (B, H, Nq, D): read P
+
+
+def reference_rows(q, k, v, causal: bool, rows, scale: float | None = None, max_bytes: int = 256 * 2**20):
+    """Float64 attention output for the query rows ``rows`` only: ``(B, H, len(rows), D)``.
+
+    A row's output depends on its own query and all keys, so a sample of rows checks a kernel without building
+    the full N x N float64 score matrix. The mask uses ``flashlab.masking.visible_band`` (causal aligned
+    bottom-right, as every flashlab implementation). k/v may have fewer heads than q (GQA: query head h reads K/V
+    head ``h // group``). Heads are processed in groups of at most about ``max_bytes`` of float64 scores and K/V.
+    Rows that see no key give zeros, as in ``flashlab.reference``.
+    """
+    nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    rows = torch.as_tensor(rows, device=q.device, dtype=torch.long)
+    offset, left, right = visible_band(nq, nk, causal)
+    diag = (rows + offset)[:, None]  # (R, 1)
+    j = torch.arange(nk, device=q.device)[None, :]  # (1, Nk)
+    visible = (j >= diag - left) & (j <= diag + right)  # (R, Nk)
+    b, h = q.shape[:2]
+    group = h // k.shape[1]
+    heads_per_step = max(1, max_bytes // (8 * nk * (len(rows) + 2 * d)))
+    out = torch.empty(b, h, len(rows), v.shape[-1], dtype=torch.float64, device=q.device)
+    for h0 in range(0, h, heads_per_step):
+        hs = slice(h0, min(h, h0 + heads_per_step))
+        kv = torch.arange(hs.start, hs.stop, device=q.device) // group  # the K/V head each query head reads
+        qs = q[:, hs][:, :, rows].double()  # (B, h, R, D)
+        s = (qs @ k[:, kv].double().transpose(-2, -1)) * scale  # (B, h, R, Nk)
+        s = s.masked_fill(~visible, float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key -> zeros
+        out[:, hs] = p @ v[:, kv].double()  # (B, h, R, D)
+    return out
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A way to compute attention: ``run(q, k, v, causal)`` -> o, all ``(B, H, N, D)``.
+
+    ``unavailable(device, dtype)`` returns why it cannot run there (or None); ``materialises`` says it holds the
+    score matrix (and, under GQA, copies of K and V), so the harness checks it fits in memory before running it;
+    ``score_bytes`` is how many bytes it holds per score entry.
+    """
+
+    name: str
+    description: str
+    run: Callable
+    unavailable: Callable = lambda device, dtype: None
+    materialises: bool = False
+    score_bytes: Callable = lambda dtype: 2 * dtype.itemsize  # S and P alive at once
+
+    def workspace_bytes(self, cell: Cell) -> int:
+        """Memory a materialising backend needs beyond its inputs: S and P, plus K/V repeated per query head."""
+        dtype = DTYPES[cell.dtype]
+        scores = cell.batch * cell.heads * cell.nq * cell.seq_len * self.score_bytes(dtype)
+        repeated_kv = 0 if cell.hk == cell.heads else 2 * cell.batch * cell.heads * cell.seq_len * cell.head_dim
+        return scores + repeated_kv * dtype.itemsize
+
+
+def _sdpa_backend(member: str, description: str, cuda_only: bool, materialises: bool = False) -> Backend:
+    def run(q, k, v, causal):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}  # K/V heads shared by query heads
+        with sdpa_kernel([getattr(SDPBackend, member)]):  # pinned: no silent fallback to another backend
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
+
+    def unavailable(device, dtype):
+        if cuda_only and device != "cuda":
+            return f"SDPA {member} has no CPU kernel"
+        return None
+
+    return Backend(
+        name=f"sdpa_{member.split('_')[0].lower()}",
+        description=f"torch SDPA pinned to {member}: {description}",
+        run=run,
+        unavailable=unavailable,
+        materialises=materialises,
+        # the math backend computes half-precision inputs in fp32 on CUDA: S and P at 4 bytes each
+        score_bytes=(lambda dtype: 8) if materialises else (lambda dtype: 2 * dtype.itemsize),
+    )
+
+
+def _flashlab_run(q, k, v, causal):
+    return flashlab.flash_attention(q, k, v, causal=causal)
+
+
+def _flashlab_unavailable(device, dtype):
+    try:
+        flashlab.flash_attention  # noqa: B018 -- imports flashlab.kernel (helper C1's Triton kernel)
+    except (ImportError, AttributeError) as e:
+        return f"flashlab.flash_attention not importable: {e}"
+    return None
+
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend("naive", "torch matmul -> softmax -> matmul, score matrix materialised", naive_attention,
+                materialises=True),
+        Backend("flashlab", "flashlab.flash_attention (Triton; the interpreter on CPU)", _flashlab_run,
+                unavailable=_flashlab_unavailable),
+        _sdpa_backend("FLASH_ATTENTION", "FlashAttention-2 inside PyTorch", cuda_only=False),
+        _sdpa_backend("CUDNN_ATTENTION", "cuDNN's fused attention", cuda_only=True),
+        _sdpa_backend("EFFICIENT_ATTENTION", "xformers' memory-efficient kernel", cuda_only=True),
+        _sdpa_backend("MATH", "PyTorch's composite fallback", cuda_only=False, materialises=True),
+    )
+}  # fmt: skip

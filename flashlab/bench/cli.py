@@ -1,0 +1,126 @@
+"""The command line: ``python -m flashlab.bench --help`` explains every flag."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+
+from flashlab.bench.backends import BACKENDS
+from flashlab.bench.config import CAUSAL_CHOICES, DTYPES, BenchConfig
+from flashlab.bench.results import BenchResults, default_prefix, run_sweep, summary_table
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def _sizes(text: str) -> list[int]:
+    """'1024,2k,16K' -> [1024, 2048, 16384] (k = 1024)."""
+    out = []
+    for x in text.split(","):
+        x = x.strip().lower()
+        try:
+            out.append(int(x[:-1]) * 1024 if x.endswith("k") else int(x))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated sizes like 1024,2k,16k; got {text!r}") from None
+    return out
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m flashlab.bench",
+        description=__doc__.split("\n\n")[0]
+        + " Each (backend, cell) is checked against a float64 reference before it is timed.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Defaults marked None depend on the device and mode: on a GPU, prefill runs the issue's grid (bf16, "
+        "D 64,128, N 1k..16k, 16k tokens, model dim 2048, warmup 25, rep 100) and decode bf16, D 128, KV 4k,32k,128k, "
+        "batches 1,8, 64 query / 8 KV heads; on the CPU or with --quick, tiny grids.",
+    )
+    p.add_argument(
+        "--mode",
+        choices=["prefill", "decode"],
+        default="prefill",
+        help="prefill: N queries attend to N keys (the issue's grid); decode: one query token per sequence against "
+        "a KV cache of N tokens, grouped-query heads (--q-heads / --kv-heads), batches from --batches",
+    )
+    p.add_argument(
+        "--seq-lens", type=_sizes, help="sequence lengths N, comma-separated ('2k' = 2048); in decode, KV cache lengths"
+    )
+    p.add_argument("--head-dims", type=_sizes, help="head dims D, comma-separated")
+    p.add_argument("--dtypes", type=_names, help=f"dtypes, comma-separated, from {sorted(DTYPES)}")
+    p.add_argument("--causal", choices=sorted(CAUSAL_CHOICES), default="both", help="causal mask: yes, no or both")
+    p.add_argument(
+        "--backends",
+        type=_names,
+        help=f"backends to run, comma-separated (default: all of {','.join(BACKENDS)})",
+    )
+    p.add_argument("--tokens", type=int, help="prefill: tokens per batch B*N; batch B = tokens // N (at least 1)")
+    p.add_argument("--model-dim", type=int, help="prefill: model width H*D; heads H = model_dim // D (at least 1)")
+    p.add_argument("--batches", type=_sizes, help="decode: batch sizes, comma-separated (default 1,8 on a GPU)")
+    p.add_argument("--q-heads", type=int, help="decode: query heads (default 64 on a GPU)")
+    p.add_argument("--kv-heads", type=int, help="decode: key/value heads, dividing --q-heads (default 8 on a GPU)")
+    p.add_argument("--warmup", type=float, help="warm-up time per measurement, ms (do_bench's warmup)")
+    p.add_argument("--rep", type=float, help="timed repetitions per measurement, ms (do_bench's rep); median reported")
+    p.add_argument(
+        "--out",
+        help="write PREFIX.csv and PREFIX.json (default: data/results/<gpu>-<dtypes>-<date> on a GPU, "
+        "test-artifacts/bench/cpu-<dtypes>-<date> on the CPU)",
+    )
+    p.add_argument("--device", choices=["cuda", "cpu"], help="where to run (default: cuda if torch sees a GPU)")
+    p.add_argument("--quick", action="store_true", help="a tiny grid that finishes in seconds (smoke test)")
+    p.add_argument(
+        "--no-ceilings", action="store_true", help="skip measuring copy bandwidth and matmul TFLOP/s (GPU only)"
+    )
+    p.add_argument("--check-rows", type=int, default=256, help="query rows per head checked against float64")
+    p.add_argument(
+        "--max-memory-gb",
+        type=float,
+        help="memory (GB) a materialising backend may assume free when pre-checking its score matrix "
+        "(default: what the device reports free)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed for q, k, v")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The ``BenchConfig`` a parsed command line asks for (unresolved: device defaults still to fill in)."""
+    return BenchConfig(
+        seq_lens=args.seq_lens,
+        head_dims=args.head_dims,
+        dtypes=args.dtypes,
+        causal=args.causal,
+        backends=args.backends,
+        mode=args.mode,
+        batches=args.batches,
+        q_heads=args.q_heads,
+        kv_heads=args.kv_heads,
+        tokens=args.tokens,
+        model_dim=args.model_dim,
+        warmup=args.warmup,
+        rep=args.rep,
+        device=args.device,
+        quick=args.quick,
+        ceilings=not args.no_ceilings,
+        check_rows=args.check_rows,
+        max_memory_gb=args.max_memory_gb,
+        seed=args.seed,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> BenchResults:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    results = run_sweep(
+        config, progress=not args.no_progress, command=shlex.join(["python", "-m", "flashlab.bench", *argv])
+    )
+    json_path, csv_path = results.save(args.out or default_prefix(results.meta))
+    print(summary_table(results))
+    print(f"wrote {json_path} and {csv_path}")
+    return results

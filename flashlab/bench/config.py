@@ -1,0 +1,239 @@
+"""The sweep's grid: one cell (dtype, head dim, length, mask, batch, heads) and the configuration that
+lists them; the tolerances a checked backend must meet."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from flashlab import roofline
+
+# ----------------------------------------------------------------------------------------------------------------
+# The sweep: cells and configuration
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+
+# Relative error (Frobenius norm of the difference over that of the reference) a backend may have on a checked
+# slice. The inputs are already rounded to the dtype, so this is the error of the computation alone: rounding P
+# and O to the dtype (bf16 has 8 significant bits, fp16 11). fp32 leaves room for TF32 tensor-core products
+# (11 bits), which Triton's tl.dot uses for fp32 by default. A wrong answer (a missed mask, a lost rescale) is
+# off by 1e-1 or more.
+TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3, "fp32": 5e-3}
+
+# Columns every result row carries from the run's stamp.
+STAMP_COLUMNS = ("device_name", "torch", "triton", "cuda", "date")
+
+CAUSAL_CHOICES = {"both": (False, True), "no": (False,), "yes": (True,)}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of the sweep: q is ``(batch, heads, q_len, head_dim)``, k and v ``(batch, kv_heads, seq_len,
+    head_dim)``, all of ``dtype``.
+
+    Prefill (the default): ``q_len = seq_len`` and ``kv_heads = heads``. Decode: ``q_len = 1``, one new token
+    against a KV cache of ``seq_len`` tokens, with ``kv_heads < heads`` under grouped-query attention.
+    """
+
+    dtype: str
+    head_dim: int
+    seq_len: int
+    causal: bool
+    batch: int
+    heads: int
+    q_len: int | None = None  # None: seq_len (prefill)
+    kv_heads: int | None = None  # None: heads (no GQA)
+
+    @property
+    def nq(self) -> int:
+        return self.seq_len if self.q_len is None else self.q_len
+
+    @property
+    def hk(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def flops(self) -> float:
+        if self.nq == self.seq_len:
+            return attention_flops(self.batch, self.heads, self.seq_len, self.head_dim, self.causal)
+        # decode: Q K^T and P V over nq x seq_len scores per query head (nq = 1 sees every key: no mask)
+        return 4.0 * self.batch * self.heads * self.nq * self.seq_len * self.head_dim
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K and V (the KV cache) read once."""
+        return 2 * self.batch * self.hk * self.seq_len * self.head_dim * DTYPES[self.dtype].itemsize
+
+    @property
+    def io_bytes(self) -> int:
+        """Bytes of Q, K, V read and O written, once each: the least any implementation must move."""
+        q_and_o = 2 * self.batch * self.heads * self.nq * self.head_dim * DTYPES[self.dtype].itemsize
+        return q_and_o + self.kv_bytes
+
+    def label(self) -> str:
+        if self.nq != self.seq_len:
+            return f"{self.dtype} D={self.head_dim} decode KV={self.seq_len} B={self.batch} H={self.heads}/{self.hk}"
+        mask = "causal" if self.causal else "full"
+        return f"{self.dtype} D={self.head_dim} N={self.seq_len} {mask} B={self.batch} H={self.heads}"
+
+
+def attention_flops(batch: int, heads: int, seq_len: int, head_dim: int, causal: bool) -> float:
+    """Forward FLOPs of the whole batch: ``flashlab.roofline.attention_flops`` (4*N^2*D per head, causal half)."""
+    return float(batch * heads * roofline.attention_flops(seq_len, head_dim, causal=causal))
+
+
+@dataclass
+class BenchConfig:
+    """Everything a sweep depends on. ``None`` fields take the device's defaults (see ``resolve``)."""
+
+    seq_lens: Sequence[int] | None = None
+    head_dims: Sequence[int] | None = None
+    dtypes: Sequence[str] | None = None
+    causal: str = "both"
+    backends: Sequence[str] | None = None
+    mode: str = "prefill"
+    batches: Sequence[int] | None = None  # decode only
+    q_heads: int | None = None  # decode only
+    kv_heads: int | None = None  # decode only
+    tokens: int | None = None
+    model_dim: int | None = None
+    warmup: float | None = None  # ms
+    rep: float | None = None  # ms
+    device: str | None = None
+    quick: bool = False
+    ceilings: bool = True
+    check_rows: int = 256
+    max_memory_gb: float | None = None
+    seed: int = 0
+
+    def resolve(self) -> BenchConfig:
+        """Fill in defaults for the device (GPU: the issue's grid; CPU or --quick: tiny sizes); validate."""
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu'; got {device!r}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU; use --device cpu")
+        gpu = device == "cuda"
+        if self.mode not in ("prefill", "decode"):
+            raise ValueError(f"mode must be 'prefill' or 'decode'; got {self.mode!r}")
+        if self.mode == "decode":
+            return self._resolve_decode(device)
+        if self.quick or not gpu:
+            defaults = dict(
+                seq_lens=(512, 2048) if gpu else (64, 100),
+                head_dims=(64, 128) if gpu else (16, 40),
+                dtypes=("bf16",) if gpu else ("fp32",),
+                tokens=4096 if gpu else 128,
+                model_dim=2048 if gpu else 64,
+                warmup=10.0 if gpu else 1.0,
+                rep=30.0 if gpu else 5.0,
+            )
+        else:
+            defaults = dict(
+                seq_lens=(1024, 2048, 4096, 8192, 16384),
+                head_dims=(64, 128),
+                dtypes=("bf16",),
+                tokens=16384,
+                model_dim=2048,
+                warmup=25.0,
+                rep=100.0,
+            )
+        return self._fill(device, defaults)
+
+    def _resolve_decode(self, device: str) -> BenchConfig:
+        gpu = device == "cuda"
+        defaults = dict(
+            seq_lens=(4096, 32768) if gpu and self.quick else (4096, 32768, 131072) if gpu else (100, 257),
+            head_dims=(128,) if gpu else (16,),
+            dtypes=("bf16",) if gpu else ("fp32",),
+            batches=(1, 8) if gpu else (1, 2),
+            q_heads=64 if gpu else 4,
+            kv_heads=8 if gpu else 2,
+            tokens=0,
+            model_dim=0,
+            warmup=(10.0 if self.quick else 25.0) if gpu else 1.0,
+            rep=(30.0 if self.quick else 100.0) if gpu else 5.0,
+        )
+        filled = self._fill(device, defaults)
+        if min(filled.batches, default=0) < 1:
+            raise ValueError(f"batches must be a non-empty list of positive ints; got {filled.batches}")
+        if filled.kv_heads < 1 or filled.q_heads < 1 or filled.q_heads % filled.kv_heads:
+            raise ValueError(f"q_heads ({filled.q_heads}) must be a positive multiple of kv_heads ({filled.kv_heads})")
+        return replace(filled, batches=tuple(int(b) for b in filled.batches), causal="no")
+
+    def _fill(self, device: str, defaults: dict) -> BenchConfig:
+        filled = {k: (getattr(self, k) if getattr(self, k) is not None else v) for k, v in defaults.items()}
+        filled["dtypes"] = tuple(_dtype_name(d) for d in filled["dtypes"])
+        filled["seq_lens"] = tuple(int(n) for n in filled["seq_lens"])
+        filled["head_dims"] = tuple(int(d) for d in filled["head_dims"])
+        from flashlab.bench.backends import BACKENDS  # here: backends.py imports this module
+
+        backends = tuple(self.backends) if self.backends is not None else tuple(BACKENDS)
+        if self.causal not in CAUSAL_CHOICES:
+            raise ValueError(f"causal must be one of {sorted(CAUSAL_CHOICES)}; got {self.causal!r}")
+        for name, values in (("seq_lens", filled["seq_lens"]), ("head_dims", filled["head_dims"])):
+            if not values or min(values) < 1:
+                raise ValueError(f"{name} must be a non-empty list of positive ints; got {values}")
+        for name in ("tokens", "model_dim") if self.mode == "prefill" else ():
+            if filled[name] < 1:
+                raise ValueError(f"{name} must be a positive int; got {filled[name]}")
+        if filled["warmup"] < 0 or filled["rep"] <= 0:
+            raise ValueError(f"warmup must be >= 0 and rep > 0 (ms); got {filled['warmup']}, {filled['rep']}")
+        if self.check_rows < 1:
+            raise ValueError(f"check_rows must be a positive int; got {self.check_rows}")
+        return replace(self, device=device, backends=backends, **filled)
+
+    def cells(self) -> list[Cell]:
+        """The sweep's cells, in the order they run: dtype, then head dim, then causal, then sequence length."""
+        c = self.resolve()  # idempotent: a resolved config resolves to itself
+        if c.mode == "decode":
+            return [
+                Cell(dtype, d, n, False, batch=b, heads=c.q_heads, q_len=1, kv_heads=c.kv_heads)
+                for dtype in c.dtypes
+                for d in c.head_dims
+                for n in c.seq_lens
+                for b in c.batches
+            ]
+        return [
+            Cell(dtype, d, n, causal, batch=max(1, c.tokens // n), heads=max(1, c.model_dim // d))
+            for dtype in c.dtypes
+            for d in c.head_dims
+            for causal in CAUSAL_CHOICES[c.causal]
+            for n in c.seq_lens
+        ]
+
+    def to_argv(self) -> list[str]:
+        """The command-line flags that reproduce this (resolved) configuration."""
+        c = self.resolve()  # idempotent: a resolved config resolves to itself
+        argv = [
+            "--mode", c.mode,
+            "--device", c.device,
+            "--dtypes", ",".join(c.dtypes),
+            "--head-dims", ",".join(map(str, c.head_dims)),
+            "--seq-lens", ",".join(map(str, c.seq_lens)),
+            "--backends", ",".join(c.backends),
+            "--warmup", f"{c.warmup:g}",
+            "--rep", f"{c.rep:g}",
+            "--check-rows", str(c.check_rows),
+            "--seed", str(c.seed),
+        ]  # fmt: skip
+        if c.mode == "decode":
+            argv += ["--batches", ",".join(map(str, c.batches)), "--q-heads", str(c.q_heads)]
+            argv += ["--kv-heads", str(c.kv_heads)]
+        else:
+            argv += ["--causal", c.causal, "--tokens", str(c.tokens), "--model-dim", str(c.model_dim)]
+        if c.max_memory_gb is not None:
+            argv += ["--max-memory-gb", f"{c.max_memory_gb:g}"]
+        if not c.ceilings:
+            argv.append("--no-ceilings")
+        return argv
+
+
+def _dtype_name(name: str) -> str:
+    key = DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
+    if key not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)}")
+    return key

@@ -1,0 +1,250 @@
+"""A whole sweep: its rows, the stamp (GPU, versions, date, command), CSV/JSON files, and the summaries
+(speedup ratios, geo-means, the table printed at the end)."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import flashlab
+from flashlab.bench.backends import BACKENDS, Backend
+from flashlab.bench.config import STAMP_COLUMNS, BenchConfig
+from flashlab.bench.measure import bench_cell, measure_ceilings
+
+# ----------------------------------------------------------------------------------------------------------------
+# A whole sweep, its stamp, and files
+
+ROW_COLUMNS = (
+    "backend", "dtype", "head_dim", "seq_len", "causal", "batch", "heads", "kv_heads", "q_len", "status", "reason",
+    "rel_err", "max_abs_err", "tol", "time_ms", "tflops", "bandwidth_gbps", "peak_extra_mb", "flops", "io_bytes",
+) + STAMP_COLUMNS  # fmt: skip
+
+
+@dataclass
+class BenchResults:
+    """A sweep's result rows (dicts with ``ROW_COLUMNS``), its stamp ``meta`` and the measured ``ceilings``."""
+
+    meta: dict
+    rows: list[dict]
+    ceilings: dict = field(default_factory=dict)
+
+    def ok_rows(self, **match) -> list[dict]:
+        """Rows that were checked and timed, optionally filtered by column values (e.g. ``backend='naive'``)."""
+        return [r for r in self.rows if r["status"] == "ok" and all(r[k] == v for k, v in match.items())]
+
+    def to_json(self) -> dict:
+        return dict(meta=self.meta, ceilings=self.ceilings, rows=[_json_row(r) for r in self.rows])
+
+    def save(self, prefix) -> tuple[Path, Path]:
+        """Write ``PREFIX.json`` (meta, ceilings, rows) and ``PREFIX.csv`` (rows, stamp columns in each)."""
+        prefix = Path(prefix)
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        json_path, csv_path = prefix.with_name(prefix.name + ".json"), prefix.with_name(prefix.name + ".csv")
+        json_path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        with csv_path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=ROW_COLUMNS)
+            writer.writeheader()
+            for r in self.rows:
+                writer.writerow({k: ("" if _is_nan(r.get(k, "")) else r.get(k, "")) for k in ROW_COLUMNS})
+        return json_path, csv_path
+
+    @classmethod
+    def load(cls, path) -> BenchResults:
+        """Read a ``.json`` written by ``save`` (missing numbers, stored as null, come back as NaN)."""
+        data = json.loads(Path(path).read_text())
+        rows = [{k: (float("nan") if v is None else v) for k, v in r.items()} for r in data["rows"]]
+        return cls(meta=data["meta"], rows=rows, ceilings=data.get("ceilings", {}))
+
+
+def _is_nan(x) -> bool:
+    return isinstance(x, float) and math.isnan(x)
+
+
+def _json_row(r: dict) -> dict:
+    return {k: (None if _is_nan(v) else v) for k, v in r.items()}
+
+
+def environment_stamp(device: str) -> dict:
+    """What produced the numbers: device, versions, date."""
+    import triton
+
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        device_name = props.name
+        extra = dict(
+            capability=f"{props.major}.{props.minor}",
+            multiprocessors=props.multi_processor_count,
+            memory_gb=round(props.total_memory / 1e9, 1),
+            cudnn=torch.backends.cudnn.version(),
+        )
+    else:
+        device_name = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+        extra = {}
+    return dict(
+        tool="flashlab.bench",
+        flashlab=flashlab.__version__,
+        device=device,
+        device_name=device_name,
+        is_cuda_gpu=device == "cuda",
+        torch=torch.__version__,
+        triton=triton.__version__,
+        cuda=torch.version.cuda if device == "cuda" else None,
+        python=platform.python_version(),
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        **extra,
+    )
+
+
+def run_sweep(
+    config: BenchConfig | None = None,
+    extra_backends: Sequence[Backend] = (),
+    progress: bool = True,
+    command: str | None = None,
+) -> BenchResults:
+    """Run the sweep ``config`` describes (``BenchConfig()``: the device's default grid) and return its results.
+
+    ``extra_backends`` are run after the named ones (tests inject a broken one this way). ``command`` is the
+    stamp's command line; by default the ``python -m flashlab.bench`` flags that reproduce ``config``.
+    """
+    from tqdm import tqdm
+
+    config = (config or BenchConfig()).resolve()
+    unknown = [b for b in config.backends if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown backend(s) {unknown}; choose from {list(BACKENDS)}")
+    backends = [BACKENDS[b] for b in config.backends] + list(extra_backends)
+    meta = environment_stamp(config.device)
+    meta["command"] = command or "python -m flashlab.bench " + shlex.join(config.to_argv())
+    meta["config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()}
+    meta["timing"] = (
+        "triton.testing.do_bench, median" if config.device == "cuda" else "time.perf_counter per call, median"
+    )
+    meta["backends"] = {b.name: b.description for b in backends}
+    cells = config.cells()
+    ceilings = measure_ceilings(config.device) if config.ceilings else {}
+    rows = []
+    start = time.perf_counter()
+    bar = tqdm(total=len(cells) * len(backends), desc="flashlab.bench", unit="run", disable=not progress)
+    for cell in cells:
+        bar.set_postfix_str(cell.label())
+        cell_rows = bench_cell(cell, backends, config, meta)
+        rows += cell_rows
+        bar.update(len(cell_rows))
+    bar.close()
+    meta["elapsed_s"] = round(time.perf_counter() - start, 1)
+    return BenchResults(meta=meta, rows=rows, ceilings=ceilings)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Summaries
+
+
+def speedups(results: BenchResults, numerator: str = "flashlab", denominator: str = "sdpa_flash") -> dict:
+    """Time of ``denominator`` / time of ``numerator`` per cell (>1: numerator faster), for cells where both ran.
+
+    Keys are ``(dtype, head_dim, causal, seq_len, batch)``.
+    """
+
+    def key(r):
+        return (r["dtype"], r["head_dim"], r["causal"], r["seq_len"], r["batch"])
+
+    num = {key(r): r["time_ms"] for r in results.ok_rows(backend=numerator)}
+    den = {key(r): r["time_ms"] for r in results.ok_rows(backend=denominator)}
+    return {c: den[c] / num[c] for c in num if c in den}
+
+
+def geomean(values) -> float:
+    values = list(values)
+    return float(np.exp(np.mean(np.log(values)))) if values else float("nan")
+
+
+def summary_table(results: BenchResults) -> str:
+    """Per cell, every backend's TFLOP/s (prefill) or Q/K/V/O bandwidth in TB/s (decode, where K and V are nearly
+    all of it), then the speed ratios flashlab / FA2 and flashlab / cuDNN, and their geo-means."""
+    decode = results.meta.get("config", {}).get("mode") == "decode"
+    names = list(dict.fromkeys(r["backend"] for r in results.rows))
+
+    def key(r):
+        return (r["dtype"], r["head_dim"], r["causal"], r["seq_len"], r["batch"])
+
+    cells = list(dict.fromkeys(key(r) for r in results.rows))
+    status = {key(r) + (r["backend"],): r for r in results.rows}
+    vs_fa2 = speedups(results, "flashlab", "sdpa_flash")
+    vs_cudnn = speedups(results, "flashlab", "sdpa_cudnn")
+    head = ["dtype", "D", "mask", "N", "B"] + names + ["fl/FA2", "fl/cuDNN"]
+    lines = []
+    for c in cells:
+        line = [c[0], str(c[1]), "decode" if decode else "causal" if c[2] else "full", str(c[3]), str(c[4])]
+        for name in names:
+            r = status.get(c + (name,))
+            if r is None or r["status"] != "ok":
+                line.append("-" if r is None else r["status"])
+            else:
+                line.append(f"{r['bandwidth_gbps'] / 1e3:.3g}" if decode else f"{r['tflops']:.3g}")
+        line += [f"{vs_fa2[c]:.2f}" if c in vs_fa2 else "-", f"{vs_cudnn[c]:.2f}" if c in vs_cudnn else "-"]
+        lines.append(line)
+    widths = [max(len(x) for x in col) for col in zip(head, *lines, strict=True)]
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    what = "decode, Q/K/V/O bandwidth in TB/s (or why not)" if decode else "forward TFLOP/s (or why not)"
+    out = [f"{results.meta['device_name']}, torch {results.meta['torch']}, triton {results.meta['triton']}, "
+           f"{results.meta['date']} -- {what}"]  # fmt: skip
+    out += [fmt.format(*head)] + [fmt.format(*line) for line in lines]
+    for name, ratios in (("FA2 (sdpa_flash)", vs_fa2), ("cuDNN (sdpa_cudnn)", vs_cudnn)):
+        if ratios:
+            out.append(
+                f"flashlab vs {name}: geo-mean {geomean(ratios.values()):.2f}x over {len(ratios)} cells "
+                f"(min {min(ratios.values()):.2f}x, max {max(ratios.values()):.2f}x)"
+            )
+        else:
+            out.append(f"flashlab vs {name}: no cell where both ran")
+    ceil = results.ceilings
+    if ceil.get("copy_tbps"):
+        out.append(
+            f"ceilings: copy {ceil['copy_tbps']:.2f} TB/s, 8192^3 bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s"
+        )
+    problems = [r for r in results.rows if r["status"] in ("wrong", "error")]
+    for r in problems:
+        out.append(
+            f"{r['status'].upper()}: {r['backend']} {r['dtype']} D={r['head_dim']} N={r['seq_len']}: {r['reason']}"
+        )
+    return "\n".join(out)
+
+
+def default_prefix(meta: dict) -> Path:
+    """``data/results/<gpu>-<dtypes>-<date>`` for a GPU run (``<gpu>-decode-...`` in decode mode);
+    ``test-artifacts/bench/cpu-...`` on the CPU."""
+    dtypes = "-".join(meta["config"]["dtypes"])
+    if meta["config"].get("mode") == "decode":
+        dtypes = "decode-" + dtypes
+    date = meta["date"][:10]
+    if meta["is_cuda_gpu"]:
+        slug = meta["device_name"].lower().replace("nvidia", "").strip().replace(" ", "-")
+        return Path("data/results") / f"{slug}-{dtypes}-{date}"
+    return Path("test-artifacts/bench") / f"cpu-{dtypes}-{date}"
+
+
+def newest_gpu_results(directory="data/results", mode: str = "prefill") -> Path | None:
+    """The newest ``*.json`` in ``directory`` whose stamp says a CUDA GPU produced it in ``mode`` (by stamp date),
+    or None."""
+    found = []
+    for path in Path(directory).glob("*.json"):
+        try:
+            meta = json.loads(path.read_text())["meta"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        file_mode = (meta.get("config") or {}).get("mode", "prefill")
+        if meta.get("tool") == "flashlab.bench" and meta.get("is_cuda_gpu") and file_mode == mode:
+            found.append((meta.get("date", ""), path.name, path))
+    return max(found)[2] if found else None
