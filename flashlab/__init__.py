@@ -6,7 +6,15 @@ The package behind the notebooks:
   (FlashAttention) loop and the split-KV merge. Everything else is checked against it.
 - ``flashlab.masking`` / ``flashlab.shapes`` -- which keys a query may see (causal, sliding window) and which
   tiles that leaves to compute; the shape rules (GQA) every implementation shares.
-- ``flashlab.flash_attention`` -- the Triton kernel (compiled on a GPU, Triton's interpreter on a CPU).
+- ``flashlab.flash_attention`` -- the Triton kernel (``flashlab.kernel``; compiled on a GPU, Triton's interpreter on
+  a CPU), checked against ``flashlab.reference.flash_attention``.
+- ``flashlab.roofline`` / ``flashlab.catalog`` -- the lesson's arithmetic (bytes, FLOPs, seconds) and the GPU and
+  model catalogues it reads from ``data/``; ``flashlab.widgets`` -- the sequence-length explorer.
+- ``flashlab.paged`` -- a KV-cache allocator simulation (contiguous vs paged blocks).
+- ``flashlab.bench`` -- ``python -m flashlab.bench``, the checked benchmark harness; ``flashlab.backends`` -- which
+  PyTorch SDPA backend runs where.
+- ``flashlab.exercises`` / ``flashlab.grade`` -- the notebooks' exercises, their pytest tests, and the grader
+  (``python -m flashlab.grade``).
 
 Heavy dependencies (torch, triton) are imported only when the kernel is first used.
 """
