@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from flashlab import roofline
+from flashlab.backends import TOLERANCE as ATTENTION_TOLERANCE
 
 # ----------------------------------------------------------------------------------------------------------------
 # The sweep: cells and configuration
@@ -17,11 +18,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 
 # Relative error (Frobenius norm of the difference over that of the reference) a backend may have on a checked
-# slice. The inputs are already rounded to the dtype, so this is the error of the computation alone: rounding P
-# and O to the dtype (bf16 has 8 significant bits, fp16 11). fp32 leaves room for TF32 tensor-core products
-# (11 bits), which Triton's tl.dot uses for fp32 by default. A wrong answer (a missed mask, a lost rescale) is
-# off by 1e-1 or more.
-TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3, "fp32": 5e-3}
+# slice: flashlab's one per-dtype table (flashlab.backends.TOLERANCE), under this harness's short dtype names.
+TOLERANCE = {short: ATTENTION_TOLERANCE[str(dtype).removeprefix("torch.")] for short, dtype in DTYPES.items()}
 
 # Columns every result row carries from the run's stamp.
 STAMP_COLUMNS = ("device_name", "torch", "triton", "cuda", "date")
