@@ -31,7 +31,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torc
 
 step "${BENCH_CAP:-240}" "prefill benchmark" python3 -m flashlab.bench --no-progress --out "$OUT/h200-bf16-$DATE"
 step 45 "SDPA backend probe" python3 -m flashlab.backends --out "$OUT/h200-sdpa-backends.json"
-step "${TESTS_CAP:-120}" "GPU tests" python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/
+step "${TESTS_CAP:-240}" "GPU tests" python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/
 if python3 -c "import nbclient, ipykernel" 2>/dev/null; then
     mkdir -p /tmp/nb-gpu
     for nb in 04_triton_kernel 08_exactness 05_timing_on_gpu; do
