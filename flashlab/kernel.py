@@ -303,17 +303,16 @@ TMA_MAX_HEAD_DIM = 64
 # D = 64 (same tile config each time), while pointer loads gave 1.22x every time: pointer loads there.
 TMA_MIN_MASKED_KEYS = 1024
 
-_interpreted = None
+_INTERPRETED_KERNELS: dict = {}
 
 
-def _interpreted_kernel():
-    """The same ``_attn_fwd`` source, run by Triton's interpreter (NumPy) instead of being compiled."""
-    global _interpreted
-    if _interpreted is None:
+def _interpreted(kernel):
+    """The same ``@triton.jit`` source, run by Triton's interpreter (NumPy) instead of being compiled."""
+    if kernel not in _INTERPRETED_KERNELS:
         from triton.runtime.interpreter import InterpretedFunction
 
-        _interpreted = InterpretedFunction(_attn_fwd.fn)
-    return _interpreted
+        _INTERPRETED_KERNELS[kernel] = InterpretedFunction(kernel.fn)
+    return _INTERPRETED_KERNELS[kernel]
 
 
 @contextlib.contextmanager
@@ -363,7 +362,7 @@ _INTERPRETED_LIB: dict = {}
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _check_inputs(q, k, v, causal, window, scale):
+def _check_inputs(q, k, v, causal, window, scale, num_splits=None):
     from flashlab.masking import visible_band
     from flashlab.shapes import attention_shape
 
@@ -401,6 +400,11 @@ def _check_inputs(q, k, v, causal, window, scale):
             raise TypeError(f"scale must be a number or None; got {type(scale).__name__}")
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite; got {scale}")
+    if num_splits is not None:
+        if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+            raise TypeError(f"num_splits must be an int or None; got {type(num_splits).__name__}")
+        if not 1 <= num_splits <= min(shape.nk, 256):
+            raise ValueError(f"num_splits must be between 1 and min(Nk, 256) = {min(shape.nk, 256)}; got {num_splits}")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise ValueError(
             "flash_attention is forward-only (no backward pass): call it under torch.no_grad() or pass detached tensors"
@@ -408,7 +412,7 @@ def _check_inputs(q, k, v, causal, window, scale):
     return shape, band
 
 
-def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=False):
+def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=False, *, num_splits=None):
     """FlashAttention forward: ``softmax(q k^T * scale + mask) v``, never materialising the score matrix.
 
     q ``(B, Hq, Nq, D)``, k and v ``(B, Hk, Nk, D)`` with Hq a multiple of Hk (grouped-query attention: query head h
@@ -419,12 +423,16 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
     to ``1/sqrt(D)``. Returns ``o`` (like q), or ``(o, lse)`` with ``return_lse=True``: lse ``(B, Hq, Nq)`` float32 is
     the natural log-sum-exp of each row's scaled, masked scores; a row that sees no key gives zeros and lse = -inf.
 
+    Decode (at most ``flashlab.split_kv.MAX_SPLIT_QUERY_ROWS`` query rows) takes the split-KV path
+    (``flashlab.split_kv``, Flash-Decoding): the keys are cut into chunks that run in parallel and are merged by
+    their log-sum-exps. ``num_splits`` forces that path with this many chunks (at any Nq); ``None`` chooses.
+
     Must equal ``flashlab.reference.flash_attention`` (the NumPy tiled loop) and ``flashlab.reference.attention``
     (the float64 definition) to within the input dtype's rounding. CUDA tensors run the compiled, autotuned kernel;
     CPU tensors run the same kernel through Triton's interpreter.
     """
-    _check_inputs(q, k, v, causal, window, scale)
-    o, lse = _launch(q, k, v, causal, window, scale)
+    _check_inputs(q, k, v, causal, window, scale, num_splits)
+    o, lse = _launch(q, k, v, causal, window, scale, num_splits=num_splits)
     return (o, lse) if return_lse else o
 
 
@@ -441,11 +449,13 @@ def _tma_descriptors(q, k, v, o):
     return [_TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 16, bd]) for x in (q, k, v, o)]
 
 
-def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None, use_tma=None):
+def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None, use_tma=None, num_splits=None):
     """Launch ``_attn_fwd`` on checked inputs. ``config`` (a dict of BLOCK_M, BLOCK_N, num_warps, num_stages)
     bypasses the autotuner, ``reverse_m`` overrides the causal tile order and ``use_tma=False`` forces pointer
-    loads: all three only for experiments (scripts/kernel_gpu_check.py)."""
+    loads: all three only for experiments (scripts/kernel_gpu_check.py). ``num_splits`` as in ``flash_attention``."""
+    from flashlab import split_kv
     from flashlab.masking import visible_band
+    from flashlab.split_kv import MAX_SPLIT_QUERY_ROWS
 
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
@@ -464,6 +474,9 @@ def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None, use_tma
     win_right = big if right == float("inf") else int(right)
     o = torch.empty((b, hq, nq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
+    if num_splits is not None or (nq <= MAX_SPLIT_QUERY_ROWS and config is None):  # decode: split-KV
+        split_kv.launch(q, k, v, o, lse, offset, win_left, win_right, float(scale) * LOG2_E, num_splits)
+        return o, lse
     if use_tma is None:  # masked short sequences: TMA was erratic there on the H200 (docs/kernel-notes.md)
         use_tma = not ((causal or window is not None) and nk <= TMA_MIN_MASKED_KEYS)
     descs = _tma_descriptors(q, k, v, o) if q.is_cuda and use_tma else None
@@ -497,7 +510,7 @@ def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None, use_tma
     else:
         grid = (triton.cdiv(nq, CPU_CONFIG["BLOCK_M"]), b * hq)
         with _interpreted_language():
-            _interpreted_kernel()[grid](*args, *tune, **meta, **CPU_CONFIG)
+            _interpreted(_attn_fwd)[grid](*args, *tune, **meta, **CPU_CONFIG)
     return o, lse
 
 __all__ = ["flash_attention", "CPU_CONFIG", "DTYPES"]

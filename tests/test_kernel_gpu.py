@@ -67,6 +67,12 @@ CASES = [
     (1, 8, 8, 2049, 2049, 128, True, (256, None)),
     (1, 2, 2, 1, 4000, 128, True, None),
     (1, 2, 1, 300, 100, 40, True, None),
+    # decode (split-KV path): one or a few query rows, long caches, GQA
+    (4, 32, 4, 1, 32768, 128, True, None),
+    (1, 32, 4, 4, 5001, 128, True, None),
+    (2, 16, 1, 1, 70000, 64, False, None),
+    (1, 8, 2, 1, 9000, 96, True, (2000, None)),
+    (3, 12, 12, 16, 777, 256, True, None),
 ]
 
 
@@ -76,6 +82,17 @@ def test_matches_reference_on_gpu(case, dtype):
     b, hq, hk, nq, nk, d, causal, window = case
     q, k, v = make(b, hq, hk, nq, nk, d, dtype, seed=hash(case) % 1000)
     check(q, k, v, causal=causal, window=window)
+
+
+@pytest.mark.parametrize("num_splits", [1, 7])
+def test_forced_splits_on_gpu(num_splits):
+    q, k, v = make(2, 8, 2, 333, 2049, 128, torch.bfloat16, seed=num_splits)
+    torch.empty(64 << 20, device="cuda").fill_(float("nan"))
+    o, lse = flash_attention(q, k, v, causal=True, window=(500, None), return_lse=True, num_splits=num_splits)
+    ro, rlse = reference(q, k, v, True, (500, None))
+    err = ((o.double() - ro).norm() / ro.norm()).item()
+    assert err < TOL[q.dtype], f"relative error {err:.2e}"
+    assert (lse.double() - rlse).abs().max().item() < LSE_TOL
 
 
 def test_non_contiguous_on_gpu():

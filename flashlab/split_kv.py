@@ -1,0 +1,290 @@
+"""Split-KV attention (Flash-Decoding): the decode-time path of ``flashlab.flash_attention``, as two Triton kernels.
+
+At decode a sequence offers one query row (or a few) per head. The prefill kernel (``flashlab.kernel``) gives each
+program a tile of query rows, so decode would leave it ``B * Hq`` programs that each walk the whole KV cache alone:
+too few to fill a GPU's 132 SMs, and with grouped-query attention every K/V head is read once per query head that
+shares it. This path fixes both:
+
+1. ``_split_kv_partial``: one program per (key chunk, batch entry, K/V head). Its query tile packs every query row
+   of the query heads that share that K/V head (``GROUP * Nq`` rows), so each K/V tile is read from memory once,
+   and the keys are cut into ``num_splits`` chunks that run side by side. Each program runs the same online
+   softmax as the prefill kernel over its chunk and writes a partial output and its log-sum-exp.
+2. ``_split_kv_merge``: one program per query row combines the chunks' partial outputs, weighted by
+   ``exp(lse_chunk - lse_total)``: the log-sum-exp merge of ``flashlab.reference.merge_partials``, which is the
+   float64 reference for this step (notebook 06 does it by hand).
+
+Bytes: each K/V element is read once (plus a partial output of ``GROUP * Nq * D`` floats per chunk, written and
+read back once), so decode runs at the speed the KV cache can be streamed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import triton
+import triton.language as tl
+
+from flashlab.kernel import CPU_CONFIG, _interpreted, _interpreted_language, _smem_limit
+
+# The split path is taken automatically when a sequence has at most this many query rows (decode, speculative
+# decoding's few draft tokens); longer queries give the prefill kernel enough programs on their own.
+MAX_SPLIT_QUERY_ROWS = 16
+# A chunk never holds fewer keys than this (a multiple of every BLOCK_N below), so its fixed cost (loading the
+# query tile, writing a partial output) stays small next to streaming its keys.
+MIN_KEYS_PER_SPLIT = 256
+# Largest number of chunks: the merge kernel holds one log-sum-exp per chunk in a single tile.
+MAX_SPLITS = 256
+# Aim for this many programs per SM, so that chunks finishing at different times still keep every SM busy.
+PROGRAMS_PER_SM = 2
+CPU_SM_COUNT = 4  # what the CPU path pretends to have: long caches still get several chunks, so they are tested
+
+
+# fmt: off
+@triton.jit
+def _split_kv_partial(
+    Q, K, V, O_PART, LSE_PART,  # q, k, v; the partial outputs (fp32) and log-sum-exps (log2 units) per chunk
+    stride_qb, stride_qh, stride_qm,  # strides (elements) of q over batch, head, row; D has stride 1
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    HQ, HK, GROUP, NQ, NK,  # query heads, K/V heads, query heads per K/V head, query and key lengths
+    offset, win_left, win_right,  # the band: query i sees keys [i + offset - win_left, i + offset + win_right]
+    keys_per_split, NUM_SPLITS,  # each chunk's keys: [split * keys_per_split, (split + 1) * keys_per_split)
+    qk_scale,  # softmax scale * log2(e)
+    TUNE_KEY_N, TUNE_KEY_UNITS,  # only read by the autotuner (its cache key)
+    HEAD_DIM: tl.constexpr,  # D
+    BLOCK_D: tl.constexpr,  # D rounded up to a power of two
+    BLOCK_M: tl.constexpr,  # packed query rows per program: (query head in the group, query position)
+    BLOCK_N: tl.constexpr,  # keys per inner-loop step
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
+    DOT_UPCAST: tl.constexpr,  # interpreter: feed 16-bit tiles to the dots as fp32
+):
+    # fmt: on
+    pid_s = tl.program_id(0)  # which chunk of keys
+    pid_bk = tl.program_id(1)  # which (batch entry, K/V head)
+    pid_m = tl.program_id(2)  # which block of packed rows (only > 0 when GROUP * NQ > BLOCK_M)
+    off_b = pid_bk // HK
+    off_hk = pid_bk % HK
+
+    # -- packed rows: row r is query position r % NQ of query head off_hk * GROUP + r // NQ
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP * NQ
+    qi = rows % NQ  # (BLOCK_M,) query position
+    off_h = off_hk * GROUP + rows // NQ  # (BLOCK_M,) query head
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    # -- load the packed Q tile once: GROUP * NQ * D * bytes(dtype), every query that shares this K/V head
+    q_ptrs = Q + off_b.to(tl.int64) * stride_qb + off_h[:, None].to(tl.int64) * stride_qh
+    q = tl.load(q_ptrs + qi[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_UPCAST:
+        q = q.to(tl.float32)
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2 units)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # running output
+
+    # -- this chunk's keys, cut down to the band of the query positions in this block (tiles outside: not loaded)
+    r_lo = pid_m * BLOCK_M
+    r_hi = tl.minimum(r_lo + BLOCK_M, GROUP * NQ) - 1
+    one_head = r_lo // NQ == r_hi // NQ  # the block holds one query head: positions r_lo % NQ .. r_hi % NQ
+    qi_lo = tl.where(one_head, r_lo % NQ, 0)
+    qi_hi = tl.where(one_head, r_hi % NQ, NQ - 1)
+    split_lo = pid_s * keys_per_split  # a multiple of BLOCK_N
+    lo = tl.maximum(split_lo, qi_lo + offset - win_left)
+    hi = tl.minimum(tl.minimum(split_lo + keys_per_split, NK), qi_hi + offset + win_right + 1)
+    lo = tl.maximum(lo, 0) // BLOCK_N * BLOCK_N
+    diag = qi + offset  # (BLOCK_M,) key on each row's diagonal
+
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        # -- K tile: BLOCK_N * D * bytes(dtype), read once for all GROUP query heads
+        k = tl.load(
+            k_base + cols[None, :] * stride_kn + offs_d[:, None], mask=d_ok[:, None] & (cols[None, :] < hi), other=0.0
+        )  # (BLOCK_D, BLOCK_N)
+        if DOT_UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        visible = (cols[None, :] >= diag[:, None] - win_left) & (cols[None, :] <= diag[:, None] + win_right)
+        visible = visible & (cols[None, :] < hi)
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # -- V tile: BLOCK_N * D * bytes(dtype)
+        v = tl.load(
+            v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=(cols[:, None] < hi) & d_ok[None, :], other=0.0
+        )  # (BLOCK_N, BLOCK_D)
+        if DOT_UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None]
+        p = p.to(Q.dtype.element_ty)  # P enters the second dot in the input dtype, as in the prefill kernel
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # -- this chunk's partial result: normalised output (fp32) and log-sum-exp (log2 units; -inf: saw no key)
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    lse2 = tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))
+    part = ((off_b * HQ + off_h) * NQ + qi).to(tl.int64) * NUM_SPLITS + pid_s  # (BLOCK_M,) row in the workspace
+    tl.store(LSE_PART + part, lse2, mask=row_ok)
+    tl.store(
+        O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None], mask=row_ok[:, None] & d_ok[None, :]
+    )
+
+
+@triton.jit
+def _split_kv_merge(
+    O_PART, LSE_PART, O, LSE,  # the chunks' partial outputs and log-sum-exps; the merged output and lse
+    stride_ob, stride_oh, stride_om,
+    HQ, NQ, NUM_SPLITS,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # NUM_SPLITS rounded up to a power of two: every chunk's lse in one tile
+    CHUNK_S: tl.constexpr,  # partial outputs summed this many chunks at a time (bounds the registers used)
+):
+    row = tl.program_id(0)  # one query row: (batch entry, query head, query position)
+    off_b = row // (HQ * NQ)
+    off_h = (row // NQ) % HQ
+    qi = row % NQ
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    first = row.to(tl.int64) * NUM_SPLITS  # this row's first chunk in the workspace
+    # -- lse_total = log(sum_c exp(lse_c)), taken about the largest lse so no exp overflows
+    offs_s = tl.arange(0, BLOCK_S)
+    lse2 = tl.load(LSE_PART + first + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))  # log2 units
+    m = tl.max(lse2, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # every chunk empty: all weights 0, the row gives zeros
+    total = tl.sum(tl.math.exp2(lse2 - m_safe), 0)
+    total_safe = tl.where(total > 0.0, total, 1.0)
+    # -- o = sum_c exp(lse_c - lse_total) * o_c
+    o = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for c0 in range(0, NUM_SPLITS, CHUNK_S):
+        offs_c = c0 + tl.arange(0, CHUNK_S)
+        c_ok = offs_c < NUM_SPLITS
+        w = tl.math.exp2(tl.load(LSE_PART + first + offs_c, mask=c_ok, other=float("-inf")) - m_safe) / total_safe
+        o_ptrs = O_PART + (first + offs_c)[:, None] * HEAD_DIM + offs_d[None, :]
+        o_part = tl.load(o_ptrs, mask=c_ok[:, None] & d_ok[None, :], other=0.0)  # (CHUNK_S, BLOCK_D)
+        o += tl.sum(w[:, None] * o_part, 0)
+    lse = tl.where(total > 0.0, (m_safe + tl.math.log2(total_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(LSE + row, lse)
+    out_ptrs = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + qi.to(tl.int64) * stride_om
+    tl.store(out_ptrs + offs_d, o.to(O.dtype.element_ty), mask=d_ok)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configs and the choice of chunks
+# ----------------------------------------------------------------------------------------------------------------
+
+# (BLOCK_N, num_warps, num_stages): decode streams K/V, so what matters is keeping enough loads in flight.
+TUNING_SPACE = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 8, 3)]
+FP32_TUNING_SPACE = [(32, 4, 2), (64, 4, 2)]
+
+
+def _config(bn, warps, stages):
+    return triton.Config({"BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """This dtype's configs whose Q tile and pipelined K/V tiles fit the chip's shared memory."""
+    meta = {**named_args, **kwargs}
+    q, bm, bd = meta["Q"], meta["BLOCK_M"], meta["BLOCK_D"]
+    limit = _smem_limit(q.device)
+    space = set(FP32_TUNING_SPACE if q.element_size() == 4 else TUNING_SPACE)
+    kept = [c for c in configs if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in space]
+    fits = [c for c in kept if (bm * bd + c.num_stages * 2 * c.kwargs["BLOCK_N"] * bd) * q.element_size() <= limit]
+    return fits or [_config(32, 4, 1)]
+
+
+_split_kv_partial_tuned = triton.autotune(
+    configs=[_config(*c) for c in sorted(set(TUNING_SPACE) | set(FP32_TUNING_SPACE) | {(32, 4, 1)})],
+    key=["TUNE_KEY_N", "TUNE_KEY_UNITS", "HEAD_DIM", "BLOCK_M", "DOT_PRECISION"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)(_split_kv_partial)
+
+
+_BEST_CONFIG: dict = {}  # (device, dtype, tune key, meta) -> the autotuner's pick, so later calls skip its bookkeeping
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_splits(units: int, band_keys: int, sm_count: int) -> int:
+    """How many key chunks to cut a decode step into.
+
+    ``units``: programs the grid has without splitting (batch entries x K/V heads x packed-row blocks);
+    ``band_keys``: how many keys the queries can see at most. Enough chunks to give every SM
+    ``PROGRAMS_PER_SM`` programs, but none shorter than ``MIN_KEYS_PER_SPLIT`` keys and at most ``MAX_SPLITS``.
+    """
+    if units < 1 or band_keys < 1 or sm_count < 1:
+        raise ValueError(f"units, band_keys and sm_count must be >= 1; got {units}, {band_keys}, {sm_count}")
+    wanted = -(-PROGRAMS_PER_SM * sm_count // units)
+    most = -(-band_keys // MIN_KEYS_PER_SPLIT)
+    return max(1, min(wanted, most, MAX_SPLITS))
+
+
+def launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits=None):
+    """Run the split-KV path on checked inputs (``flashlab.kernel._launch`` prepares them): writes ``o`` and
+    ``lse``. ``num_splits=None`` picks the number of chunks with ``choose_splits``."""
+    import torch
+
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    group = hq // hk
+    block_d = max(16, triton.next_power_of_2(d))
+    rows = group * nq
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    row_blocks = triton.cdiv(rows, block_m)
+    # keys any query can see: the band of query 0's left edge to query nq-1's right edge, within [0, nk)
+    band_keys = max(0, min(nk, nq - 1 + offset + win_right + 1) - max(0, offset - win_left))
+    if num_splits is None:
+        sm_count = _sm_count(q.device.index if q.device.index is not None else 0) if q.is_cuda else CPU_SM_COUNT
+        num_splits = choose_splits(b * hk * row_blocks, max(band_keys, 1), sm_count)
+    # chunk length: a multiple of the largest BLOCK_N, so no key tile straddles two chunks
+    keys_per_split = triton.cdiv(triton.cdiv(nk, num_splits), 128) * 128
+    num_splits = triton.cdiv(nk, keys_per_split)  # drop chunks that would start past the last key
+
+    # one workspace: partial outputs (b, hq, nq, num_splits, d) then their log-sum-exps (b, hq, nq, num_splits)
+    parts = b * hq * nq * num_splits
+    work = torch.empty(parts * (d + 1), dtype=torch.float32, device=q.device)
+    o_part, lse_part = work[: parts * d], work[parts * d :]
+    args = (q, k, v, o_part, lse_part)
+    args += (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+    args += (v.stride(0), v.stride(1), v.stride(2))
+    args += (hq, hk, group, nq, nk, offset, win_left, win_right, keys_per_split, num_splits, qk_scale)
+    tune = (triton.next_power_of_2(nk), triton.next_power_of_2(b * hk * row_blocks * num_splits))
+    meta = dict(
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 or not q.is_cuda else "tf32",
+        DOT_UPCAST=not q.is_cuda and q.dtype != torch.float32,
+    )
+    grid = (num_splits, b * hk, row_blocks)
+    merge_args = (o_part, lse_part, o, lse, o.stride(0), o.stride(1), o.stride(2), hq, nq, num_splits)
+    merge_meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), CHUNK_S=8)
+    if q.is_cuda:
+        key = (q.device, q.dtype, tune, *meta.values())
+        with torch.cuda.device(q.device):
+            if key in _BEST_CONFIG:  # Python launch overhead is most of a short decode step: skip the autotuner
+                _split_kv_partial[grid](*args, *tune, **meta, **_BEST_CONFIG[key])
+            else:
+                _split_kv_partial_tuned[grid](*args, *tune, **meta)
+                _BEST_CONFIG[key] = _split_kv_partial_tuned.best_config.all_kwargs()
+            _split_kv_merge[(b * hq * nq,)](*merge_args, **merge_meta)
+    else:
+        with _interpreted_language():
+            _interpreted(_split_kv_partial)[grid](*args, *tune, **meta, BLOCK_N=CPU_CONFIG["BLOCK_N"])
+            _interpreted(_split_kv_merge)[(b * hq * nq,)](*merge_args, **merge_meta)
+    return num_splits
+
+
+__all__ = ["choose_splits", "launch", "MAX_SPLIT_QUERY_ROWS", "MIN_KEYS_PER_SPLIT", "MAX_SPLITS"]

@@ -1,0 +1,114 @@
+"""The split-KV (Flash-Decoding) path of ``flash_attention`` on the CPU (Triton's interpreter) against float64.
+
+Decode shapes (one to a few query rows, long caches, grouped-query heads) take this path on their own; forcing
+``num_splits`` sends any shape through it, so masks that leave whole chunks empty for some rows are covered too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_kernel import check_against_reference, make_qkv
+
+from flashlab.kernel import flash_attention
+from flashlab.split_kv import MAX_SPLIT_QUERY_ROWS, MAX_SPLITS, MIN_KEYS_PER_SPLIT, choose_splits
+
+
+def random_decode_case(seed):
+    rng = np.random.default_rng(seed)
+    hk = int(rng.integers(1, 3))
+    group = int(rng.choice([1, 2, 4, 8]))
+    nq = int(rng.integers(1, MAX_SPLIT_QUERY_ROWS + 1))
+    nk = int(rng.integers(1, 1500))
+    d = int(rng.choice([16, 40, 64, 96, 128]))
+    dtype = [torch.float32, torch.float16, torch.bfloat16][seed % 3]
+    causal = bool(rng.integers(0, 2))
+    window = (int(rng.integers(0, 600)), None) if rng.random() < 0.4 else None
+    return dict(b=int(rng.integers(1, 3)), hq=hk * group, hk=hk, nq=nq, nk=nk, d=d, dtype=dtype), causal, window
+
+
+@pytest.mark.parametrize("seed", range(18))
+def test_random_decode_shapes_match_reference(seed):
+    shape, causal, window = random_decode_case(seed)
+    q, k, v = make_qkv(**shape, seed=100 + seed)
+    check_against_reference(q, k, v, causal=causal, window=window)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize(
+    "causal, window",
+    [(False, None), (True, None), (True, (100, None)), (False, (60, 30))],
+)
+def test_forced_splits_at_any_length(num_splits, causal, window):
+    # 40 queries x 3 heads per K/V head = 120 packed rows: two row blocks of 64, the first shared by two heads.
+    # Chunks of 128 keys: the masks leave some rows with no visible key in some chunks (lse -inf, weight 0).
+    q, k, v = make_qkv(1, 6, 2, 40, 300, 32, torch.float32, seed=num_splits)
+    check_against_reference(q, k, v, causal=causal, window=window)
+    o = flash_attention(q, k, v, causal=causal, window=window)
+    o_split = flash_attention(q, k, v, causal=causal, window=window, num_splits=num_splits)
+    torch.testing.assert_close(o_split, o, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_every_dtype_over_many_chunks(dtype):
+    q, k, v = make_qkv(2, 8, 2, 1, 2000, 64, dtype, seed=3)
+    check_against_reference(q, k, v)
+    check_against_reference(q, k, v, window=(700, None), causal=True)
+
+
+def test_rows_that_see_no_key_give_zeros_and_minus_inf():
+    # causal with Nq > Nk: the first 7 of 12 queries see no key at all
+    q, k, v = make_qkv(1, 4, 2, 12, 5, 16, torch.float32, seed=4)
+    o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    assert torch.isneginf(lse[..., :7]).all() and (o[..., :7, :] == 0).all()
+    check_against_reference(q, k, v, causal=True)
+
+
+def test_hidden_chunks_are_never_loaded():
+    # one decode query with a 100-key window over a 3000-key cache: NaN in the keys it cannot see stays unread
+    q, k, v = make_qkv(1, 4, 1, 1, 3000, 32, torch.float32, seed=5)
+    ref = flash_attention(q, k, v, causal=True, window=(100, None))
+    k[:, :, :2880], v[:, :, :2880] = float("nan"), float("nan")
+    o = flash_attention(q, k, v, causal=True, window=(100, None), num_splits=4)
+    torch.testing.assert_close(o, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_non_contiguous_decode_inputs():
+    g = torch.Generator().manual_seed(6)
+    kv = torch.randn(1, 900, 2, 2, 48, generator=g)  # (B, N, 2, Hk, D): a KV cache stored token-major
+    k, v = (kv[:, :, i].transpose(1, 2) for i in range(2))
+    q = torch.randn(1, 1, 8, 48, generator=g).transpose(1, 2)  # (B, Hq=8, 1, D) view
+    assert not k.is_contiguous()
+    check_against_reference(q, k, v, causal=True)
+
+
+def test_gqa_decode_equals_repeated_heads():
+    q, k, v = make_qkv(1, 8, 2, 1, 700, 64, torch.float32, seed=7)
+    o = flash_attention(q, k, v)
+    o_rep = flash_attention(q, k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1))
+    torch.testing.assert_close(o, o_rep, rtol=1e-6, atol=1e-6)
+
+
+def test_choose_splits():
+    # H200: 132 SMs, two programs each = 264 programs wanted
+    assert choose_splits(units=8, band_keys=131072, sm_count=132) == 33  # ceil(264 / 8)
+    assert choose_splits(units=64, band_keys=4096, sm_count=132) == 5  # ceil(264 / 64)
+    assert choose_splits(units=1, band_keys=1000, sm_count=132) == 4  # ceil(1000 / 256): chunks >= 256 keys
+    assert choose_splits(units=1, band_keys=10**7, sm_count=1000) == MAX_SPLITS
+    assert choose_splits(units=512, band_keys=10**6, sm_count=132) == 1  # enough programs already
+    assert choose_splits(units=1, band_keys=MIN_KEYS_PER_SPLIT, sm_count=132) == 1
+    with pytest.raises(ValueError, match="must be >= 1"):
+        choose_splits(units=0, band_keys=10, sm_count=132)
+
+
+def test_bad_num_splits_raise_clear_errors():
+    q, k, v = make_qkv(1, 2, 1, 1, 50, 16, torch.float32, seed=8)
+    with pytest.raises(TypeError, match="num_splits must be an int"):
+        flash_attention(q, k, v, num_splits=2.0)
+    with pytest.raises(TypeError, match="num_splits must be an int"):
+        flash_attention(q, k, v, num_splits=True)
+    with pytest.raises(ValueError, match="between 1 and min"):
+        flash_attention(q, k, v, num_splits=0)
+    with pytest.raises(ValueError, match="between 1 and min"):
+        flash_attention(q, k, v, num_splits=51)
