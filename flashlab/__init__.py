@@ -7,7 +7,8 @@ The package behind the notebooks:
 - ``flashlab.masking`` / ``flashlab.shapes`` -- which keys a query may see (causal, sliding window) and which
   tiles that leaves to compute; the shape rules (GQA) every implementation shares.
 - ``flashlab.flash_attention`` -- the Triton kernel (``flashlab.kernel``; compiled on a GPU, Triton's interpreter on
-  a CPU), checked against ``flashlab.reference.flash_attention``.
+  a CPU), checked against ``flashlab.reference.flash_attention``; at decode it takes the split-KV path
+  (``flashlab.split_kv``), whose merge step is ``flashlab.reference.merge_partials``.
 - ``flashlab.roofline`` / ``flashlab.catalog`` -- the lesson's arithmetic (bytes, FLOPs, seconds) and the GPU and
   model catalogues it reads from ``data/``; ``flashlab.widgets`` -- the sequence-length explorer.
 - ``flashlab.paged`` -- a KV-cache allocator simulation (contiguous vs paged blocks).

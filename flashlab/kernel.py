@@ -24,6 +24,9 @@ Loads: plain pointer loads with masks (``tl.load``) everywhere; on Hopper at hea
 by the tensor-memory accelerator instead (``desc.load``, TMA: one instruction per tile, out-of-bounds rows and
 columns filled with zeros), which measured 5-10 % faster there (``docs/kernel-notes.md``).
 
+Decode-sized calls (a few query rows against a long cache) go to ``flashlab.split_kv`` instead, which cuts the
+keys into chunks that run in parallel and merges them by their log-sum-exps.
+
 On CUDA tensors the kernel is compiled (autotuned over block sizes, warps and pipeline stages). On CPU tensors the
 very same kernel source runs through Triton's interpreter (one small tile config), so every notebook runs without a
 GPU and without the user setting ``TRITON_INTERPRET``.
