@@ -55,6 +55,18 @@ LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the GPU's exp unit co
 LN_2 = 0.6931471805599453  # log(x) = log2(x) * ln(2)
 
 
+# Host-side integer helpers. triton.cdiv and triton.next_power_of_2 are JIT functions: each call from Python costs
+# microseconds, and the launch of a short decode step needs several of them.
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: the number of b-sized tiles that cover a."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (int(n) - 1).bit_length()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The kernel
 # ----------------------------------------------------------------------------------------------------------------
@@ -442,7 +454,7 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
 def _tma_descriptors(q, k, v, o):
     """TMA descriptors for q, k, v, o on Hopper or newer, or None where TMA cannot be used (older GPU, older
     Triton, or a tensor whose address or strides are not 16-byte aligned)."""
-    bd = max(16, triton.next_power_of_2(q.shape[-1]))  # the box width; the pre-hook sets the box height
+    bd = max(16, next_power_of_2(q.shape[-1]))  # the box width; the pre-hook sets the box height
     if _TensorDescriptor is None or bd > TMA_MAX_HEAD_DIM or torch.cuda.get_device_capability(q.device)[0] < 9:
         return None
     for x in (q, k, v, o):
@@ -489,10 +501,10 @@ def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None, use_tma
     args += (hq, hq // hk, nq, nk, offset, win_left, win_right, float(scale) * LOG2_E)
     band_kind = 0 if window is None and not causal else (1 if window is None else 2)
     # re-tune per power-of-two length and per power-of-two amount of work (B * Hq * Nq query rows), not per shape
-    tune = (triton.next_power_of_2(max(nq, nk)), triton.next_power_of_2(b * hq * nq), band_kind)
+    tune = (next_power_of_2(max(nq, nk)), next_power_of_2(b * hq * nq), band_kind)
     meta = dict(
         HEAD_DIM=d,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_D=max(16, next_power_of_2(d)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or not q.is_cuda else "tf32",
         DOT_UPCAST=not q.is_cuda and q.dtype != torch.float32,
         REVERSE_M=bool(causal) if reverse_m is None else reverse_m,
@@ -502,7 +514,7 @@ def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None, use_tma
         with torch.cuda.device(q.device):
 
             def grid(meta):
-                return (triton.cdiv(nq, meta["BLOCK_M"]), b * hq)
+                return (cdiv(nq, meta["BLOCK_M"]), b * hq)
 
             if config is None:
                 _attn_fwd_tuned[grid](*args, *tune, **meta)
@@ -511,7 +523,7 @@ def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None, use_tma
                 _set_tma_block_shapes({**descs_by_name, **meta, **config})
                 _attn_fwd[grid](*args, *tune, **meta, **config)
     else:
-        grid = (triton.cdiv(nq, CPU_CONFIG["BLOCK_M"]), b * hq)
+        grid = (cdiv(nq, CPU_CONFIG["BLOCK_M"]), b * hq)
         with _interpreted_language():
             _interpreted(_attn_fwd)[grid](*args, *tune, **meta, **CPU_CONFIG)
     return o, lse

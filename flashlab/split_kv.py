@@ -24,7 +24,7 @@ import functools
 import triton
 import triton.language as tl
 
-from flashlab.kernel import CPU_CONFIG, _interpreted, _interpreted_language, _smem_limit
+from flashlab.kernel import CPU_CONFIG, _interpreted, _interpreted_language, _smem_limit, cdiv, next_power_of_2
 
 # The split path is taken automatically when a sequence has at most this many query rows (decode, speculative
 # decoding's few draft tokens); longer queries give the prefill kernel enough programs on their own.
@@ -239,18 +239,18 @@ def launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits=No
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     group = hq // hk
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_power_of_2(d))
     rows = group * nq
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    row_blocks = triton.cdiv(rows, block_m)
+    block_m = min(64, max(16, next_power_of_2(rows)))
+    row_blocks = cdiv(rows, block_m)
     # keys any query can see: the band of query 0's left edge to query nq-1's right edge, within [0, nk)
     band_keys = max(0, min(nk, nq - 1 + offset + win_right + 1) - max(0, offset - win_left))
     if num_splits is None:
         sm_count = _sm_count(q.device.index if q.device.index is not None else 0) if q.is_cuda else CPU_SM_COUNT
         num_splits = choose_splits(b * hk * row_blocks, max(band_keys, 1), sm_count)
     # chunk length: a multiple of the largest BLOCK_N, so no key tile straddles two chunks
-    keys_per_split = triton.cdiv(triton.cdiv(nk, num_splits), 128) * 128
-    num_splits = triton.cdiv(nk, keys_per_split)  # drop chunks that would start past the last key
+    keys_per_split = cdiv(cdiv(nk, num_splits), 128) * 128
+    num_splits = cdiv(nk, keys_per_split)  # drop chunks that would start past the last key
 
     # one workspace: partial outputs (b, hq, nq, num_splits, d) then their log-sum-exps (b, hq, nq, num_splits)
     parts = b * hq * nq * num_splits
@@ -260,7 +260,7 @@ def launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits=No
     args += (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     args += (v.stride(0), v.stride(1), v.stride(2))
     args += (hq, hk, group, nq, nk, offset, win_left, win_right, keys_per_split, num_splits, qk_scale)
-    tune = (triton.next_power_of_2(nk), triton.next_power_of_2(b * hk * row_blocks * num_splits))
+    tune = (next_power_of_2(nk), next_power_of_2(b * hk * row_blocks * num_splits))
     meta = dict(
         HEAD_DIM=d,
         BLOCK_D=block_d,
@@ -270,7 +270,7 @@ def launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits=No
     )
     grid = (num_splits, b * hk, row_blocks)
     merge_args = (o_part, lse_part, o, lse, o.stride(0), o.stride(1), o.stride(2), hq, nq, num_splits)
-    merge_meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), CHUNK_S=8)
+    merge_meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, next_power_of_2(num_splits)), CHUNK_S=8)
     if q.is_cuda:
         key = (q.device, q.dtype, tune, *meta.values())
         with torch.cuda.device(q.device):
