@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from inspect import ismodule as inspect_ismodule
 
 import numpy as np
 import torch
@@ -346,6 +347,11 @@ def _interpreted_language():
         import triton.experimental.gluon  # noqa: F401
     except ImportError:  # pragma: no cover - older Triton
         pass
+    # The interpreter patches triton.language so its builtins compute with NumPy. Its own scope undoes the patches
+    # of the kernel, but each nested device-function call (tl.max, tl.sum...) patches again and never undoes it,
+    # which left tl.core's builtins on the interpreter: a later GPU compile in the same process then failed.
+    # Everything the interpreter may patch is snapshotted here and put back afterwards.
+    before = _language_state()
     saved = []
     for module in (tl, tl.standard):
         for name, value in list(vars(module).items()):
@@ -367,6 +373,36 @@ def _interpreted_language():
         interpreter._patch_lang_tensor = patch_tensor
         for module, name, value in saved:
             setattr(module, name, value)
+        _restore_language_state(before)
+
+
+def _language_objects():
+    """The modules and classes of triton.language that Triton's interpreter patches while it runs a kernel."""
+    import inspect
+
+    classes = [c for _, c in inspect.getmembers(tl.core, inspect.isclass) if c.__module__.startswith("triton.language")]
+    return [tl, tl.core, tl.math, tl.standard, *classes]
+
+
+def _language_state():
+    return [(obj, dict(vars(obj))) for obj in _language_objects()]
+
+
+def _restore_language_state(state):
+    """Put every attribute back as it was in ``state`` (from ``_language_state``), and drop the ones added to a
+    class since. Names added to a module stay: the interpreter's rewritten functions look up globals it adds."""
+    missing = object()
+    for obj, saved in state:
+        now = dict(vars(obj))
+        for name, value in now.items():
+            if name not in saved:
+                if not inspect_ismodule(obj):
+                    delattr(obj, name)
+            elif saved[name] is not value:
+                setattr(obj, name, saved[name])
+        for name, value in saved.items():
+            if now.get(name, missing) is missing:
+                setattr(obj, name, value)
 
 
 _INTERPRETED_LIB: dict = {}

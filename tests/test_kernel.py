@@ -176,3 +176,24 @@ def test_bad_arguments_raise_clear_errors():
         flash_attention(q.requires_grad_(), k, v)
     with pytest.raises(ValueError, match="must be on the same device"):
         flash_attention(q.detach(), k, v.to("meta"))
+
+
+def test_cpu_runs_leave_triton_language_as_they_found_it():
+    # Triton's interpreter patches triton.language while it runs, and its nested device-function calls never
+    # undo their patches; left in place they break any later GPU compile in the same process. flashlab's CPU
+    # path snapshots and restores them: every attribute that existed before is the same object afterwards, and
+    # no class gained one.
+    from flashlab.kernel import _language_objects
+
+    objects = _language_objects()
+    before = [dict(vars(obj)) for obj in objects]
+    q, k, v = make_qkv(1, 2, 1, 20, 40, 16, torch.bfloat16, seed=13)
+    flash_attention(q, k, v, causal=True)  # the prefill kernel
+    flash_attention(q[:, :, :2], k, v, num_splits=2)  # the split-KV kernels
+    for obj, saved in zip(objects, before, strict=True):
+        now = vars(obj)
+        changed = [name for name, value in saved.items() if now.get(name) is not value]
+        assert not changed, f"{getattr(obj, '__name__', obj)}: {changed[:5]} still patched"
+        if isinstance(obj, type):
+            added = sorted(set(now) - set(saved))
+            assert not added, f"class {obj.__name__} gained {added[:5]}"

@@ -107,3 +107,16 @@ def test_hidden_tiles_are_never_loaded_on_gpu():
     k[:, :, :3584], v[:, :, :3584] = float("nan"), float("nan")
     o = flash_attention(q, k, v, causal=True, window=(100, None))
     assert torch.equal(o, ref)
+
+
+def test_gpu_compiles_after_a_cpu_run_in_the_same_process():
+    # A CPU call runs Triton's interpreter, which patches triton.language; a GPU compile afterwards must still
+    # work. D = 152 and Nq = 3 are used by no other test, so both kernels below compile fresh in this process.
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, n, 152, generator=g).to(torch.bfloat16) for n in (3, 50, 50))
+    k, v = k[:, :2], v[:, :2]
+    flash_attention(q, k, v)  # interpreter
+    qg, kg, vg = make(1, 4, 2, 3, 700, 152, torch.bfloat16, seed=4)
+    check(qg, kg, vg)  # split-KV kernels, compiled now
+    qg, kg, vg = make(1, 4, 4, 300, 300, 152, torch.bfloat16, seed=5)
+    check(qg, kg, vg, causal=True)  # prefill kernel, compiled now
