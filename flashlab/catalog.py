@@ -201,30 +201,32 @@ def load_models() -> dict[str, Model]:
     return {name: model_from_dict(entry, name) for name, entry in _load("models.json").items()}
 
 
+def _resolve(value, cls, catalogue, from_dict, what: str, arg: str):
+    """A catalogue name, an instance of ``cls`` or a dict -> an instance of ``cls``; ``what`` names the kind in
+    errors ("GPU", "model"), ``arg`` the argument."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        if value not in catalogue:
+            raise ValueError(
+                f"unknown {what} {value!r}; the catalogue has {sorted(catalogue)} (or pass a {cls.__name__} or a dict)"
+            )
+        return catalogue[value]
+    if isinstance(value, Mapping):
+        return from_dict(value)
+    raise TypeError(
+        f"{arg} must be a catalogue name, a flashlab.catalog.{cls.__name__} or a dict; got {type(value).__name__}"
+    )
+
+
 def as_gpu(gpu) -> GPU:
     """A catalogue name (``"h100-sxm"``), a ``GPU``, or a dict (see ``gpu_from_dict``) -> ``GPU``."""
-    if isinstance(gpu, GPU):
-        return gpu
-    if isinstance(gpu, str):
-        if gpu not in GPUS:
-            raise ValueError(f"unknown GPU {gpu!r}; the catalogue has {sorted(GPUS)} (or pass a GPU or a dict)")
-        return GPUS[gpu]
-    if isinstance(gpu, Mapping):
-        return gpu_from_dict(gpu)
-    raise TypeError(f"gpu must be a catalogue name, a flashlab.catalog.GPU or a dict; got {type(gpu).__name__}")
+    return _resolve(gpu, GPU, GPUS, gpu_from_dict, "GPU", "gpu")
 
 
 def as_model(model) -> Model:
     """A catalogue name (``"llama-3-8b"``), a ``Model``, or a dict (see ``model_from_dict``) -> ``Model``."""
-    if isinstance(model, Model):
-        return model
-    if isinstance(model, str):
-        if model not in MODELS:
-            raise ValueError(f"unknown model {model!r}; the catalogue has {sorted(MODELS)} (or pass a Model or a dict)")
-        return MODELS[model]
-    if isinstance(model, Mapping):
-        return model_from_dict(model)
-    raise TypeError(f"model must be a catalogue name, a flashlab.catalog.Model or a dict; got {type(model).__name__}")
+    return _resolve(model, Model, MODELS, model_from_dict, "model", "model")
 
 
 # --- argument checks shared with flashlab.roofline ----------------------------------------------------------------
