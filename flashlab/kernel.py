@@ -35,8 +35,8 @@ GPU and without the user setting ``TRITON_INTERPRET``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
-from inspect import ismodule as inspect_ismodule
 
 import numpy as np
 import torch
@@ -351,12 +351,11 @@ def _interpreted_language():
     # of the kernel, but each nested device-function call (tl.max, tl.sum...) patches again and never undoes it,
     # which left tl.core's builtins on the interpreter: a later GPU compile in the same process then failed.
     # Everything the interpreter may patch is snapshotted here and put back afterwards.
+    # That snapshot also puts back the library functions swapped just below.
     before = _language_state()
-    saved = []
     for module in (tl, tl.standard):
         for name, value in list(vars(module).items()):
             if isinstance(value, JITFunction):
-                saved.append((module, name, value))
                 setattr(module, name, _INTERPRETED_LIB.setdefault(value, InterpretedFunction(value.fn)))
     # Triton 3.6 turns a scalar into a Python int with int(array of shape (1,)), which NumPy >= 2.5 refuses; the
     # loop bounds `range(lo, hi, BLOCK_N)` need it. Re-patch tensor.__index__ after the interpreter patches it.
@@ -371,15 +370,11 @@ def _interpreted_language():
         yield
     finally:
         interpreter._patch_lang_tensor = patch_tensor
-        for module, name, value in saved:
-            setattr(module, name, value)
         _restore_language_state(before)
 
 
 def _language_objects():
     """The modules and classes of triton.language that Triton's interpreter patches while it runs a kernel."""
-    import inspect
-
     classes = [c for _, c in inspect.getmembers(tl.core, inspect.isclass) if c.__module__.startswith("triton.language")]
     return [tl, tl.core, tl.math, tl.standard, *classes]
 
@@ -396,7 +391,7 @@ def _restore_language_state(state):
         now = dict(vars(obj))
         for name, value in now.items():
             if name not in saved:
-                if not inspect_ismodule(obj):
+                if not inspect.ismodule(obj):
                     delattr(obj, name)
             elif saved[name] is not value:
                 setattr(obj, name, saved[name])
@@ -452,10 +447,13 @@ def _check_inputs(q, k, v, causal, window, scale, num_splits=None):
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite; got {scale}")
     if num_splits is not None:
+        from flashlab.split_kv import MAX_SPLITS
+
         if isinstance(num_splits, bool) or not isinstance(num_splits, int):
             raise TypeError(f"num_splits must be an int or None; got {type(num_splits).__name__}")
-        if not 1 <= num_splits <= min(shape.nk, 256):
-            raise ValueError(f"num_splits must be between 1 and min(Nk, 256) = {min(shape.nk, 256)}; got {num_splits}")
+        most = min(shape.nk, MAX_SPLITS)
+        if not 1 <= num_splits <= most:
+            raise ValueError(f"num_splits must be between 1 and min(Nk, {MAX_SPLITS}) = {most}; got {num_splits}")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise ValueError(
             "flash_attention is forward-only (no backward pass): call it under torch.no_grad() or pass detached tensors"
@@ -506,7 +504,6 @@ def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None, use_tma
     loads: all three only for experiments (scripts/kernel_gpu_check.py). ``num_splits`` as in ``flash_attention``."""
     from flashlab import split_kv
     from flashlab.masking import visible_band
-    from flashlab.split_kv import MAX_SPLIT_QUERY_ROWS
 
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
@@ -525,7 +522,7 @@ def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None, use_tma
     win_right = big if right == float("inf") else int(right)
     o = torch.empty((b, hq, nq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
-    if num_splits is not None or (nq <= MAX_SPLIT_QUERY_ROWS and config is None):  # decode: split-KV
+    if num_splits is not None or (nq <= split_kv.MAX_SPLIT_QUERY_ROWS and config is None):  # decode: split-KV
         split_kv.launch(q, k, v, o, lse, offset, win_left, win_right, float(scale) * LOG2_E, num_splits)
         return o, lse
     if use_tma is None:  # masked short sequences: TMA was erratic there on the H200 (docs/kernel-notes.md)

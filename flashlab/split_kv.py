@@ -183,6 +183,8 @@ def _split_kv_merge(
 # (BLOCK_N, num_warps, num_stages): decode streams K/V, so what matters is keeping enough loads in flight.
 TUNING_SPACE = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 8, 3)]
 FP32_TUNING_SPACE = [(32, 4, 2), (64, 4, 2)]
+# Chunks start at multiples of the largest BLOCK_N, so no key tile straddles two chunks.
+KEY_ALIGN = max(bn for bn, _, _ in TUNING_SPACE + FP32_TUNING_SPACE)
 
 
 def _config(bn, warps, stages):
@@ -248,8 +250,7 @@ def launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits=No
     if num_splits is None:
         sm_count = _sm_count(q.device.index if q.device.index is not None else 0) if q.is_cuda else CPU_SM_COUNT
         num_splits = choose_splits(b * hk * row_blocks, max(band_keys, 1), sm_count)
-    # chunk length: a multiple of the largest BLOCK_N, so no key tile straddles two chunks
-    keys_per_split = cdiv(cdiv(nk, num_splits), 128) * 128
+    keys_per_split = cdiv(cdiv(nk, num_splits), KEY_ALIGN) * KEY_ALIGN
     num_splits = cdiv(nk, keys_per_split)  # drop chunks that would start past the last key
 
     # one workspace: partial outputs (b, hq, nq, num_splits, d) then their log-sum-exps (b, hq, nq, num_splits)
