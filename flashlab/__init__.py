@@ -1,21 +1,18 @@
 """flashlab: FlashAttention taught from the bytes up.
 
-The package behind the notebooks:
+The package in layers; every import points down the list, never up (``tests/test_layers.py`` checks it):
 
-- ``flashlab.reference`` -- the NumPy ground truth: softmax, the online softmax, materialised attention, the tiled
-  (FlashAttention) loop and the split-KV merge. Everything else is checked against it.
-- ``flashlab.masking`` / ``flashlab.shapes`` -- which keys a query may see (causal, sliding window) and which
-  tiles that leaves to compute; the shape rules (GQA) every implementation shares.
-- ``flashlab.flash_attention`` -- the Triton kernel (``flashlab.kernel``; compiled on a GPU, Triton's interpreter on
-  a CPU), checked against ``flashlab.reference.flash_attention``; at decode it takes the split-KV path
-  (``flashlab.split_kv``), whose merge step is ``flashlab.reference.merge_partials``.
-- ``flashlab.roofline`` / ``flashlab.catalog`` -- the lesson's arithmetic (bytes, FLOPs, seconds) and the GPU and
-  model catalogues it reads from ``data/``; ``flashlab.widgets`` -- the sequence-length explorer.
-- ``flashlab.paged`` -- a KV-cache allocator simulation (contiguous vs paged blocks).
-- ``flashlab.bench`` -- ``python -m flashlab.bench``, the checked benchmark harness; ``flashlab.backends`` -- which
-  PyTorch SDPA backend runs where.
-- ``flashlab.exercises`` / ``flashlab.grade`` -- the notebooks' exercises, their pytest tests, and the grader
-  (``python -m flashlab.grade``).
+1. ``flashlab.core`` -- shapes (GQA), masks (causal, sliding window) and the tiles they leave, the one tolerance
+   table, integer helpers, argument checks. NumPy only.
+2. ``flashlab.reference`` -- the NumPy ground truth: softmax, the online softmax, materialised attention, the
+   tiled (FlashAttention) loop, the split-KV merge; and the same attention in float64 torch for GPU-sized checks.
+   ``flashlab.calculators`` -- the lesson's arithmetic (bytes, FLOPs, seconds) and the GPU / model catalogues.
+3. ``flashlab.kernels`` -- the Triton kernels (compiled on a GPU, Triton's interpreter on a CPU), each checked
+   against the reference; ``flashlab.flash_attention`` is their entry point.
+4. The tools: ``flashlab.bench`` (``python -m flashlab.bench``, the checked benchmark), ``flashlab.sdpa`` (which
+   PyTorch SDPA backend runs, and why the others refuse), ``flashlab.exercises`` and ``flashlab.grade`` (the
+   notebooks' exercises and their grader), ``flashlab.widgets`` (the sequence-length explorer), ``flashlab.paged``
+   (a KV-cache allocator simulation).
 
 Heavy dependencies (torch, triton) are imported only when the kernel is first used.
 """
@@ -26,7 +23,7 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # Lazy: `import flashlab` stays fast and torch-free until the kernel is asked for.
     if name == "flash_attention":
-        from flashlab.kernel import flash_attention
+        from flashlab.kernels.forward import flash_attention
 
         return flash_attention
     raise AttributeError(f"module 'flashlab' has no attribute {name!r}")

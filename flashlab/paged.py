@@ -3,7 +3,7 @@
 A serving engine keeps every running request's keys and values (its KV cache) in GPU memory. The cache grows by
 one token per decode step, and nobody knows in advance how long a request's answer will be. Two ways to hand out
 that memory, simulated here one decode step at a time, counting memory in tokens of KV cache (multiply by
-``flashlab.roofline.kv_cache_bytes_per_token(model)`` for bytes):
+``flashlab.calculators.roofline.kv_cache_bytes_per_token(model)`` for bytes):
 
 - ``ContiguousAllocator`` -- the pre-vLLM way: each request gets one contiguous slab when it is admitted, big
   enough for the longest it could ever become (``reserve="max"``: ``max_len`` tokens). Most of the slab is never

@@ -2,8 +2,9 @@
 
 ``explorer()`` returns an ``Explorer``, an ipywidgets box with a log-scale slider for the sequence length n
 (``.seq_len``, powers of two), pickers for the GPU (``.gpu``) and the model (``.model``) from
-``flashlab.roofline.GPUS`` / ``MODELS``, and the bytes per element (``.dtype``). For the current choice it shows,
-all computed by ``flashlab.roofline.prefill_cost``:
+``flashlab.calculators.roofline.GPUS`` / ``MODELS``, and the bytes per element (``.dtype``). For the current choice it
+shows,
+all computed by ``flashlab.calculators.roofline.prefill_cost``:
 
 - score-matrix memory: one head's n x n matrix, one layer's (all query heads), the whole model's (if all were held);
 - HBM traffic of one prompt through the whole model: naive (four passes over every score matrix) against flash
@@ -25,8 +26,8 @@ import math
 
 import ipywidgets as widgets
 
-from flashlab import roofline
-from flashlab.roofline import format_bytes, format_flops, format_seconds
+from flashlab.calculators import roofline
+from flashlab.calculators.roofline import format_bytes, format_flops, format_seconds
 
 SEQ_LENS = [2**k for k in range(9, 18)]  # 512 ... 131,072 (128K): the slider's stops, one per doubling
 DTYPES = [("fp16 / bf16 (2 B)", 2), ("fp32 (4 B)", 4), ("fp8 (1 B)", 1)]

@@ -5,7 +5,7 @@
 #
 # Steps, most important first, each under its own time cap so one slow step cannot starve the rest:
 #   1. the prefill benchmark on the issue's grid (python -m flashlab.bench)   -> $OUT/h200-bf16-DATE.{csv,json}
-#   2. which SDPA backend runs for which dtype / head dim (flashlab.backends)  -> $OUT/h200-sdpa-backends.json
+#   2. which SDPA backend runs for which dtype / head dim (flashlab.sdpa)  -> $OUT/h200-sdpa-backends.json
 #   3. the GPU test suite (pytest -m gpu)                                     -> in $OUT/record.log
 #   4. notebooks 04, 08 and 05 executed on the GPU (needs nbclient/ipykernel)  -> $OUT/notebooks-gpu.tar.gz
 #   5. the decode benchmark (one query token, GQA 64/8)                        -> $OUT/h200-decode-bf16-DATE.{csv,json}
@@ -30,7 +30,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torc
     | tee -a "$LOG"
 
 step "${BENCH_CAP:-240}" "prefill benchmark" python3 -m flashlab.bench --no-progress --out "$OUT/h200-bf16-$DATE"
-step 45 "SDPA backend probe" python3 -m flashlab.backends --out "$OUT/h200-sdpa-backends.json"
+step 45 "SDPA backend probe" python3 -m flashlab.sdpa --out "$OUT/h200-sdpa-backends.json"
 step "${TESTS_CAP:-240}" "GPU tests" python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/
 if python3 -c "import nbclient, ipykernel" 2>/dev/null; then
     mkdir -p /tmp/nb-gpu

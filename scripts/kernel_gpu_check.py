@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flashlab.kernel import _attn_fwd_tuned, _launch, flash_attention  # noqa: E402
+from flashlab.kernels.forward import _attn_fwd_tuned, _launch, flash_attention  # noqa: E402
 
 BACKENDS = {
     "fa2": SDPBackend.FLASH_ATTENTION,

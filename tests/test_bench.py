@@ -17,7 +17,8 @@ import triton
 
 from conftest import ROOT
 from flashlab import bench, reference
-from flashlab.bench import Backend, BenchConfig, BenchResults, naive_attention, reference_rows, run_sweep
+from flashlab.bench import Backend, BenchConfig, BenchResults, naive_attention, run_sweep
+from flashlab.reference.torch_float64 import attention_float64
 
 # a tiny, awkward sweep: N = 37 (odd), D = 24 (not a power of two), B = 2, H = 2
 TINY = dict(device="cpu", seq_lens=(37,), head_dims=(24,), dtypes=("fp32",), tokens=74, model_dim=48)
@@ -89,7 +90,7 @@ def test_reference_rows_equal_numpy_reference(causal, nq, nk):
     k, v = (torch.randn(2, 3, nk, 24, generator=g) for _ in range(2))
     want, _ = reference.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=causal)
     rows = torch.tensor([0, 1, nq // 2, nq - 1])
-    got = reference_rows(q, k, v, causal, rows, max_bytes=1)  # one head at a time
+    got = attention_float64(q, k, v, causal, rows=rows, max_bytes=1)[0]  # one head at a time
     assert got.dtype == torch.float64 and got.shape == (2, 3, 4, 24)
     np.testing.assert_allclose(got.numpy(), want[:, :, rows.numpy()], rtol=1e-10, atol=1e-12)
     if causal and nq > nk:
@@ -97,9 +98,9 @@ def test_reference_rows_equal_numpy_reference(causal, nq, nk):
 
 
 def test_check_rows_include_both_ends():
-    rows = bench._check_rows(1000, 7).tolist()
+    rows = bench.check_rows(1000, 7).tolist()
     assert rows[0] == 0 and rows[-1] == 999 and len(rows) == 7
-    assert bench._check_rows(5, 256).tolist() == [0, 1, 2, 3, 4]
+    assert bench.check_rows(5, 256).tolist() == [0, 1, 2, 3, 4]
 
 
 # --- a sweep in process, its files and stamps ----------------------------------------------------------------------
@@ -273,7 +274,7 @@ def test_naive_attention_with_gqa_equals_numpy_reference():
     k, v = (torch.randn(2, 2, 37, 24, generator=g, dtype=torch.float64) for _ in range(2))
     want, _ = reference.attention(q.numpy(), k.numpy(), v.numpy())
     np.testing.assert_allclose(naive_attention(q, k, v).numpy(), want, rtol=1e-12, atol=1e-12)
-    got = reference_rows(q, k, v, False, torch.tensor([0]), max_bytes=1)
+    got = attention_float64(q, k, v, False, rows=torch.tensor([0]), max_bytes=1)[0]
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-12)
 
 

@@ -7,18 +7,21 @@ import json
 import pytest
 
 from conftest import ROOT
-from flashlab.catalog import DATA_DIR, GPUS, MODELS, as_gpu, as_model, gpu_from_dict
+from flashlab.calculators.catalog import DATA, GPUS, MODELS, as_gpu, as_model, gpu_from_dict
 
 REAL_GPUS = ["h100-sxm", "h200-sxm", "a100-80gb-sxm", "b200", "rtx-4090", "l4"]
 GPU_FIGURES = ["hbm_bandwidth_TB_s", "dense_fp16_TFLOP_s", "sm_count", "smem_per_sm_KiB", "l2_MiB"]
 
 
 def _raw(name: str) -> dict:
-    return json.loads((ROOT / "data" / name).read_text(encoding="utf-8"))
+    return json.loads((ROOT / "flashlab" / "calculators" / "data" / name).read_text(encoding="utf-8"))
 
 
-def test_data_dir_is_the_repositorys():
-    assert DATA_DIR == ROOT / "data"
+def test_catalogues_are_package_data_that_every_install_carries():
+    # read through importlib.resources from inside the package, so a wheel carries them with no special case
+    assert (DATA / "gpus.json").is_file() and (DATA / "models.json").is_file()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert '"calculators/data/*.json"' in pyproject and "data-files" not in pyproject
 
 
 def test_the_brief_gpus_and_the_lesson_gpu_are_there():

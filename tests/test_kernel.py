@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from flashlab.kernel import CPU_CONFIG, flash_attention
+from flashlab.kernels.forward import flash_attention
+from flashlab.kernels.runtime import CPU_CONFIG
 from flashlab.reference import attention
 
 # ||out - ref|| / ||ref|| allowed per dtype: fp32 runs exact fp32 dots; fp16/bf16 round P and O to 16 bits.
@@ -183,9 +184,9 @@ def test_cpu_runs_leave_triton_language_as_they_found_it():
     # undo their patches; left in place they break any later GPU compile in the same process. flashlab's CPU
     # path snapshots and restores them: every attribute that existed before is the same object afterwards, and
     # no class gained one.
-    from flashlab.kernel import _language_objects
+    from flashlab.kernels.runtime import language_objects
 
-    objects = _language_objects()
+    objects = language_objects()
     before = [dict(vars(obj)) for obj in objects]
     q, k, v = make_qkv(1, 2, 1, 20, 40, 16, torch.bfloat16, seed=13)
     flash_attention(q, k, v, causal=True)  # the prefill kernel

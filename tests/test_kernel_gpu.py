@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashlab.kernel import flash_attention
-from flashlab.masking import visible_mask
+from flashlab.core.masking import visible_mask
+from flashlab.kernels.forward import flash_attention
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""flashlab.masking against a brute-force reading of the convention, and the tile map against the mask.
+"""flashlab.core.masking against a brute-force reading of the convention, and the tile map against the mask.
 
 The convention (FlashAttention >= 2.1): masks align to the bottom-right corner, so query i sits on key column
 i + (Nk - Nq). Causal: j <= i + Nk - Nq. Window (left, right): i + Nk - Nq - left <= j <= i + Nk - Nq + right.
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashlab.masking import FULL, PARTIAL, SKIPPED, TileMap, tile_map, tile_state, visible_band, visible_mask
+from flashlab.core.masking import FULL, PARTIAL, SKIPPED, TileMap, tile_map, tile_state, visible_band, visible_mask
 
 
 def brute_force_mask(nq, nk, causal=False, window=None):

@@ -2,7 +2,7 @@
 
 Three kinds of check:
 - the online-softmax example from the lesson, asserted as the lesson prints it (to 3 decimals);
-- ``attention`` (materialised), ``flash_attention`` (tiled) and ``merge_partials`` (split-KV) against ``naive``
+- ``attention`` (materialised), ``tiled_attention`` (tiled) and ``merge_partials`` (split-KV) against ``naive``
   below -- attention in float64 built from a brute-force mask -- on awkward shapes and as hypothesis properties;
 - that the tiled loop really skips what the mask hides, and that bad input raises a clear error.
 """
@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashlab.masking import tile_map
-from flashlab.reference import attention, flash_attention, merge_partials, online_attention, online_softmax, softmax
+from flashlab.core.masking import tile_map
+from flashlab.reference import attention, merge_partials, online_attention, online_softmax, softmax, tiled_attention
 
 tiled_module = importlib.import_module("flashlab.reference.tiled")
 
@@ -239,7 +239,7 @@ def test_attention_and_tiled_match_naive(case, causal, window):
     np.testing.assert_allclose(o, o_ref, **TOL)
     np.testing.assert_allclose(lse, lse_ref, **TOL)
     for block_m, block_n in [(1, 1), (4, 4), (5, 3), (7, 16), (64, 64), (200, 200)]:
-        ot, lset = flash_attention(q, k, v, causal, window, block_m=block_m, block_n=block_n)
+        ot, lset = tiled_attention(q, k, v, causal, window, block_m=block_m, block_n=block_n)
         np.testing.assert_allclose(ot, o_ref, **TOL, err_msg=f"block {block_m}x{block_n}")
         np.testing.assert_allclose(lset, lse_ref, **TOL, err_msg=f"block {block_m}x{block_n}")
 
@@ -248,20 +248,20 @@ def test_two_dimensional_inputs_are_one_head():
     rng = np.random.default_rng(2)
     q, k, v = randn(rng, 9, 5), randn(rng, 12, 5), randn(rng, 12, 3)
     o_ref, lse_ref = naive(q, k, v, causal=True)
-    for fn in (attention, flash_attention):
+    for fn in (attention, tiled_attention):
         o, lse = fn(q, k, v, causal=True)
         assert o.shape == (9, 3) and lse.shape == (9,)
         np.testing.assert_allclose(o, o_ref, **TOL)
         np.testing.assert_allclose(lse, lse_ref, **TOL)
     # and it equals the same data with one head and one batch
-    o4, _ = flash_attention(q[None, None], k[None, None], v[None, None], causal=True, block_m=4, block_n=5)
+    o4, _ = tiled_attention(q[None, None], k[None, None], v[None, None], causal=True, block_m=4, block_n=5)
     np.testing.assert_allclose(o4[0, 0], o_ref, **TOL)
 
 
 def test_leading_batch_dims_are_independent_problems():
     rng = np.random.default_rng(3)
     q, k, v = qkv(rng, (2, 3), 4, 2, 10, 14, 6)
-    o, lse = flash_attention(q, k, v, causal=True, block_m=3, block_n=4)
+    o, lse = tiled_attention(q, k, v, causal=True, block_m=3, block_n=4)
     for b0 in range(2):
         for b1 in range(3):
             for h in range(4):
@@ -276,7 +276,7 @@ def test_gqa_query_head_reads_key_head_h_over_group():
     o, _ = attention(q, k, v)
     o_rep, _ = attention(q, np.repeat(k, 3, axis=0), np.repeat(v, 3, axis=0))  # heads 0,1,2 -> kv 0; 3,4,5 -> 1
     np.testing.assert_allclose(o, o_rep, **TOL)
-    o_tiled, _ = flash_attention(q, k, v, block_m=3, block_n=3)
+    o_tiled, _ = tiled_attention(q, k, v, block_m=3, block_n=3)
     np.testing.assert_allclose(o_tiled, o_rep, **TOL)
     # and not the interleaved reading h % Hk
     o_wrong, _ = attention(q, np.tile(k, (3, 1, 1)), np.tile(v, (3, 1, 1)))
@@ -286,7 +286,7 @@ def test_gqa_query_head_reads_key_head_h_over_group():
 def test_lse_is_the_natural_log_sum_exp_of_scaled_scores():
     rng = np.random.default_rng(5)
     q, k, v = randn(rng, 4, 6), randn(rng, 7, 6), randn(rng, 7, 2)
-    _, lse = flash_attention(q, k, v, block_m=2, block_n=3, scale=0.7)
+    _, lse = tiled_attention(q, k, v, block_m=2, block_n=3, scale=0.7)
     for i in range(4):
         scores = [0.7 * float(q[i] @ k[j]) for j in range(7)]
         assert lse[i] == pytest.approx(math.log(math.fsum(math.exp(s) for s in scores)), rel=1e-12)
@@ -295,10 +295,10 @@ def test_lse_is_the_natural_log_sum_exp_of_scaled_scores():
 def test_default_scale_is_one_over_sqrt_d_and_scale_is_used():
     rng = np.random.default_rng(6)
     q, k, v = qkv(rng, (), 2, 2, 6, 6, 9)
-    o_default, _ = flash_attention(q, k, v, block_m=4, block_n=4)
-    o_third, _ = flash_attention(q, k, v, scale=1 / 3, block_m=4, block_n=4)
+    o_default, _ = tiled_attention(q, k, v, block_m=4, block_n=4)
+    o_third, _ = tiled_attention(q, k, v, scale=1 / 3, block_m=4, block_n=4)
     np.testing.assert_allclose(o_default, o_third, **TOL)  # d = 9
-    o_custom, lse_custom = flash_attention(q, k, v, scale=2.5, block_m=4, block_n=4)
+    o_custom, lse_custom = tiled_attention(q, k, v, scale=2.5, block_m=4, block_n=4)
     o_ref, lse_ref = naive(q, k, v, scale=2.5)
     np.testing.assert_allclose(o_custom, o_ref, **TOL)
     np.testing.assert_allclose(lse_custom, lse_ref, **TOL)
@@ -316,7 +316,7 @@ def test_huge_scores_that_overflow_a_naive_exp():
         o_ref, lse_ref = naive(q, k, v, causal)
         assert np.isfinite(o_ref).all()
         for fn_kwargs in ({}, {"block_m": 4, "block_n": 5}, {"block_m": 1, "block_n": 2}):
-            fn = attention if not fn_kwargs else flash_attention
+            fn = attention if not fn_kwargs else tiled_attention
             o, lse = fn(q, k, v, causal, **fn_kwargs)
             assert np.isfinite(o).all() and np.isfinite(lse).all()
             np.testing.assert_allclose(o, o_ref, rtol=1e-9, atol=1e-9)
@@ -341,8 +341,8 @@ def test_rows_with_no_visible_key_give_zeros_and_minus_inf(nq, nk, causal, windo
     o_ref, lse_ref = naive(q, k, v, causal, window)
     for o, lse in [
         attention(q, k, v, causal, window),
-        flash_attention(q, k, v, causal, window, block_m=2, block_n=2),
-        flash_attention(q, k, v, causal, window, block_m=3, block_n=1),
+        tiled_attention(q, k, v, causal, window, block_m=2, block_n=2),
+        tiled_attention(q, k, v, causal, window, block_m=3, block_n=1),
     ]:
         assert not np.isnan(o).any() and not np.isnan(lse).any()
         np.testing.assert_array_equal(o[..., empty_rows, :], 0.0)
@@ -354,9 +354,9 @@ def test_rows_with_no_visible_key_give_zeros_and_minus_inf(nq, nk, causal, windo
 def test_dtypes():
     rng = np.random.default_rng(9)
     q, k, v = qkv(rng, (), 2, 2, 5, 5, 4)
-    o32, lse32 = flash_attention(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), block_m=2)
+    o32, lse32 = tiled_attention(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), block_m=2)
     assert o32.dtype == np.float32 and lse32.dtype == np.float32
-    o64, _ = flash_attention(q, k, v, block_m=2)
+    o64, _ = tiled_attention(q, k, v, block_m=2)
     assert o64.dtype == np.float64
     np.testing.assert_allclose(o32, o64, rtol=1e-5, atol=1e-6)
     o16, _ = attention(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16))
@@ -388,7 +388,7 @@ def test_property_tiled_equals_materialised_equals_naive(
     q, k, v = qkv(rng, batch, hk * group, hk, nq, nk, d, dv, scale=magnitude)
     o_ref, lse_ref = naive(q, k, v, causal, window)
     o, lse = attention(q, k, v, causal, window)
-    ot, lset, tiles = flash_attention(q, k, v, causal, window, block_m=block_m, block_n=block_n, return_tiles=True)
+    ot, lset, tiles = tiled_attention(q, k, v, causal, window, block_m=block_m, block_n=block_n, return_tiles=True)
     tol = dict(rtol=1e-9, atol=1e-9 * magnitude**2)
     for oo, ll in ((o, lse), (ot, lset)):
         assert not np.isnan(oo).any() and not np.isnan(ll).any()
@@ -405,7 +405,7 @@ def test_property_tiled_equals_materialised_equals_naive(
 def test_recorded_tiles_equal_the_plan(nq, nk, bm, bn, causal, window):
     rng = np.random.default_rng(10)
     q, k, v = qkv(rng, (), 1, 1, nq, nk, 4)
-    _, _, tiles = flash_attention(q, k, v, causal, window, block_m=bm, block_n=bn, return_tiles=True)
+    _, _, tiles = tiled_attention(q, k, v, causal, window, block_m=bm, block_n=bn, return_tiles=True)
     plan = tile_map(nq, nk, bm, bn, causal, window)
     np.testing.assert_array_equal(tiles.state, plan.state)
     assert (tiles.block_m, tiles.block_n, tiles.nq, tiles.nk) == (bm, bn, nq, nk)
@@ -414,8 +414,8 @@ def test_recorded_tiles_equal_the_plan(nq, nk, bm, bn, causal, window):
 def test_causal_skips_about_half_the_tiles():
     rng = np.random.default_rng(11)
     q, k, v = qkv(rng, (), 1, 1, 256, 256, 4)
-    _, _, full = flash_attention(q, k, v, block_m=16, block_n=16, return_tiles=True)
-    _, _, causal = flash_attention(q, k, v, causal=True, block_m=16, block_n=16, return_tiles=True)
+    _, _, full = tiled_attention(q, k, v, block_m=16, block_n=16, return_tiles=True)
+    _, _, causal = tiled_attention(q, k, v, causal=True, block_m=16, block_n=16, return_tiles=True)
     assert full.n_skipped == 0 and full.n_computed == 256
     assert causal.n_computed == 16 * 17 // 2  # the diagonal and below
     assert causal.fraction_computed == pytest.approx(17 / 32)
@@ -447,15 +447,15 @@ def test_poisoned_skipped_tiles_do_not_change_the_output(monkeypatch, nq, nk, wi
     skipped_cols = np.flatnonzero(plan.skipped.all(axis=0))
     assert len(skipped_cols) >= 2
     ranges = [(tj * bn, min((tj + 1) * bn, nk)) for tj in skipped_cols]
-    o_clean, lse_clean = flash_attention(q, k, v, window=window, block_m=4, block_n=bn)
+    o_clean, lse_clean = tiled_attention(q, k, v, window=window, block_m=4, block_n=bn)
     monkeypatch.setattr(tiled_module, "as_heads", _poisoning_as_heads(ranges))
-    o, lse = flash_attention(q, k, v, window=window, block_m=4, block_n=bn)
+    o, lse = tiled_attention(q, k, v, window=window, block_m=4, block_n=bn)
     assert np.isfinite(o).all()
     np.testing.assert_array_equal(o, o_clean)
     np.testing.assert_array_equal(lse, lse_clean)
     # the poison is real: the same NaN keys in a tile the loop computes do reach the output
     monkeypatch.setattr(tiled_module, "as_heads", _poisoning_as_heads([(nk - 1, nk)]))
-    o_bad, _ = flash_attention(q, k, v, window=window, block_m=4, block_n=bn)
+    o_bad, _ = tiled_attention(q, k, v, window=window, block_m=4, block_n=bn)
     assert np.isnan(o_bad).any()
 
 
@@ -520,7 +520,7 @@ def test_property_merge_any_split(seed, nq, nk, cuts, causal, left, magnitude):
         for a, b in _chunks(nk, [c for c in cuts if c < nk])
     ]
     o, lse = merge_partials([p[0] for p in parts], [p[1] for p in parts])
-    o_ref, lse_ref = flash_attention(q, k, v, causal, window, block_m=3, block_n=4)
+    o_ref, lse_ref = tiled_attention(q, k, v, causal, window, block_m=3, block_n=4)
     assert not np.isnan(o).any()
     np.testing.assert_allclose(o, o_ref, rtol=1e-9, atol=1e-9 * magnitude**2)
     np.testing.assert_allclose(lse, lse_ref, rtol=1e-9, atol=1e-9 * magnitude**2)
@@ -572,7 +572,7 @@ def test_merge_bad_input():
 # ---------------------------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("fn", [attention, flash_attention])
+@pytest.mark.parametrize("fn", [attention, tiled_attention])
 def test_bad_shapes_raise_value_error(fn):
     rng = np.random.default_rng(16)
     q, k, v = qkv(rng, (2,), 4, 2, 5, 6, 3)
@@ -596,7 +596,7 @@ def test_bad_shapes_raise_value_error(fn):
             fn(*args)
 
 
-@pytest.mark.parametrize("fn", [attention, flash_attention])
+@pytest.mark.parametrize("fn", [attention, tiled_attention])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("which", [0, 1, 2])
 def test_non_finite_inputs_raise(fn, bad, which):
@@ -607,7 +607,7 @@ def test_non_finite_inputs_raise(fn, bad, which):
         fn(*args)
 
 
-@pytest.mark.parametrize("fn", [attention, flash_attention])
+@pytest.mark.parametrize("fn", [attention, tiled_attention])
 def test_non_numeric_inputs_raise_type_error(fn):
     x = np.zeros((3, 2))
     with pytest.raises(TypeError, match="real numbers"):
@@ -616,7 +616,7 @@ def test_non_numeric_inputs_raise_type_error(fn):
         fn(x, np.array([["a", "b"]] * 3), x)
 
 
-@pytest.mark.parametrize("fn", [attention, flash_attention])
+@pytest.mark.parametrize("fn", [attention, tiled_attention])
 @pytest.mark.parametrize("window", [(-1, 0), (0, 1.5), 4, (1, 2, 3)])
 def test_bad_window_raises(fn, window):
     x = np.zeros((3, 2))
@@ -628,16 +628,16 @@ def test_bad_window_raises(fn, window):
 def test_bad_scale_raises(scale):
     x = np.zeros((3, 2))
     with pytest.raises(ValueError, match="scale"):
-        flash_attention(x, x, x, scale=scale)
+        tiled_attention(x, x, x, scale=scale)
 
 
 @pytest.mark.parametrize("block", [0, -3, 1.5, True, None, "8"])
 def test_bad_block_sizes_raise(block):
     x = np.zeros((3, 2))
     with pytest.raises(ValueError, match="block_m"):
-        flash_attention(x, x, x, block_m=block)
+        tiled_attention(x, x, x, block_m=block)
     with pytest.raises(ValueError, match="block_n"):
-        flash_attention(x, x, x, block_n=block)
+        tiled_attention(x, x, x, block_n=block)
     with pytest.raises(ValueError, match="block_size"):
         online_softmax([1.0, 2.0], block)
     with pytest.raises(ValueError, match="block_size"):
@@ -646,7 +646,7 @@ def test_bad_block_sizes_raise(block):
 
 def test_numpy_integer_block_sizes_are_fine():
     x = np.ones((5, 2))
-    o, _ = flash_attention(x, x, x, block_m=np.int64(2), block_n=np.int32(3))
+    o, _ = tiled_attention(x, x, x, block_m=np.int64(2), block_n=np.int32(3))
     np.testing.assert_allclose(o, np.ones((5, 2)), **TOL)
     probs, _ = online_softmax([1.0, 1.0], np.int64(1))
     np.testing.assert_allclose(probs, [0.5, 0.5])

@@ -1,4 +1,4 @@
-"""flashlab.roofline reproduces every figure the lesson prints, to the digits it prints them.
+"""flashlab.calculators.roofline reproduces every figure the lesson prints, to the digits it prints them.
 
 The expected values below are typed in from the lesson's text, never computed by the code under test. The lesson
 uses decimal units (134 MB = 134 x 10^6 B, 2.75 TB = 2.75 x 10^12 B) except for on-chip tiles, where "32 KB" is
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flashlab.roofline import (
+from flashlab.calculators.roofline import (
     GPU,
     GPUS,
     MODELS,

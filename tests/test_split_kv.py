@@ -11,8 +11,8 @@ import pytest
 import torch
 from test_kernel import check_against_reference, make_qkv
 
-from flashlab.kernel import flash_attention
-from flashlab.split_kv import MAX_SPLIT_QUERY_ROWS, MAX_SPLITS, MIN_KEYS_PER_SPLIT, choose_splits
+from flashlab.kernels.forward import flash_attention
+from flashlab.kernels.split_kv import MAX_SPLIT_QUERY_ROWS, MAX_SPLITS, MIN_KEYS_PER_SPLIT, choose_splits
 
 
 def random_decode_case(seed):

@@ -1,6 +1,6 @@
 """The benchmark harness: naive attention, flashlab's kernel and PyTorch's SDPA backends, side by side.
 
-    python -m flashlab.bench                        # the issue's grid on the GPU: bf16, D 64/128, N 1K..16K
+    python -m flashlab.bench                        # the GPU grid: bf16, D 64/128, N 1K..16K, 16K tokens
     python -m flashlab.bench --device cpu --quick   # a tiny grid on the CPU (flashlab runs in Triton's interpreter)
 
 For every cell of the sweep (dtype x head dim D x sequence length N x causal, with B*N = ``--tokens`` and
@@ -20,37 +20,38 @@ figure says), and peak extra memory. Backends that cannot run a cell (no CPU ker
 dim) are ``skipped`` with PyTorch's reason; a backend that runs out of memory -- or would, by a pre-check of the
 score matrix against free memory -- is ``oom``, and the sweep carries on.
 
-The package, one concept a module: ``config`` (the grid and tolerances), ``backends`` (what is timed, and the
-reference it is checked against), ``measure`` (one cell: check, memory, time; the ceilings), ``results`` (a sweep,
-its stamp and files, the summaries) and ``cli``.
+The package, one concept a module: ``grid`` (one cell, its FLOPs and bytes, the tolerances), ``implementations``
+(what is timed, and the reference rows it is checked against), ``config`` (which cells a sweep runs), ``measure``
+(one cell: check, memory, time; the ceilings), ``stamp`` (device, versions, date), ``sweep`` (run them all),
+``results`` (rows, files, summaries) and ``cli``.
 
 Once per GPU run the two ceilings of the roofline are measured too: device-to-device copy bandwidth and an
 8192^3 bf16 matmul. Results go to ``PREFIX.csv`` and ``PREFIX.json`` stamped with the device, torch / triton /
 CUDA versions, the date and the exact command; ``data/results/README.md`` describes the columns.
 """
 
-from flashlab.bench.backends import BACKENDS, Backend, naive_attention, reference_rows
 from flashlab.bench.cli import build_parser, config_from_args, main
-from flashlab.bench.config import CAUSAL_CHOICES, DTYPES, STAMP_COLUMNS, TOLERANCE, BenchConfig, Cell, attention_flops
-from flashlab.bench.measure import _check_rows as _check_rows  # used by the tests
-from flashlab.bench.measure import bench_cell, measure_ceilings, peak_extra_bytes, time_ms
+from flashlab.bench.config import BenchConfig
+from flashlab.bench.grid import CAUSAL_CHOICES, DTYPES, STAMP_COLUMNS, TOLERANCE, Cell, attention_flops
+from flashlab.bench.implementations import BACKENDS, Backend, naive_attention, reference_rows
+from flashlab.bench.measure import bench_cell, check_rows, measure_ceilings, peak_extra_bytes, time_ms
 from flashlab.bench.results import (
     ROW_COLUMNS,
     BenchResults,
     default_prefix,
-    environment_stamp,
     geomean,
     newest_gpu_results,
-    run_sweep,
     speedups,
     summary_table,
 )
+from flashlab.bench.stamp import environment_stamp
+from flashlab.bench.sweep import run_sweep
 
 __all__ = [
     "BACKENDS", "Backend", "naive_attention", "reference_rows",
     "build_parser", "config_from_args", "main",
     "CAUSAL_CHOICES", "DTYPES", "STAMP_COLUMNS", "TOLERANCE", "BenchConfig", "Cell", "attention_flops",
-    "bench_cell", "measure_ceilings", "peak_extra_bytes", "time_ms",
+    "bench_cell", "check_rows", "measure_ceilings", "peak_extra_bytes", "time_ms",
     "ROW_COLUMNS", "BenchResults", "default_prefix", "environment_stamp", "geomean", "newest_gpu_results",
     "run_sweep", "speedups", "summary_table",
 ]  # fmt: skip

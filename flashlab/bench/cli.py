@@ -7,9 +7,11 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from flashlab.bench.backends import BACKENDS
-from flashlab.bench.config import CAUSAL_CHOICES, DTYPES, BenchConfig
-from flashlab.bench.results import BenchResults, default_prefix, run_sweep, summary_table
+from flashlab.bench.config import BenchConfig
+from flashlab.bench.grid import CAUSAL_CHOICES, DTYPES
+from flashlab.bench.implementations import BACKENDS
+from flashlab.bench.results import BenchResults, default_prefix, summary_table
+from flashlab.bench.sweep import run_sweep
 
 # ----------------------------------------------------------------------------------------------------------------
 # Command line

@@ -11,14 +11,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from flashlab.bench.backends import Backend, reference_rows
-from flashlab.bench.config import DTYPES, STAMP_COLUMNS, TOLERANCE, BenchConfig, Cell
+from flashlab.bench.config import BenchConfig
+from flashlab.bench.grid import DTYPES, STAMP_COLUMNS, TOLERANCE, Cell
+from flashlab.bench.implementations import Backend, reference_rows
 
 # ----------------------------------------------------------------------------------------------------------------
 # Measuring one cell
 
 
-def _check_rows(n: int, count: int) -> torch.Tensor:
+def check_rows(n: int, count: int) -> torch.Tensor:
     """Query rows to check: evenly spread, always including the first and last (the causal mask's extremes)."""
     return torch.unique(torch.linspace(0, n - 1, min(n, count)).round().long())
 
@@ -88,7 +89,7 @@ def bench_cell(cell: Cell, backends: Sequence[Backend], config: BenchConfig, met
     kv_shape = (cell.batch, cell.hk, cell.seq_len, cell.head_dim)  # (B, Hk, Nk, D)
     q = torch.randn(shape, generator=gen, device=device).to(dtype)
     k, v = (torch.randn(kv_shape, generator=gen, device=device).to(dtype) for _ in range(2))
-    rows = _check_rows(cell.nq, config.check_rows).to(device)
+    rows = check_rows(cell.nq, config.check_rows).to(device)
     batches = sorted({0, cell.batch - 1})  # the first and last batch entries
     ref = reference_rows(q[batches], k[batches], v[batches], cell.causal, rows)  # (b, H, R, D) float64
     tol = TOLERANCE[cell.dtype]

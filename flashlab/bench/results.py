@@ -1,30 +1,20 @@
-"""A whole sweep: its rows, the stamp (GPU, versions, date, command), CSV/JSON files, and the summaries
-(speedup ratios, geo-means, the table printed at the end)."""
+"""A sweep's results: its rows and stamp, CSV/JSON files, and the summaries (speedup ratios, geo-means, the table
+printed at the end)."""
 
 from __future__ import annotations
 
 import csv
-import datetime
 import json
 import math
-import os
-import platform
-import shlex
-import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
-import flashlab
-from flashlab.bench.backends import BACKENDS, Backend
-from flashlab.bench.config import STAMP_COLUMNS, BenchConfig
-from flashlab.bench.measure import bench_cell, measure_ceilings
+from flashlab.bench.grid import STAMP_COLUMNS
 
 # ----------------------------------------------------------------------------------------------------------------
-# A whole sweep, its stamp, and files
+# A sweep's rows, its stamp, and files
 
 ROW_COLUMNS = (
     "backend", "dtype", "head_dim", "seq_len", "causal", "batch", "heads", "kv_heads", "q_len", "status", "reason",
@@ -74,77 +64,6 @@ def _is_nan(x) -> bool:
 
 def _json_row(r: dict) -> dict:
     return {k: (None if _is_nan(v) else v) for k, v in r.items()}
-
-
-def environment_stamp(device: str) -> dict:
-    """What produced the numbers: device, versions, date."""
-    import triton
-
-    if device == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        device_name = props.name
-        extra = dict(
-            capability=f"{props.major}.{props.minor}",
-            multiprocessors=props.multi_processor_count,
-            memory_gb=round(props.total_memory / 1e9, 1),
-            cudnn=torch.backends.cudnn.version(),
-        )
-    else:
-        device_name = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-        extra = {}
-    return dict(
-        tool="flashlab.bench",
-        flashlab=flashlab.__version__,
-        device=device,
-        device_name=device_name,
-        is_cuda_gpu=device == "cuda",
-        torch=torch.__version__,
-        triton=triton.__version__,
-        cuda=torch.version.cuda if device == "cuda" else None,
-        python=platform.python_version(),
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        **extra,
-    )
-
-
-def run_sweep(
-    config: BenchConfig | None = None,
-    extra_backends: Sequence[Backend] = (),
-    progress: bool = True,
-    command: str | None = None,
-) -> BenchResults:
-    """Run the sweep ``config`` describes (``BenchConfig()``: the device's default grid) and return its results.
-
-    ``extra_backends`` are run after the named ones (tests inject a broken one this way). ``command`` is the
-    stamp's command line; by default the ``python -m flashlab.bench`` flags that reproduce ``config``.
-    """
-    from tqdm import tqdm
-
-    config = (config or BenchConfig()).resolve()
-    unknown = [b for b in config.backends if b not in BACKENDS]
-    if unknown:
-        raise ValueError(f"unknown backend(s) {unknown}; choose from {list(BACKENDS)}")
-    backends = [BACKENDS[b] for b in config.backends] + list(extra_backends)
-    meta = environment_stamp(config.device)
-    meta["command"] = command or "python -m flashlab.bench " + shlex.join(config.to_argv())
-    meta["config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()}
-    meta["timing"] = (
-        "triton.testing.do_bench, median" if config.device == "cuda" else "time.perf_counter per call, median"
-    )
-    meta["backends"] = {b.name: b.description for b in backends}
-    cells = config.cells()
-    ceilings = measure_ceilings(config.device) if config.ceilings else {}
-    rows = []
-    start = time.perf_counter()
-    bar = tqdm(total=len(cells) * len(backends), desc="flashlab.bench", unit="run", disable=not progress)
-    for cell in cells:
-        bar.set_postfix_str(cell.label())
-        cell_rows = bench_cell(cell, backends, config, meta)
-        rows += cell_rows
-        bar.update(len(cell_rows))
-    bar.close()
-    meta["elapsed_s"] = round(time.perf_counter() - start, 1)
-    return BenchResults(meta=meta, rows=rows, ceilings=ceilings)
 
 
 # ----------------------------------------------------------------------------------------------------------------

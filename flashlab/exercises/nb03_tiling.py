@@ -1,16 +1,16 @@
 """Exercises for notebook 03 (tiling in NumPy): the tiled forward pass, and counting the tiles a causal mask skips.
 
-Masks follow flashlab's convention (``flashlab.masking``): aligned to the bottom-right, so with Nq queries and Nk keys
-query i sees keys j <= i + (Nk - Nq).
+Masks follow flashlab's convention (``flashlab.core.masking``): aligned to the bottom-right, so with Nq queries and
+Nk keys query i sees keys j <= i + (Nk - Nq).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from flashlab.core.masking import tile_map
 from flashlab.exercises import Exercise, graded
 from flashlab.exercises._checks import expect_array, expect_int, unpack
-from flashlab.masking import tile_map
 from flashlab.reference import attention
 
 EXERCISES = [

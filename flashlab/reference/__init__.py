@@ -3,10 +3,12 @@
 - ``softmax``, ``online_softmax``, ``online_attention`` -- one row of scores, whole or a block at a time
   (``online_softmax``).
 - ``attention`` -- materialised attention: the whole score matrix, then softmax, then P V (``attention``).
-- ``flash_attention`` -- the tiled FlashAttention loop, never holding more than one score tile (``tiled``).
+- ``tiled_attention`` -- the tiled FlashAttention loop, never holding more than one score tile (``tiled``).
 - ``merge_partials`` -- combine results over disjoint key ranges by their log-sum-exps (``merge``).
 
-Shapes are ``(..., N, D)``; k/v may have fewer heads than q (GQA). Masks follow ``flashlab.masking``.
+Shapes are ``(..., N, D)``; k/v may have fewer heads than q (GQA). Masks follow ``flashlab.core.masking``.
+``flashlab.reference.torch_float64.attention_float64`` is the same materialised attention in float64 torch, on
+the inputs' own device, for GPU-sized checks (imported on demand: it needs torch).
 Everything computes in float64; float64 in gives float64 out.
 """
 
@@ -19,7 +21,7 @@ from flashlab.reference.online_softmax import (
     online_softmax,
     softmax,
 )
-from flashlab.reference.tiled import flash_attention
+from flashlab.reference.tiled import tiled_attention
 
 __all__ = [
     "softmax",
@@ -28,6 +30,6 @@ __all__ = [
     "OnlineSoftmaxStep",
     "OnlineAttentionStep",
     "attention",
-    "flash_attention",
+    "tiled_attention",
     "merge_partials",
 ]

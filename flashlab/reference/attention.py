@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashlab.masking import visible_mask
-from flashlab.shapes import AttentionShape, attention_shape
+from flashlab.core.masking import visible_mask
+from flashlab.core.shapes import AttentionShape, attention_shape
 
 
 def as_heads(q, k, v):
@@ -57,7 +57,7 @@ def attention(q, k, v, causal: bool = False, window=None, scale=None):
 
     q ``(..., Hq, Nq, D)``, k/v ``(..., Hk, Nk, D)``; o ``(..., Hq, Nq, Dv)``; lse ``(..., Hq, Nq)`` is the natural
     log-sum-exp of each row's scaled, masked scores (-inf for a row that sees no key, whose output is zeros).
-    See ``flashlab.masking`` for the causal / window convention.
+    See ``flashlab.core.masking`` for the causal / window convention.
     """
     ndim = np.ndim(q)
     qh, kh, vh, shape, out_dtype = as_heads(q, k, v)

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashlab.masking import FULL, PARTIAL, SKIPPED, TileMap, tile_state, visible_band
+from flashlab.core.integers import cdiv
+from flashlab.core.masking import FULL, PARTIAL, SKIPPED, TileMap, tile_state, visible_band
 from flashlab.reference.attention import as_heads, default_scale, reshape_out
 
 
-def flash_attention(
+def tiled_attention(
     q,
     k,
     v,
@@ -37,7 +38,7 @@ def flash_attention(
     """Tiled attention. Returns ``(o, lse)``, or ``(o, lse, tiles)`` with ``return_tiles=True``.
 
     Same arguments and results as ``flashlab.reference.attention``; ``block_m``/``block_n`` are the query and key
-    tile sizes (any positive ints; they need not divide N). ``tiles`` is a ``flashlab.masking.TileMap``
+    tile sizes (any positive ints; they need not divide N). ``tiles`` is a ``flashlab.core.masking.TileMap``
     recording, for each (query tile, key tile), whether the loop skipped it, computed it with an element mask,
     or computed it whole.
     """
@@ -55,7 +56,7 @@ def flash_attention(
     v = v.reshape(bh, shape.nk, shape.dv)  # (BH, Nk, Dv)
     o = np.zeros((bh, shape.nq, shape.dv))
     lse = np.full((bh, shape.nq), -np.inf)
-    n_m, n_n = -(-shape.nq // block_m), -(-shape.nk // block_n)
+    n_m, n_n = cdiv(shape.nq, block_m), cdiv(shape.nk, block_n)
     tiles = np.full((n_m, n_n), SKIPPED, dtype=np.int8)
 
     for ti in range(n_m):  # one query tile: in the kernel, one program of the grid
@@ -99,4 +100,4 @@ def flash_attention(
     return o, lse
 
 
-__all__ = ["flash_attention", "FULL", "PARTIAL", "SKIPPED"]
+__all__ = ["tiled_attention", "FULL", "PARTIAL", "SKIPPED"]

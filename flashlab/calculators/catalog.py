@@ -1,8 +1,9 @@
 """The GPU and model catalogues: the hardware figures and model shapes the roofline arithmetic needs.
 
-The data lives in ``data/gpus.json`` and ``data/models.json`` at the root of the repository, in the units a
-datasheet or a model card prints (TB/s, TFLOP/s, KiB, ...), each figure next to the source it came from. This
-module reads them into two small dataclasses in SI units -- bytes, bytes per second, FLOP per second:
+The data lives in ``data/gpus.json`` and ``data/models.json`` beside this module (package data, read with
+``importlib.resources``), in the units a datasheet or a model card prints (TB/s, TFLOP/s, KiB, ...), each figure
+next to the source it came from. This module reads them into two small dataclasses in SI units -- bytes, bytes per
+second, FLOP per second:
 
 - ``GPU`` -- HBM bandwidth, dense fp16/bf16 tensor-core throughput, SM count, shared memory per SM, L2.
 - ``Model`` -- the attention shape of a transformer: layers, query heads, key/value heads, head dim, and for
@@ -10,23 +11,21 @@ module reads them into two small dataclasses in SI units -- bytes, bytes per sec
 
 ``GPUS`` and ``MODELS`` are dicts by catalogue name. ``as_gpu`` / ``as_model`` turn whatever a user passes -- a
 catalogue name, a ``GPU``/``Model``, or a plain dict -- into the dataclass, so every calculator in
-``flashlab.roofline`` accepts all three.
+``flashlab.calculators.roofline`` accepts all three.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import numbers
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from pathlib import Path
+from importlib import resources
 
-# The catalogues live in the repository's data/ folder (an editable install reads them there); a regular install
-# copies them to <prefix>/share/flashlab/data (pyproject.toml's data-files).
-DATA_DIRS = (Path(__file__).resolve().parents[1] / "data", Path(sys.prefix) / "share" / "flashlab" / "data")
-DATA_DIR = next((d for d in DATA_DIRS if (d / "gpus.json").is_file()), DATA_DIRS[0])
+from flashlab.core.checks import check_positive, check_positive_int
+
+# The catalogues are package data (flashlab/calculators/data/), so any install -- editable, wheel or sdist -- has
+# them where importlib.resources finds them.
+DATA = resources.files("flashlab.calculators") / "data"
 
 TB, GB, MB = 1e12, 1e9, 1e6  # decimal units: bandwidths, FLOP rates and HBM sizes (as datasheets use them)
 KiB, MiB = 1024, 1024**2  # binary units: on-chip memories (shared memory, L2), as CUDA reports them
@@ -50,10 +49,10 @@ class GPU:
     def __post_init__(self):
         _check_name("GPU", self.name)
         for attr in ("hbm_bandwidth", "tensor_flops"):
-            _check_positive(f"GPU {self.name!r} {attr}", getattr(self, attr))
+            check_positive(f"GPU {self.name!r} {attr}", getattr(self, attr))
         for attr in ("sm_count", "smem_per_sm", "l2_bytes", "memory_bytes"):
             if getattr(self, attr) is not None:
-                _check_positive(f"GPU {self.name!r} {attr}", getattr(self, attr))
+                check_positive(f"GPU {self.name!r} {attr}", getattr(self, attr))
 
     @property
     def ridge_point(self) -> float:
@@ -86,9 +85,9 @@ class Model:
     def __post_init__(self):
         _check_name("Model", self.name)
         for attr in ("layers", "query_heads", "kv_heads", "head_dim"):
-            _check_positive_int(f"model {self.name!r} {attr}", getattr(self, attr))
+            check_positive_int(f"model {self.name!r} {attr}", getattr(self, attr))
         if self.v_head_dim is not None:
-            _check_positive_int(f"model {self.name!r} v_head_dim", self.v_head_dim)
+            check_positive_int(f"model {self.name!r} v_head_dim", self.v_head_dim)
         if self.attention not in ("mha", "gqa", "mla"):
             raise ValueError(f"model {self.name!r}: attention must be 'mha', 'gqa' or 'mla'; got {self.attention!r}")
         if self.query_heads % self.kv_heads:
@@ -98,7 +97,7 @@ class Model:
             )
         if self.attention == "mla":
             for attr in ("kv_lora_rank", "rope_head_dim"):
-                _check_positive_int(f"MLA model {self.name!r} {attr}", getattr(self, attr))
+                check_positive_int(f"MLA model {self.name!r} {attr}", getattr(self, attr))
 
     @property
     def value_dim(self) -> int:
@@ -131,7 +130,7 @@ _MODEL_FIELDS = {f.name for f in fields(Model)}
 
 
 def gpu_from_dict(entry: Mapping, name: str | None = None) -> GPU:
-    """A ``GPU`` from a dict, keyed either as in ``data/gpus.json`` (``hbm_bandwidth_TB_s``,
+    """A ``GPU`` from a dict, keyed either as in ``flashlab/calculators/data/gpus.json`` (``hbm_bandwidth_TB_s``,
     ``dense_fp16_TFLOP_s``, ``smem_per_sm_KiB``, ...) or by the dataclass's own SI fields (``hbm_bandwidth`` in
     bytes/s, ``tensor_flops`` in FLOP/s, ...)."""
     if not isinstance(entry, Mapping):
@@ -141,7 +140,7 @@ def gpu_from_dict(entry: Mapping, name: str | None = None) -> GPU:
         if key in _GPU_UNIT_KEYS:
             attr, scale = _GPU_UNIT_KEYS[key]
             if value is not None:
-                _check_positive(f"GPU {key}", value)
+                check_positive(f"GPU {key}", value)
                 value = value * scale
                 value = int(round(value)) if attr in ("sm_count", "smem_per_sm", "l2_bytes") else value
         elif key in _GPU_FIELDS:
@@ -163,7 +162,7 @@ def gpu_from_dict(entry: Mapping, name: str | None = None) -> GPU:
 
 
 def model_from_dict(entry: Mapping, name: str | None = None) -> Model:
-    """A ``Model`` from a dict keyed by the dataclass's fields (as in ``data/models.json``)."""
+    """A ``Model`` from a dict keyed by the dataclass's fields (as in ``flashlab/calculators/data/models.json``)."""
     if not isinstance(entry, Mapping):
         raise TypeError(f"a model dict must be a mapping; got {type(entry).__name__}")
     unknown = set(entry) - _MODEL_FIELDS
@@ -180,24 +179,17 @@ def model_from_dict(entry: Mapping, name: str | None = None) -> Model:
 
 
 def _load(filename: str) -> dict:
-    path = DATA_DIR / filename
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{filename} not found in {' or '.join(str(d) for d in DATA_DIRS)}: install flashlab from a clone of "
-            f"the repository (pip install -e . or pip install .), which carries its data/ folder"
-        )
-    with path.open(encoding="utf-8") as f:
-        data = json.load(f)
+    data = json.loads((DATA / filename).read_text(encoding="utf-8"))
     return {k: v for k, v in data.items() if not k.startswith("_")}  # "_about" etc. are comments
 
 
 def load_gpus() -> dict[str, GPU]:
-    """Read ``data/gpus.json`` into ``{name: GPU}``."""
+    """Read ``flashlab/calculators/data/gpus.json`` into ``{name: GPU}``."""
     return {name: gpu_from_dict(entry, name) for name, entry in _load("gpus.json").items()}
 
 
 def load_models() -> dict[str, Model]:
-    """Read ``data/models.json`` into ``{name: Model}``."""
+    """Read ``flashlab/calculators/data/models.json`` into ``{name: Model}``."""
     return {name: model_from_dict(entry, name) for name, entry in _load("models.json").items()}
 
 
@@ -215,7 +207,8 @@ def _resolve(value, cls, catalogue, from_dict, what: str, arg: str):
     if isinstance(value, Mapping):
         return from_dict(value)
     raise TypeError(
-        f"{arg} must be a catalogue name, a flashlab.catalog.{cls.__name__} or a dict; got {type(value).__name__}"
+        f"{arg} must be a catalogue name, a flashlab.calculators.catalog.{cls.__name__} or a dict; "
+        f"got {type(value).__name__}"
     )
 
 
@@ -229,26 +222,9 @@ def as_model(model) -> Model:
     return _resolve(model, Model, MODELS, model_from_dict, "model", "model")
 
 
-# --- argument checks shared with flashlab.roofline ----------------------------------------------------------------
-
-
 def _check_name(kind: str, name) -> None:
     if not isinstance(name, str) or not name:
         raise TypeError(f"{kind} name must be a non-empty string; got {name!r}")
-
-
-def _check_positive(what: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{what} must be a number; got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{what} must be positive and finite; got {value!r}")
-
-
-def _check_positive_int(what: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{what} must be an integer; got {value!r}")
-    if value < 1:
-        raise ValueError(f"{what} must be at least 1; got {value!r}")
 
 
 # Read once, at import.

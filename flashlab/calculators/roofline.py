@@ -2,7 +2,8 @@
 
 Pure functions, no GPU needed. Units everywhere: sizes and traffic in **bytes**, times in **seconds**, work in
 **FLOPs**, rates in bytes/s and FLOP/s. Where a GPU or model is asked for, pass a catalogue name (``"h100-sxm"``,
-``"lesson-70b"``), a ``flashlab.catalog.GPU`` / ``Model``, or a plain dict (see ``flashlab.catalog``).
+``"lesson-70b"``), a ``flashlab.calculators.catalog.GPU`` / ``Model``, or a plain dict (see
+``flashlab.calculators.catalog``).
 
 Per head (the lesson's simplified counts, n tokens, head dim d, fp16 = 2 bytes):
 
@@ -27,16 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flashlab.catalog import (
-    GPU,
-    GPUS,
-    MODELS,
-    Model,
-    _check_positive,
-    _check_positive_int,
-    as_gpu,
-    as_model,
-)
+from flashlab.calculators.catalog import GPU, GPUS, MODELS, Model, as_gpu, as_model
+from flashlab.core.checks import check_positive, check_positive_int
 
 __all__ = [
     "GPU",
@@ -72,7 +65,7 @@ __all__ = [
 
 def _check_dtype_bytes(dtype_bytes) -> None:
     # Not only integers: an 8-bit cache is 1, a 4-bit one 0.5, DeepSeek-V2's ~6-bit KV 0.75.
-    _check_positive("dtype_bytes (bytes per element: 2 for fp16/bf16, 4 for fp32, 1 for fp8)", dtype_bytes)
+    check_positive("dtype_bytes (bytes per element: 2 for fp16/bf16, 4 for fp32, 1 for fp8)", dtype_bytes)
 
 
 def _as_size(value):
@@ -89,7 +82,7 @@ def score_matrix_bytes(n: int, dtype_bytes=2) -> int:
     >>> score_matrix_bytes(8192)  # 8K tokens in fp16: about 134 MB
     134217728
     """
-    _check_positive_int("n (sequence length)", n)
+    check_positive_int("n (sequence length)", n)
     _check_dtype_bytes(dtype_bytes)
     return _as_size(n * n * dtype_bytes)
 
@@ -102,9 +95,9 @@ def naive_attention_traffic(n: int, d: int, dtype_bytes=2, passes: int = 4, incl
     lesson's 4 x 134 MB = 537 MB at 8K). ``include_qkvo=True`` adds reading Q, K, V and writing O (4 n d elements),
     which makes it the count of the paper's standard attention (Dao et al. 2022, Algorithm 0): Theta(n d + n^2).
     """
-    _check_positive_int("n (sequence length)", n)
-    _check_positive_int("d (head dim)", d)
-    _check_positive_int("passes (passes over the score matrix)", passes)
+    check_positive_int("n (sequence length)", n)
+    check_positive_int("d (head dim)", d)
+    check_positive_int("passes (passes over the score matrix)", passes)
     if not isinstance(include_qkvo, bool):
         raise TypeError(f"include_qkvo must be True or False; got {include_qkvo!r}")
     traffic = passes * score_matrix_bytes(n, dtype_bytes)
@@ -123,8 +116,8 @@ def flash_attention_traffic(n: int, d: int, dtype_bytes=2) -> int:
     cache to keep those re-reads cheap. The per-row log-sum-exp the kernel also writes (n numbers) is left out,
     as in the lesson.
     """
-    _check_positive_int("n (sequence length)", n)
-    _check_positive_int("d (head dim)", d)
+    check_positive_int("n (sequence length)", n)
+    check_positive_int("d (head dim)", d)
     _check_dtype_bytes(dtype_bytes)
     return _as_size(4 * n * d * dtype_bytes)
 
@@ -133,8 +126,8 @@ def flash_block_sizes(d: int, sram_bytes, dtype_bytes=2) -> tuple[int, int]:
     """The FlashAttention paper's block sizes (Dao et al. 2022, Algorithm 1): ``(B_r, B_c)`` with
     B_c = ceil(M / 4d) and B_r = min(B_c, d), where M = sram_bytes / dtype_bytes is the SRAM size in *elements*.
     """
-    _check_positive_int("d (head dim)", d)
-    _check_positive("sram_bytes (on-chip SRAM size in bytes)", sram_bytes)
+    check_positive_int("d (head dim)", d)
+    check_positive("sram_bytes (on-chip SRAM size in bytes)", sram_bytes)
     _check_dtype_bytes(dtype_bytes)
     m = sram_bytes / dtype_bytes  # M, in elements
     if m < 4 * d:
@@ -164,7 +157,7 @@ def flash_io_accesses(n: int, d: int, sram_bytes, dtype_bytes=2) -> int:
     extra K/V block costs another sweep over Q and O. Once M is large enough that B_c >= n (T_c = 1) it flattens
     at about 6 n d, a little more than ``flash_attention_traffic`` because Algorithm 1 also initialises and reads O.
     """
-    _check_positive_int("n (sequence length)", n)
+    check_positive_int("n (sequence length)", n)
     _, block_c = flash_block_sizes(d, sram_bytes, dtype_bytes)
     t_c = math.ceil(n / block_c)  # number of K/V blocks: outer-loop iterations
     elements = (n * d + 2 * n) + 2 * n * d + t_c * (3 * n * d + 4 * n)
@@ -178,11 +171,11 @@ def attention_flops(n: int, d: int, causal: bool = False, dv: int | None = None)
     is skipped, the softmax's exponentials are not counted). ``dv`` is the value head dim when it differs from d
     (MLA); then the count is 2 n^2 (d + dv).
     """
-    _check_positive_int("n (sequence length)", n)
-    _check_positive_int("d (head dim)", d)
+    check_positive_int("n (sequence length)", n)
+    check_positive_int("d (head dim)", d)
     if dv is None:
         dv = d
-    _check_positive_int("dv (value head dim)", dv)
+    check_positive_int("dv (value head dim)", dv)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False; got {causal!r}")
     flops = 2 * n * n * (d + dv)
@@ -268,7 +261,7 @@ def time_bounds(flops, nbytes, gpu="lesson-gpu") -> TimeBounds:
     """
     gpu = as_gpu(gpu)
     for what, value in (("flops", flops), ("nbytes", nbytes)):
-        _check_positive(what, value)
+        check_positive(what, value)
     return TimeBounds(
         flops=flops,
         nbytes=nbytes,
@@ -342,8 +335,8 @@ def kv_cache_bytes_per_token(model, dtype_bytes=2) -> int:
 
 def kv_cache_bytes(model, context: int, dtype_bytes=2, batch: int = 1) -> int:
     """Bytes of KV cache for ``batch`` requests of ``context`` tokens: 41.9 GB for lesson-70b at 128,000 tokens."""
-    _check_positive_int("context (tokens in the KV cache)", context)
-    _check_positive_int("batch (requests)", batch)
+    check_positive_int("context (tokens in the KV cache)", context)
+    check_positive_int("batch (requests)", batch)
     return _as_size(kv_cache_bytes_per_token(model, dtype_bytes) * context * batch)
 
 
@@ -354,10 +347,10 @@ def decode_read_time(model, context: int, gpus: int = 1, gpu="lesson-gpu", dtype
     ``gpu``'s HBM bandwidth). The lesson's case, lesson-70b at 128,000 tokens over 8 GPUs at 3.3 TB/s each:
     41.9 GB / 26.4 TB/s = 1.6 ms per token.
     """
-    _check_positive_int("gpus (number of GPUs sharing the cache)", gpus)
+    check_positive_int("gpus (number of GPUs sharing the cache)", gpus)
     if bandwidth is None:
         bandwidth = as_gpu(gpu).hbm_bandwidth
-    _check_positive("bandwidth (bytes/s per GPU)", bandwidth)
+    check_positive("bandwidth (bytes/s per GPU)", bandwidth)
     return kv_cache_bytes(model, context, dtype_bytes, batch) / (gpus * bandwidth)
 
 
@@ -367,10 +360,10 @@ def decode_read_time(model, context: int, gpus: int = 1, gpu="lesson-gpu", dtype
 def end_to_end_speedup(attention_share, kernel_speedup) -> float:
     """Amdahl's law: the step speedup when a fraction ``attention_share`` of the step gets ``kernel_speedup``x
     faster. 30 % at 2x: 1 / (0.7 + 0.3 / 2) = 1.18x, not 2x."""
-    _check_positive("attention_share", attention_share)
+    check_positive("attention_share", attention_share)
     if attention_share > 1:
         raise ValueError(f"attention_share is a fraction of the step time, 0 < share <= 1; got {attention_share}")
-    _check_positive("kernel_speedup", kernel_speedup)
+    check_positive("kernel_speedup", kernel_speedup)
     return 1.0 / ((1.0 - attention_share) + attention_share / kernel_speedup)
 
 
@@ -383,9 +376,9 @@ def tile_sram_bytes(block_m: int, block_n: int, d: int, dtype_bytes=2, acc_bytes
     real kernels keep in registers.
     """
     for what, value in (("block_m", block_m), ("block_n", block_n), ("d (head dim)", d)):
-        _check_positive_int(what, value)
+        check_positive_int(what, value)
     _check_dtype_bytes(dtype_bytes)
-    _check_positive("acc_bytes (bytes per accumulator element, 4 for fp32)", acc_bytes)
+    check_positive("acc_bytes (bytes per accumulator element, 4 for fp32)", acc_bytes)
     nbytes = (block_m + 2 * block_n) * d * dtype_bytes + block_m * block_n * acc_bytes
     if include_output:
         nbytes += block_m * d * acc_bytes

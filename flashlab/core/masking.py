@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flashlab.core.integers import cdiv
+
 # tile states in a TileMap
 SKIPPED, PARTIAL, FULL = 0, 1, 2
 
@@ -109,7 +111,7 @@ def tile_map(nq: int, nk: int, block_m: int, block_n: int, causal: bool = False,
         if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
             raise ValueError(f"{name} must be a positive int (a block size >= 1); got {b!r}")
     band = visible_band(nq, nk, causal, window)
-    n_m, n_n = -(-nq // block_m), -(-nk // block_n)
+    n_m, n_n = cdiv(nq, block_m), cdiv(nk, block_n)
     state = np.empty((n_m, n_n), dtype=np.int8)
     for ti in range(n_m):
         r0, r1 = ti * block_m, min((ti + 1) * block_m, nq)

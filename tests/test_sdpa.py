@@ -1,4 +1,4 @@
-"""flashlab.backends on CPU: the SDPA backend probe, its tolerance check, its table and its command line."""
+"""flashlab.sdpa on CPU: the SDPA backend probe, its tolerance check, its table and its command line."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from conftest import ROOT
-from flashlab import backends
-from flashlab.backends import (
+from flashlab import sdpa
+from flashlab.sdpa import (
     BACKENDS,
     TOLERANCE,
     format_table,
@@ -95,12 +95,12 @@ def test_selected_backend_on_cpu_is_one_that_runs(cpu_rows):
 
 
 def test_a_wrong_kernel_is_reported_as_wrong(monkeypatch):
-    real = backends.F.scaled_dot_product_attention
+    real = sdpa.F.scaled_dot_product_attention
 
     def off_by_a_bit(q, k, v, is_causal=False):
         return real(q, k, v, is_causal=is_causal) * 1.01
 
-    monkeypatch.setattr(backends.F, "scaled_dot_product_attention", off_by_a_bit)
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", off_by_a_bit)
     rows = probe_sdpa_backends(
         dtypes=("float32",),
         head_dims=(16,),
@@ -114,8 +114,8 @@ def test_a_wrong_kernel_is_reported_as_wrong(monkeypatch):
 
 def test_probe_checks_the_causal_mask(monkeypatch):
     # a backend that ignores is_causal must fail the causal rows
-    real = backends.F.scaled_dot_product_attention
-    monkeypatch.setattr(backends.F, "scaled_dot_product_attention", lambda q, k, v, is_causal=False: real(q, k, v))
+    real = sdpa.F.scaled_dot_product_attention
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", lambda q, k, v, is_causal=False: real(q, k, v))
     rows = probe_sdpa_backends(dtypes=("float32",), causal=(False, True), backends=("MATH",), **SMALL)
     assert {r["causal"]: r["status"] for r in rows if r["head_dim"] == 16} == {False: "ran", True: "wrong"}
 
@@ -151,12 +151,12 @@ def test_format_table(cpu_rows):
 def test_command_line_writes_a_stamped_json(tmp_path, capsys):
     out = tmp_path / "sub" / "probe.json"
     args = ["--out", str(out), "--device", "cpu", "--dtypes", "float32", "--head-dims", "16,40"]
-    assert backends.main([*args, "--causal", "yes", "--seq-len", "7", "--heads", "1"]) == 0
+    assert sdpa.main([*args, "--causal", "yes", "--seq-len", "7", "--heads", "1"]) == 0
     data = json.loads(out.read_text())
     meta = data["meta"]
     for key in ("device_name", "torch", "triton", "cuda", "date", "command", "python"):
         assert key in meta
-    assert meta["tool"] == "flashlab.backends" and meta["torch"] == torch.__version__
+    assert meta["tool"] == "flashlab.sdpa" and meta["torch"] == torch.__version__
     assert "--head-dims 16,40" in meta["command"]
     assert meta["problem"] == {"batch": 1, "heads": 1, "seq_len": 7, "seed": 0}
     assert len(data["rows"]) == 2 * len(BACKENDS)
@@ -167,7 +167,7 @@ def test_command_line_writes_a_stamped_json(tmp_path, capsys):
 
 def test_command_line_help(capsys):
     with pytest.raises(SystemExit) as exc:
-        backends.main(["--help"])
+        sdpa.main(["--help"])
     assert exc.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--out", "--device", "--dtypes", "--head-dims", "--causal", "--seq-len"):
@@ -182,7 +182,7 @@ def test_recorded_gpu_probe_is_stamped_and_readable():
     # notebook 08 shows this file on machines without a GPU: it must say what produced it, and parse as a table
     data = json.loads(RECORDED.read_text())
     meta = data["meta"]
-    assert meta["tool"] == "flashlab.backends" and meta["is_cuda_gpu"] is True
+    assert meta["tool"] in ("flashlab.sdpa", "flashlab.backends") and meta["is_cuda_gpu"] is True
     for key in ("device_name", "torch", "triton", "cuda", "date", "command"):
         assert meta[key], key
     assert data["rows"] and {r["backend"] for r in data["rows"]} >= {"MATH", "FLASH_ATTENTION"}

@@ -1,4 +1,4 @@
-"""The FlashAttention forward pass as a Triton kernel: the tiled loop of ``flashlab.reference.flash_attention``.
+"""The FlashAttention forward pass as a Triton kernel: the tiled loop of ``flashlab.reference.tiled_attention``.
 
 One program of the grid owns one tile of ``BLOCK_M`` query rows of one head. It loads its Q tile once, then walks
 the key/value tiles of ``BLOCK_N`` keys that the mask leaves visible, keeping only the three running quantities of
@@ -10,9 +10,9 @@ the online softmax in registers:
 
 and writes O and the log-sum-exp once at the end. The score tile S (BLOCK_M x BLOCK_N) lives in registers only;
 the Nq x Nk score matrix is never written to memory. The NumPy loop it must equal, line for line, is
-``flashlab.reference.tiled.flash_attention``; the float64 ground truth is ``flashlab.reference.attention``.
+``flashlab.reference.tiled_attention``; the float64 ground truth is ``flashlab.reference.attention``.
 
-The key tiles a query tile visits are split into three stages by the mask band (``flashlab.masking``):
+The key tiles a query tile visits are split into three stages by the mask band (``flashlab.core.masking``):
 
     stage 0: tiles cut by the window's left edge      (element mask)
     stage 1: tiles every row of the query tile sees    (no mask: the fast inner loop)
@@ -24,7 +24,7 @@ Loads: plain pointer loads with masks (``tl.load``) everywhere; on Hopper at hea
 by the tensor-memory accelerator instead (``desc.load``, TMA: one instruction per tile, out-of-bounds rows and
 columns filled with zeros), which measured 5-10 % faster there (``docs/kernel-notes.md``).
 
-Decode-sized calls (a few query rows against a long cache) go to ``flashlab.split_kv`` instead, which cuts the
+Decode-sized calls (a few query rows against a long cache) go to ``flashlab.kernels.split_kv`` instead, which cuts the
 keys into chunks that run in parallel and merges them by their log-sum-exps.
 
 On CUDA tensors the kernel is compiled (autotuned over block sizes, warps and pipeline stages). On CPU tensors the
@@ -34,39 +34,33 @@ GPU and without the user setting ``TRITON_INTERPRET``.
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import math
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-# Head dims the kernel accepts. Non-powers of two (24, 80, 96, 160...) are padded to the next power of two
-# inside the tile with masked loads; the padding columns are zeros and are never stored.
-MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 8
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-# The one config the CPU (interpreter) path uses: small tiles so the interpreter stays quick and even small
-# test shapes cross several tiles (and so exercise all three stages of the loop).
-CPU_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16}
-
-LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the GPU's exp unit computes exp2
-LN_2 = 0.6931471805599453  # log(x) = log2(x) * ln(2)
-
-
-# Host-side integer helpers. triton.cdiv and triton.next_power_of_2 are JIT functions: each call from Python costs
-# microseconds, and the launch of a short decode step needs several of them.
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division: the number of b-sized tiles that cover a."""
-    return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    """The smallest power of two >= n (n >= 1)."""
-    return 1 << (int(n) - 1).bit_length()
-
+from flashlab.core.integers import cdiv, next_power_of_2
+from flashlab.core.masking import visible_band
+from flashlab.core.shapes import attention_shape
+from flashlab.kernels import softmax_step, split_kv
+from flashlab.kernels.runtime import (
+    CPU_CONFIG,
+    DTYPES,
+    HEAD_DIM_MULTIPLE,
+    LOG2_E,
+    MAX_HEAD_DIM,
+    MIN_HEAD_DIM,
+    block_d,
+    device_index,
+    dot_precision,
+    dot_upcast,
+    fits_smem,
+    interpreted,
+    interpreted_language,
+    smem_limit,
+)
+from flashlab.kernels.softmax_step import LN_2
 
 # ----------------------------------------------------------------------------------------------------------------
 # The kernel
@@ -132,7 +126,7 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # running output
 
-    # -- the key range this tile needs, from the band (flashlab.masking.visible_band / tile_state)
+    # -- the key range this tile needs, from the band (flashlab.core.masking.visible_band / tile_state)
     row_lo = pid_m * BLOCK_M  # first query row of the tile
     row_hi = tl.minimum(row_lo + BLOCK_M, NQ) - 1  # last real query row of the tile
     lo = tl.maximum(row_lo + offset - win_left, 0)  # first key any row sees
@@ -177,23 +171,15 @@ def _attn_fwd(
             s = tl.dot(q, k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
 
             # -- update m and l: new running max, rescale what was summed against the old one
-            if stage == 1:
+            if stage == 1:  # every row sees every key of the tile: no mask, no -inf guard
                 m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-                s = s * qk_scale - m_new[:, None]
                 alpha = tl.math.exp2(m_i - m_new)  # 0 on the row's first tile (m_i = -inf)
-            else:
-                visible = (
-                    (cols[None, :] >= diag[:, None] - win_left)
-                    & (cols[None, :] <= diag[:, None] + win_right)
-                    & (cols[None, :] < NK)
-                )  # (BLOCK_M, BLOCK_N) the element mask, only on the band's edges
+                p = tl.math.exp2(s * qk_scale - m_new[:, None])  # (BLOCK_M, BLOCK_N) exp(scale * (s - m))
+                l_i = l_i * alpha + tl.sum(p, 1)
+            else:  # the element mask, only on the band's edges; hidden scores -> -inf -> p = 0
+                visible = softmax_step.band_mask(diag, cols, win_left, win_right, NK)  # (BLOCK_M, BLOCK_N)
                 s = tl.where(visible, s * qk_scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-                s = s - m_safe[:, None]
-                alpha = tl.math.exp2(m_i - m_safe)
-            p = tl.math.exp2(s)  # (BLOCK_M, BLOCK_N) exp(scale * (s - m)), masked entries give 0
-            l_i = l_i * alpha + tl.sum(p, 1)
+                p, m_new, alpha, l_i = softmax_step.online_softmax_step(s, m_i, l_i)
 
             # -- load V tile: BLOCK_N * D * bytes(dtype)
             if USE_TMA:
@@ -218,7 +204,7 @@ def _attn_fwd(
     seen = l_i > 0.0  # rows with no visible key keep l = 0: they give zeros and lse = -inf
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc / l_safe[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # natural log
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN_2, float("-inf"))  # natural log
     row_ok = offs_m < NQ
     tl.store(LSE + pid_bh.to(tl.int64) * NQ + offs_m, lse, mask=row_ok)
     if USE_TMA:
@@ -279,19 +265,14 @@ def _gpu_configs():
 FALLBACK_SPACE = [(64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1)]
 
 
-def _smem_limit(device) -> int:
-    props = torch.cuda.get_device_properties(device)
-    return int(getattr(props, "shared_memory_per_block_optin", 0)) or 101376
-
-
 def _prune_configs(configs, named_args, **kwargs):
     """Keep this head dim's configs whose Q tile plus pipelined K/V tiles fit the chip's shared memory."""
     bd = named_args["BLOCK_D"] if "BLOCK_D" in named_args else kwargs["BLOCK_D"]
     q = named_args["Q"]
-    limit = _smem_limit(q.device)
+    limit = smem_limit(device_index(q))
 
-    def fits(bm, bn, stages):
-        return (bm * bd + stages * 2 * bn * bd) * q.element_size() <= limit
+    def fits(bm, bn, stages):  # the Q tile stays; K and V tiles (2 x BLOCK_N rows) are pipelined `stages` deep
+        return fits_smem(bm, 2 * bn, stages, bd, q.element_size(), limit)
 
     wanted = set(TUNING_SPACE[_tuning_class(bd, q.dtype)])
     kept = [c for c in configs if (*c.kwargs.values(), c.num_warps, c.num_stages) in wanted]
@@ -319,99 +300,14 @@ TMA_MAX_HEAD_DIM = 64
 # D = 64 (same tile config each time), while pointer loads gave 1.22x every time: pointer loads there.
 TMA_MIN_MASKED_KEYS = 1024
 
-_INTERPRETED_KERNELS: dict = {}
-
-
-def _interpreted(kernel):
-    """The same ``@triton.jit`` source, run by Triton's interpreter (NumPy) instead of being compiled."""
-    if kernel not in _INTERPRETED_KERNELS:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        _INTERPRETED_KERNELS[kernel] = InterpretedFunction(kernel.fn)
-    return _INTERPRETED_KERNELS[kernel]
-
-
-@contextlib.contextmanager
-def _interpreted_language():
-    """Let the interpreter call Triton's own ``@triton.jit`` library functions (``tl.max``, ``tl.sum``...).
-
-    With ``TRITON_INTERPRET=1`` set before import, Triton builds those as interpreted functions; here the
-    environment variable is not set, so for the duration of a CPU launch each of them is swapped for an
-    interpreted copy of its source, and put back afterwards.
-    """
-    from triton.runtime import interpreter
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    try:  # imported lazily by the interpreter's first launch; it must see the library un-swapped
-        import triton.experimental.gluon  # noqa: F401
-    except ImportError:  # pragma: no cover - older Triton
-        pass
-    # The interpreter patches triton.language so its builtins compute with NumPy. Its own scope undoes the patches
-    # of the kernel, but each nested device-function call (tl.max, tl.sum...) patches again and never undoes it,
-    # which left tl.core's builtins on the interpreter: a later GPU compile in the same process then failed.
-    # Everything the interpreter may patch is snapshotted here and put back afterwards.
-    # That snapshot also puts back the library functions swapped just below.
-    before = _language_state()
-    for module in (tl, tl.standard):
-        for name, value in list(vars(module).items()):
-            if isinstance(value, JITFunction):
-                setattr(module, name, _INTERPRETED_LIB.setdefault(value, InterpretedFunction(value.fn)))
-    # Triton 3.6 turns a scalar into a Python int with int(array of shape (1,)), which NumPy >= 2.5 refuses; the
-    # loop bounds `range(lo, hi, BLOCK_N)` need it. Re-patch tensor.__index__ after the interpreter patches it.
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = _patch_lang_tensor
-    try:
-        yield
-    finally:
-        interpreter._patch_lang_tensor = patch_tensor
-        _restore_language_state(before)
-
-
-def _language_objects():
-    """The modules and classes of triton.language that Triton's interpreter patches while it runs a kernel."""
-    classes = [c for _, c in inspect.getmembers(tl.core, inspect.isclass) if c.__module__.startswith("triton.language")]
-    return [tl, tl.core, tl.math, tl.standard, *classes]
-
-
-def _language_state():
-    return [(obj, dict(vars(obj))) for obj in _language_objects()]
-
-
-def _restore_language_state(state):
-    """Put every attribute back as it was in ``state`` (from ``_language_state``), and drop the ones added to a
-    class since. Names added to a module stay: the interpreter's rewritten functions look up globals it adds."""
-    missing = object()
-    for obj, saved in state:
-        now = dict(vars(obj))
-        for name, value in now.items():
-            if name not in saved:
-                if not inspect.ismodule(obj):
-                    delattr(obj, name)
-            elif saved[name] is not value:
-                setattr(obj, name, saved[name])
-        for name, value in saved.items():
-            if now.get(name, missing) is missing:
-                setattr(obj, name, value)
-
-
-_INTERPRETED_LIB: dict = {}
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The Python entry point: validate, then launch
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _check_inputs(q, k, v, causal, window, scale, num_splits=None):
-    from flashlab.masking import visible_band
-    from flashlab.shapes import attention_shape
-
+def check_inputs(q, k, v, causal, window, scale):
+    """Validate the arguments of an attention call; returns ``(shape, band)`` (``flashlab.core.shapes``,
+    ``flashlab.core.masking.visible_band``). Every bad argument is a TypeError or ValueError naming it."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
@@ -446,19 +342,17 @@ def _check_inputs(q, k, v, causal, window, scale, num_splits=None):
             raise TypeError(f"scale must be a number or None; got {type(scale).__name__}")
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite; got {scale}")
-    if num_splits is not None:
-        from flashlab.split_kv import MAX_SPLITS
-
-        if isinstance(num_splits, bool) or not isinstance(num_splits, int):
-            raise TypeError(f"num_splits must be an int or None; got {type(num_splits).__name__}")
-        most = min(shape.nk, MAX_SPLITS)
-        if not 1 <= num_splits <= most:
-            raise ValueError(f"num_splits must be between 1 and min(Nk, {MAX_SPLITS}) = {most}; got {num_splits}")
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise ValueError(
-            "flash_attention is forward-only (no backward pass): call it under torch.no_grad() or pass detached tensors"
-        )
     return shape, band
+
+
+def check_num_splits(num_splits, nk: int) -> None:
+    if num_splits is None:
+        return
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits must be an int or None; got {type(num_splits).__name__}")
+    most = min(nk, split_kv.MAX_SPLITS)
+    if not 1 <= num_splits <= most:
+        raise ValueError(f"num_splits must be between 1 and min(Nk, {split_kv.MAX_SPLITS}) = {most}; got {num_splits}")
 
 
 def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=False, *, num_splits=None):
@@ -468,27 +362,33 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
     reads K/V head ``h // (Hq // Hk)``, without copying K/V). Any Nq, Nk >= 1; D a multiple of 8 in [16, 256];
     float16, bfloat16 or float32; any strides (a last dim that is not contiguous is copied once).
 
-    ``causal`` and ``window=(left, right)`` follow ``flashlab.masking`` (bottom-right aligned). ``scale`` defaults
-    to ``1/sqrt(D)``. Returns ``o`` (like q), or ``(o, lse)`` with ``return_lse=True``: lse ``(B, Hq, Nq)`` float32 is
-    the natural log-sum-exp of each row's scaled, masked scores; a row that sees no key gives zeros and lse = -inf.
+    ``causal`` and ``window=(left, right)`` follow ``flashlab.core.masking`` (bottom-right aligned). ``scale``
+    defaults to ``1/sqrt(D)``. Returns ``o`` (like q), or ``(o, lse)`` with ``return_lse=True``: lse ``(B, Hq, Nq)``
+    float32 is the natural log-sum-exp of each row's scaled, masked scores; a row that sees no key gives zeros and
+    lse = -inf.
 
-    Decode (at most ``flashlab.split_kv.MAX_SPLIT_QUERY_ROWS`` query rows) takes the split-KV path
-    (``flashlab.split_kv``, Flash-Decoding): the keys are cut into chunks that run in parallel and are merged by
-    their log-sum-exps. ``num_splits`` forces that path with this many chunks (at any Nq); ``None`` chooses.
+    Decode (at most ``flashlab.kernels.split_kv.MAX_SPLIT_QUERY_ROWS`` query rows) takes the split-KV path
+    (Flash-Decoding): the keys are cut into chunks that run in parallel and are merged by their log-sum-exps.
+    ``num_splits`` forces that path with this many chunks (at any Nq); ``None`` chooses.
 
-    Must equal ``flashlab.reference.flash_attention`` (the NumPy tiled loop) and ``flashlab.reference.attention``
-    (the float64 definition) to within the input dtype's rounding. CUDA tensors run the compiled, autotuned kernel;
-    CPU tensors run the same kernel through Triton's interpreter.
+    Must equal ``flashlab.reference.tiled_attention`` (the NumPy tiled loop) and ``flashlab.reference.attention``
+    (the float64 definition) to within the input dtype's rounding (``flashlab.core.numerics.TOLERANCE``). CUDA
+    tensors run the compiled, autotuned kernel; CPU tensors run the same kernel through Triton's interpreter.
     """
-    _check_inputs(q, k, v, causal, window, scale, num_splits)
-    o, lse = _launch(q, k, v, causal, window, scale, num_splits=num_splits)
+    check_inputs(q, k, v, causal, window, scale)
+    check_num_splits(num_splits, k.shape[2])
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise ValueError(
+            "flash_attention is forward-only (no backward pass): call it under torch.no_grad() or pass detached tensors"
+        )
+    o, lse = forward(q, k, v, causal, window, scale, num_splits=num_splits)
     return (o, lse) if return_lse else o
 
 
 def _tma_descriptors(q, k, v, o):
     """TMA descriptors for q, k, v, o on Hopper or newer, or None where TMA cannot be used (older GPU, older
     Triton, or a tensor whose address or strides are not 16-byte aligned)."""
-    bd = max(16, next_power_of_2(q.shape[-1]))  # the box width; the pre-hook sets the box height
+    bd = block_d(q.shape[-1])  # the box width; the pre-hook sets the box height
     if _TensorDescriptor is None or bd > TMA_MAX_HEAD_DIM or torch.cuda.get_device_capability(q.device)[0] < 9:
         return None
     for x in (q, k, v, o):
@@ -498,32 +398,42 @@ def _tma_descriptors(q, k, v, o):
     return [_TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 16, bd]) for x in (q, k, v, o)]
 
 
-def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None, use_tma=None, num_splits=None):
-    """Launch ``_attn_fwd`` on checked inputs. ``config`` (a dict of BLOCK_M, BLOCK_N, num_warps, num_stages)
-    bypasses the autotuner, ``reverse_m`` overrides the causal tile order and ``use_tma=False`` forces pointer
-    loads: all three only for experiments (scripts/kernel_gpu_check.py). ``num_splits`` as in ``flash_attention``."""
-    from flashlab import split_kv
-    from flashlab.masking import visible_band
+def kernel_args(q, k, v, causal, window, scale):
+    """The band and scale of a checked call, as the kernels take them: ``(q, offset, win_left, win_right, qk_scale)``.
 
-    b, hq, nq, d = q.shape
-    hk, nk = k.shape[1], k.shape[2]
+    A negative scale is applied as ``-q`` with ``-scale`` (exact), because the running max assumes
+    ``max(s) * scale = max(s * scale)``; an unbounded side of the band becomes a distance wider than the matrix."""
+    nq, nk, d = q.shape[2], k.shape[2], q.shape[3]
     offset, left, right = visible_band(nq, nk, causal, window)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    if scale < 0:  # the running max assumes max(s) * scale = max(s * scale); -q with -scale is exact and keeps it so
+    if scale < 0:
         q, scale = -q, -scale
+    big = nq + nk + 1  # "unbounded" side of the band: wider than any distance in the score matrix
+    win_left = big if left == float("inf") else int(left)
+    win_right = big if right == float("inf") else int(right)
+    return q, offset, win_left, win_right, float(scale) * LOG2_E
+
+
+def forward(q, k, v, causal, window, scale, num_splits=None, config=None, reverse_m=None, use_tma=None):
+    """Run the forward pass on checked inputs; returns ``(o, lse)``.
+
+    ``num_splits`` as in ``flash_attention``. The other three are the benchmark's switches for studying the kernel
+    (``python -m flashlab.bench --config/--tile-order/--tma``): ``config`` (a dict of BLOCK_M, BLOCK_N, num_warps,
+    num_stages) bypasses the autotuner, ``reverse_m`` overrides the causal tile order, ``use_tma`` forces TMA
+    loads on or off where they can be used. None leaves each to the kernel's own choice.
+    """
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
     # the kernel assumes unit stride along D (16-byte vector loads); other strides are passed through untouched
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if max(nq * q.stride(2), nk * k.stride(2), nk * v.stride(2)) >= 2**31:  # row offsets are 32-bit in the kernel
         raise ValueError("sequence too long for this memory layout (row offsets exceed 2**31); pass contiguous tensors")
-
-    big = nq + nk + 1  # "unbounded" side of the band: wider than any distance in the score matrix
-    win_left = big if left == float("inf") else int(left)
-    win_right = big if right == float("inf") else int(right)
+    q, offset, win_left, win_right, qk_scale = kernel_args(q, k, v, causal, window, scale)
     o = torch.empty((b, hq, nq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
     if num_splits is not None or (nq <= split_kv.MAX_SPLIT_QUERY_ROWS and config is None):  # decode: split-KV
-        split_kv.launch(q, k, v, o, lse, offset, win_left, win_right, float(scale) * LOG2_E, num_splits)
+        split_kv.launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits)
         return o, lse
     if use_tma is None:  # masked short sequences: TMA was erratic there on the H200 (docs/kernel-notes.md)
         use_tma = not ((causal or window is not None) and nk <= TMA_MIN_MASKED_KEYS)
@@ -531,15 +441,15 @@ def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None, use_tma
     args = (q, k, v, o, lse) + (tuple(descs) if descs else (q, k, v, o))
     args += (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     args += (v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2))
-    args += (hq, hq // hk, nq, nk, offset, win_left, win_right, float(scale) * LOG2_E)
+    args += (hq, hq // hk, nq, nk, offset, win_left, win_right, qk_scale)
     band_kind = 0 if window is None and not causal else (1 if window is None else 2)
     # re-tune per power-of-two length and per power-of-two amount of work (B * Hq * Nq query rows), not per shape
     tune = (next_power_of_2(max(nq, nk)), next_power_of_2(b * hq * nq), band_kind)
     meta = dict(
         HEAD_DIM=d,
-        BLOCK_D=max(16, next_power_of_2(d)),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 or not q.is_cuda else "tf32",
-        DOT_UPCAST=not q.is_cuda and q.dtype != torch.float32,
+        BLOCK_D=block_d(d),
+        DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
+        DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
         REVERSE_M=bool(causal) if reverse_m is None else reverse_m,
         USE_TMA=descs is not None,
     )
@@ -557,8 +467,14 @@ def _launch(q, k, v, causal, window, scale, config=None, reverse_m=None, use_tma
                 _attn_fwd[grid](*args, *tune, **meta, **config)
     else:
         grid = (cdiv(nq, CPU_CONFIG["BLOCK_M"]), b * hq)
-        with _interpreted_language():
-            _interpreted(_attn_fwd)[grid](*args, *tune, **meta, **CPU_CONFIG)
+        with interpreted_language(softmax_step):
+            interpreted(_attn_fwd)[grid](*args, *tune, **meta, **CPU_CONFIG)
     return o, lse
 
-__all__ = ["flash_attention", "CPU_CONFIG", "DTYPES"]
+
+def best_config() -> str:
+    """The autotuner's last pick for the prefill kernel (for the benchmark's records)."""
+    return str(_attn_fwd_tuned.best_config)
+
+
+__all__ = ["best_config", "check_inputs", "flash_attention", "forward", "kernel_args", "TUNING_SPACE"]

@@ -13,7 +13,7 @@ dtype / head dim / causal setting it records which backend the dispatcher would 
 with ``torch.nn.attention.sdpa_kernel`` and records whether it ran (and matched the float64 reference within a
 tolerance suited to the dtype) or raised (and why).
 
-    python -m flashlab.backends --out data/results/h200-sdpa-backends.json
+    python -m flashlab.sdpa --out data/results/h200-sdpa-backends.json
 
 writes that table as JSON, stamped with the device, torch / triton / CUDA versions and the date.
 """
@@ -32,30 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flashlab.core.numerics import TOLERANCE, relative_error
 from flashlab.reference import attention as reference_attention
 
 BACKENDS = ("MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 CUDA_ONLY = ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
-
-# Relative error ||out - ref|| / ||ref|| allowed against the float64 reference, per input dtype -- the one table
-# flashlab checks attention outputs with (the benchmark harness reads it too). A few times the dtype's unit
-# roundoff (fp16 2^-11 ~ 4.9e-4, bf16 2^-8 ~ 3.9e-3): attention sums many rounded terms, so its error sits a little
-# above one rounding (measured on the H200: bf16 3.0-3.7e-3, fp16 3.7-4.6e-4). float32 allows for TF32 matmuls
-# (10-bit mantissa) that some GPU paths use. A wrong answer (a missed mask, a lost rescale) is off by 1e-1 or more.
-TOLERANCE = {"float16": 5e-3, "bfloat16": 2e-2, "float32": 2e-3, "float64": 1e-10}
-
-
-def relative_error(out, ref) -> float:
-    """``||out - ref|| / ||ref||`` (Frobenius norms) in float64; tensors or arrays."""
-    out = out.detach().double().cpu().numpy() if isinstance(out, torch.Tensor) else np.asarray(out, np.float64)
-    ref = ref.detach().double().cpu().numpy() if isinstance(ref, torch.Tensor) else np.asarray(ref, np.float64)
-    if out.shape != ref.shape:
-        raise ValueError(f"shapes differ: {out.shape} vs {ref.shape}")
-    denom = np.linalg.norm(ref)
-    diff = np.linalg.norm(out - ref)
-    return float(diff / denom) if denom > 0 else float(diff)
 
 
 def _dtype(dtype) -> tuple[str, torch.dtype]:
@@ -208,7 +191,7 @@ def format_table(rows: Sequence[dict]) -> str:
 
 def _parse_args(argv):
     p = argparse.ArgumentParser(
-        prog="python -m flashlab.backends",
+        prog="python -m flashlab.sdpa",
         description="Pin each PyTorch SDPA backend in turn on a small attention problem and record which run "
         "(checked against the float64 reference) and which raise, per dtype / head dim / causal.",
     )
@@ -228,7 +211,7 @@ def _parse_args(argv):
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
-    from flashlab.bench import environment_stamp
+    from flashlab.bench.stamp import environment_stamp
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     causal = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
@@ -245,8 +228,8 @@ def main(argv=None) -> int:
     )
     meta = {
         **environment_stamp(torch.device(device).type),
-        "tool": "flashlab.backends",
-        "command": "python -m flashlab.backends " + " ".join(sys.argv[1:] if argv is None else argv),
+        "tool": "flashlab.sdpa",
+        "command": "python -m flashlab.sdpa " + " ".join(sys.argv[1:] if argv is None else argv),
         "problem": dict(batch=args.batch, heads=args.heads, seq_len=args.seq_len, seed=args.seed),
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
     }

@@ -1,9 +1,9 @@
 """Split-KV attention (Flash-Decoding): the decode-time path of ``flashlab.flash_attention``, as two Triton kernels.
 
-At decode a sequence offers one query row (or a few) per head. The prefill kernel (``flashlab.kernel``) gives each
-program a tile of query rows, so decode would leave it ``B * Hq`` programs that each walk the whole KV cache alone:
-too few to fill a GPU's 132 SMs, and with grouped-query attention every K/V head is read once per query head that
-shares it. This path fixes both:
+At decode a sequence offers one query row (or a few) per head. The prefill kernel (``flashlab.kernels.forward``)
+gives each program a tile of query rows, so decode would leave it ``B * Hq`` programs that each walk the whole KV
+cache alone: too few to fill a GPU's 132 SMs, and with grouped-query attention every K/V head is read once per query
+head that shares it. This path fixes both:
 
 1. ``_split_kv_partial``: one program per (key chunk, batch entry, K/V head). Its query tile packs every query row
    of the query heads that share that K/V head (``GROUP * Nq`` rows), so each K/V tile is read from memory once,
@@ -19,12 +19,25 @@ read back once), so decode runs at the speed the KV cache can be streamed.
 
 from __future__ import annotations
 
-import functools
-
+import torch
 import triton
 import triton.language as tl
 
-from flashlab.kernel import CPU_CONFIG, _interpreted, _interpreted_language, _smem_limit, cdiv, next_power_of_2
+from flashlab.core.integers import cdiv, next_power_of_2
+from flashlab.kernels import softmax_step
+from flashlab.kernels.runtime import (
+    CPU_CONFIG,
+    block_d,
+    device_index,
+    dot_precision,
+    dot_upcast,
+    fits_smem,
+    interpreted,
+    interpreted_language,
+    sm_count,
+    smem_limit,
+)
+from flashlab.kernels.softmax_step import LN_2
 
 # The split path is taken automatically when a sequence has at most this many query rows (decode, speculative
 # decoding's few draft tokens); longer queries give the prefill kernel enough programs on their own.
@@ -107,14 +120,9 @@ def _split_kv_partial(
         if DOT_UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
-        visible = (cols[None, :] >= diag[:, None] - win_left) & (cols[None, :] <= diag[:, None] + win_right)
-        visible = visible & (cols[None, :] < hi)
+        visible = softmax_step.band_mask(diag, cols, win_left, win_right, hi)  # (BLOCK_M, BLOCK_N)
         s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, m_new, alpha, l_i = softmax_step.online_softmax_step(s, m_i, l_i)
         # -- V tile: BLOCK_N * D * bytes(dtype)
         v = tl.load(
             v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=(cols[:, None] < hi) & d_ok[None, :], other=0.0
@@ -170,7 +178,7 @@ def _split_kv_merge(
         o_ptrs = O_PART + (first + offs_c)[:, None] * HEAD_DIM + offs_d[None, :]
         o_part = tl.load(o_ptrs, mask=c_ok[:, None] & d_ok[None, :], other=0.0)  # (CHUNK_S, BLOCK_D)
         o += tl.sum(w[:, None] * o_part, 0)
-    lse = tl.where(total > 0.0, (m_safe + tl.math.log2(total_safe)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(total > 0.0, (m_safe + tl.math.log2(total_safe)) * LN_2, float("-inf"))
     tl.store(LSE + row, lse)
     out_ptrs = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + qi.to(tl.int64) * stride_om
     tl.store(out_ptrs + offs_d, o.to(O.dtype.element_ty), mask=d_ok)
@@ -195,10 +203,10 @@ def _prune_configs(configs, named_args, **kwargs):
     """This dtype's configs whose Q tile and pipelined K/V tiles fit the chip's shared memory."""
     meta = {**named_args, **kwargs}
     q, bm, bd = meta["Q"], meta["BLOCK_M"], meta["BLOCK_D"]
-    limit = _smem_limit(q.device)
+    limit = smem_limit(device_index(q))
     space = set(FP32_TUNING_SPACE if q.element_size() == 4 else TUNING_SPACE)
     kept = [c for c in configs if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in space]
-    fits = [c for c in kept if (bm * bd + c.num_stages * 2 * c.kwargs["BLOCK_N"] * bd) * q.element_size() <= limit]
+    fits = [c for c in kept if fits_smem(bm, 2 * c.kwargs["BLOCK_N"], c.num_stages, bd, q.element_size(), limit)]
     return fits or [_config(32, 4, 1)]
 
 
@@ -212,13 +220,6 @@ _split_kv_partial_tuned = triton.autotune(
 _BEST_CONFIG: dict = {}  # (device, dtype, tune key, meta) -> the autotuner's pick, so later calls skip its bookkeeping
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_splits(units: int, band_keys: int, sm_count: int) -> int:
     """How many key chunks to cut a decode step into.
 
@@ -228,28 +229,26 @@ def choose_splits(units: int, band_keys: int, sm_count: int) -> int:
     """
     if units < 1 or band_keys < 1 or sm_count < 1:
         raise ValueError(f"units, band_keys and sm_count must be >= 1; got {units}, {band_keys}, {sm_count}")
-    wanted = -(-PROGRAMS_PER_SM * sm_count // units)
-    most = -(-band_keys // MIN_KEYS_PER_SPLIT)
+    wanted = cdiv(PROGRAMS_PER_SM * sm_count, units)
+    most = cdiv(band_keys, MIN_KEYS_PER_SPLIT)
     return max(1, min(wanted, most, MAX_SPLITS))
 
 
 def launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits=None):
-    """Run the split-KV path on checked inputs (``flashlab.kernel._launch`` prepares them): writes ``o`` and
-    ``lse``. ``num_splits=None`` picks the number of chunks with ``choose_splits``."""
-    import torch
-
+    """Run the split-KV path on checked inputs (``flashlab.kernels.forward.forward`` prepares them): writes ``o``
+    and ``lse``. ``num_splits=None`` picks the number of chunks with ``choose_splits``."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     group = hq // hk
-    block_d = max(16, next_power_of_2(d))
+    bd = block_d(d)
     rows = group * nq
     block_m = min(64, max(16, next_power_of_2(rows)))
     row_blocks = cdiv(rows, block_m)
     # keys any query can see: the band of query 0's left edge to query nq-1's right edge, within [0, nk)
     band_keys = max(0, min(nk, nq - 1 + offset + win_right + 1) - max(0, offset - win_left))
     if num_splits is None:
-        sm_count = _sm_count(q.device.index if q.device.index is not None else 0) if q.is_cuda else CPU_SM_COUNT
-        num_splits = choose_splits(b * hk * row_blocks, max(band_keys, 1), sm_count)
+        sms = sm_count(device_index(q)) if q.is_cuda else CPU_SM_COUNT
+        num_splits = choose_splits(b * hk * row_blocks, max(band_keys, 1), sms)
     keys_per_split = cdiv(cdiv(nk, num_splits), KEY_ALIGN) * KEY_ALIGN
     num_splits = cdiv(nk, keys_per_split)  # drop chunks that would start past the last key
 
@@ -264,14 +263,14 @@ def launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits=No
     tune = (next_power_of_2(nk), next_power_of_2(b * hk * row_blocks * num_splits))
     meta = dict(
         HEAD_DIM=d,
-        BLOCK_D=block_d,
+        BLOCK_D=bd,
         BLOCK_M=block_m,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 or not q.is_cuda else "tf32",
-        DOT_UPCAST=not q.is_cuda and q.dtype != torch.float32,
+        DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
+        DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
     )
     grid = (num_splits, b * hk, row_blocks)
     merge_args = (o_part, lse_part, o, lse, o.stride(0), o.stride(1), o.stride(2), hq, nq, num_splits)
-    merge_meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, next_power_of_2(num_splits)), CHUNK_S=8)
+    merge_meta = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_S=max(2, next_power_of_2(num_splits)), CHUNK_S=8)
     if q.is_cuda:
         key = (q.device, q.dtype, tune, *meta.values())
         with torch.cuda.device(q.device):
@@ -282,9 +281,9 @@ def launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits=No
                 _BEST_CONFIG[key] = _split_kv_partial_tuned.best_config.all_kwargs()
             _split_kv_merge[(b * hq * nq,)](*merge_args, **merge_meta)
     else:
-        with _interpreted_language():
-            _interpreted(_split_kv_partial)[grid](*args, *tune, **meta, BLOCK_N=CPU_CONFIG["BLOCK_N"])
-            _interpreted(_split_kv_merge)[(b * hq * nq,)](*merge_args, **merge_meta)
+        with interpreted_language(softmax_step):
+            interpreted(_split_kv_partial)[grid](*args, *tune, **meta, BLOCK_N=CPU_CONFIG["BLOCK_N"])
+            interpreted(_split_kv_merge)[(b * hq * nq,)](*merge_args, **merge_meta)
     return num_splits
 
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-import flashlab
-from flashlab.bench.config import DTYPES, Cell
-from flashlab.masking import visible_band
+from flashlab.bench.grid import DTYPES, Cell
+from flashlab.kernels import flash_attention
+from flashlab.reference.torch_float64 import attention_float64
 
 # ----------------------------------------------------------------------------------------------------------------
 # The backends
@@ -24,7 +24,7 @@ def naive_attention(q, k, v, causal: bool = False, scale: float | None = None):
     q ``(B, H, Nq, D)``, k/v ``(B, Hk, Nk, D)``. The ``(B, H, Nq, Nk)`` score matrix S and probabilities P are
     written to memory in full -- the traffic FlashAttention avoids. With fewer K/V heads (GQA) K and V are first
     copied once per query head, as a framework without a GQA kernel does. Causal is aligned bottom-right
-    (``flashlab.masking``); Nq <= Nk here, so every row sees at least one key.
+    (``flashlab.core.masking``); Nq <= Nk here, so every row sees at least one key.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     group = q.shape[1] // k.shape[1]
@@ -40,35 +40,10 @@ def naive_attention(q, k, v, causal: bool = False, scale: float | None = None):
     return p @ v  # (B, H, Nq, D): read P
 
 
-def reference_rows(q, k, v, causal: bool, rows, scale: float | None = None, max_bytes: int = 256 * 2**20):
-    """Float64 attention output for the query rows ``rows`` only: ``(B, H, len(rows), D)``.
-
-    A row's output depends on its own query and all keys, so a sample of rows checks a kernel without building
-    the full N x N float64 score matrix. The mask uses ``flashlab.masking.visible_band`` (causal aligned
-    bottom-right, as every flashlab implementation). k/v may have fewer heads than q (GQA: query head h reads K/V
-    head ``h // group``). Heads are processed in groups of at most about ``max_bytes`` of float64 scores and K/V.
-    Rows that see no key give zeros, as in ``flashlab.reference``.
-    """
-    nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    rows = torch.as_tensor(rows, device=q.device, dtype=torch.long)
-    offset, left, right = visible_band(nq, nk, causal)
-    diag = (rows + offset)[:, None]  # (R, 1)
-    j = torch.arange(nk, device=q.device)[None, :]  # (1, Nk)
-    visible = (j >= diag - left) & (j <= diag + right)  # (R, Nk)
-    b, h = q.shape[:2]
-    group = h // k.shape[1]
-    heads_per_step = max(1, max_bytes // (8 * nk * (len(rows) + 2 * d)))
-    out = torch.empty(b, h, len(rows), v.shape[-1], dtype=torch.float64, device=q.device)
-    for h0 in range(0, h, heads_per_step):
-        hs = slice(h0, min(h, h0 + heads_per_step))
-        kv = torch.arange(hs.start, hs.stop, device=q.device) // group  # the K/V head each query head reads
-        qs = q[:, hs][:, :, rows].double()  # (B, h, R, D)
-        s = (qs @ k[:, kv].double().transpose(-2, -1)) * scale  # (B, h, R, Nk)
-        s = s.masked_fill(~visible, float("-inf"))
-        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key -> zeros
-        out[:, hs] = p @ v[:, kv].double()  # (B, h, R, D)
-    return out
+def reference_rows(q, k, v, causal: bool, rows, scale: float | None = None):
+    """Float64 attention output for the query rows ``rows`` only, ``(B, H, len(rows), D)``: the slice of
+    ``flashlab.reference.torch_float64.attention_float64`` a benchmark cell is checked on."""
+    return attention_float64(q, k, v, causal=causal, scale=scale, rows=rows)[0]
 
 
 @dataclass(frozen=True)
@@ -120,15 +95,7 @@ def _sdpa_backend(member: str, description: str, cuda_only: bool, materialises: 
 
 
 def _flashlab_run(q, k, v, causal):
-    return flashlab.flash_attention(q, k, v, causal=causal)
-
-
-def _flashlab_unavailable(device, dtype):
-    try:
-        flashlab.flash_attention  # noqa: B018 -- imports flashlab.kernel (helper C1's Triton kernel)
-    except (ImportError, AttributeError) as e:
-        return f"flashlab.flash_attention not importable: {e}"
-    return None
+    return flash_attention(q, k, v, causal=causal)
 
 
 BACKENDS: dict[str, Backend] = {
@@ -136,8 +103,7 @@ BACKENDS: dict[str, Backend] = {
     for b in (
         Backend("naive", "torch matmul -> softmax -> matmul, score matrix materialised", naive_attention,
                 materialises=True),
-        Backend("flashlab", "flashlab.flash_attention (Triton; the interpreter on CPU)", _flashlab_run,
-                unavailable=_flashlab_unavailable),
+        Backend("flashlab", "flashlab.flash_attention (Triton; the interpreter on CPU)", _flashlab_run),
         _sdpa_backend("FLASH_ATTENTION", "FlashAttention-2 inside PyTorch", cuda_only=False),
         _sdpa_backend("CUDNN_ATTENTION", "cuDNN's fused attention", cuda_only=True),
         _sdpa_backend("EFFICIENT_ATTENTION", "xformers' memory-efficient kernel", cuda_only=True),

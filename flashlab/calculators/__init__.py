@@ -1,0 +1,8 @@
+"""The calculators: the lesson's arithmetic in bytes, FLOPs and seconds, and the catalogues it reads from.
+
+- ``roofline`` -- score-matrix size, naive against flash HBM traffic, the paper's tiled count, FLOPs, roofline
+  time bounds, KV-cache reads at decode, Amdahl, tile SRAM footprints.
+- ``catalog`` -- the GPU and model catalogues (``data/*.json`` beside it), every figure with its source.
+
+They need no torch and no GPU: only ``flashlab.core``.
+"""

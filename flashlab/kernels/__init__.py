@@ -1,0 +1,11 @@
+"""The Triton kernels, each checked against ``flashlab.reference``.
+
+- ``runtime`` -- what the kernels share on the host: accepted inputs, shared-memory fit, the CPU interpreter.
+- ``softmax_step`` -- the device functions they share: the band's element mask and one online-softmax step.
+- ``forward`` -- the FlashAttention forward pass (prefill), and ``flash_attention``, the entry point.
+- ``split_kv`` -- the decode path (Flash-Decoding): key chunks in parallel, merged by their log-sum-exps.
+"""
+
+from flashlab.kernels.forward import flash_attention
+
+__all__ = ["flash_attention"]

@@ -1,0 +1,193 @@
+"""What every Triton kernel in flashlab shares: accepted inputs, configs that fit, and the CPU interpreter.
+
+- ``DTYPES``, the head-dim limits, ``LOG2_E``: what the kernels accept and the constant their exp2 softmax uses.
+- ``CPU_CONFIG``: the one small tile config every kernel runs with on CPU tensors.
+- ``smem_limit`` / ``fits_smem``: the shared memory a block may use, and whether a tile config fits in it.
+- ``dot_precision``: how a kernel's ``tl.dot`` treats the input dtype (exact fp32 or the tensor cores).
+- ``interpreted`` / ``interpreted_language``: run a ``@triton.jit`` kernel on CPU tensors through Triton's
+  interpreter, without the user setting ``TRITON_INTERPRET``, and leave ``triton.language`` as it was found.
+
+The device functions shared by several kernels (the band's element mask, the online-softmax step) live in
+``flashlab.kernels.softmax_step``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+
+import numpy as np
+import torch
+import triton.language as tl
+
+from flashlab.core.integers import cdiv, next_power_of_2
+
+# Head dims the kernels accept. Non-powers of two (24, 80, 96, 160...) are padded to the next power of two
+# inside the tile with masked loads; the padding columns are zeros and are never stored.
+MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 8
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# The one config the CPU (interpreter) path uses: small tiles so the interpreter stays quick and even small
+# test shapes cross several tiles (and so exercise every stage of a kernel's loop).
+CPU_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16}
+
+LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the GPU's exp unit computes exp2
+
+
+def block_d(head_dim: int) -> int:
+    """The tile width a head dim is padded to: a power of two, at least 16 (the tensor cores' smallest K)."""
+    return max(16, next_power_of_2(head_dim))
+
+
+def dot_precision(dtype, is_cuda: bool) -> str:
+    """``tl.dot``'s input precision: exact ("ieee") for fp32 inputs and on the interpreter, else "tf32" (which the
+    tensor cores ignore for 16-bit inputs, whose products are exact)."""
+    return "ieee" if dtype == torch.float32 or not is_cuda else "tf32"
+
+
+def dot_upcast(dtype, is_cuda: bool) -> bool:
+    """Interpreter only: feed 16-bit tiles to the dots as fp32 (NumPy has no bf16 matmul). Exact: a 16-bit value
+    is also an fp32 value, and the tensor cores multiply them exactly too."""
+    return not is_cuda and dtype != torch.float32
+
+
+@functools.cache
+def smem_limit(device_index: int) -> int:
+    """Bytes of shared memory one block may use on this GPU (the opt-in maximum)."""
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0)) or 101376
+
+
+def fits_smem(resident_rows: int, streamed_rows: int, stages: int, block_d: int, element_size: int, limit: int):
+    """Whether a tile config fits: ``resident_rows`` x block_d elements held for the whole loop (the Q tile) plus
+    ``stages`` pipelined copies of ``streamed_rows`` x block_d (the K and V tiles of one step)."""
+    return (resident_rows * block_d + stages * streamed_rows * block_d) * element_size <= limit
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors on this GPU (132 on an H200)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_index(x: torch.Tensor) -> int:
+    return x.device.index if x.device.index is not None else torch.cuda.current_device()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton's interpreter, on demand
+# ----------------------------------------------------------------------------------------------------------------
+
+_INTERPRETED: dict = {}
+# The interpreter patches module-level state of triton.language while it runs; two threads interleaving their
+# patches and restores would corrupt it, so CPU launches run one at a time.
+_INTERPRETER_LOCK = threading.RLock()
+
+
+def interpreted(kernel):
+    """The same ``@triton.jit`` source, run by Triton's interpreter (NumPy) instead of being compiled."""
+    return _interpreted_copy(kernel)
+
+
+def _interpreted_copy(jit_function):
+    # keyed by the Python function: hashing a JITFunction computes its cache key, which walks its dependencies
+    if jit_function.fn not in _INTERPRETED:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        _INTERPRETED[jit_function.fn] = InterpretedFunction(jit_function.fn)
+    return _INTERPRETED[jit_function.fn]
+
+
+@contextlib.contextmanager
+def interpreted_language(*device_modules):
+    """Let the interpreter call ``@triton.jit`` device functions: Triton's own (``tl.max``, ``tl.sum``...) and
+    those of ``device_modules`` (flashlab's shared helpers).
+
+    With ``TRITON_INTERPRET=1`` set before import, Triton builds those as interpreted functions; here the
+    environment variable is not set, so for the duration of a CPU launch each of them is swapped for an
+    interpreted copy of its source, and put back afterwards. Launches from several threads run one at a time.
+    """
+    from triton.runtime import interpreter
+    from triton.runtime.jit import JITFunction
+
+    try:  # imported lazily by the interpreter's first launch; it must see the library un-swapped
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:  # pragma: no cover - older Triton
+        pass
+    with _INTERPRETER_LOCK:
+        # The interpreter patches triton.language so its builtins compute with NumPy. Its own scope undoes the
+        # patches of the kernel, but each nested device-function call (tl.max, tl.sum...) patches again and never
+        # undoes it, which left tl.core's builtins on the interpreter: a later GPU compile in the same process then
+        # failed. Everything the interpreter may patch is snapshotted here and put back afterwards; that snapshot
+        # also puts back the device functions swapped just below.
+        before = _language_state(device_modules)
+        for module in (tl, tl.standard, *device_modules):
+            for name, value in list(vars(module).items()):
+                if isinstance(value, JITFunction):
+                    setattr(module, name, _interpreted_copy(value))
+        # Triton 3.6 turns a scalar into a Python int with int(array of shape (1,)), which NumPy >= 2.5 refuses;
+        # loop bounds `range(lo, hi, BLOCK_N)` need it. Re-patch tensor.__index__ after the interpreter patches it.
+        patch_tensor = interpreter._patch_lang_tensor
+
+        def _patch_lang_tensor(tensor, scope):
+            patch_tensor(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+        interpreter._patch_lang_tensor = _patch_lang_tensor
+        try:
+            yield
+        finally:
+            interpreter._patch_lang_tensor = patch_tensor
+            restore_language_state(before)
+
+
+def language_objects(device_modules=()):
+    """The modules and classes of triton.language that Triton's interpreter patches while it runs a kernel."""
+    classes = [c for _, c in inspect.getmembers(tl.core, inspect.isclass) if c.__module__.startswith("triton.language")]
+    return [tl, tl.core, tl.math, tl.standard, *classes, *device_modules]
+
+
+def _language_state(device_modules=()):
+    return [(obj, dict(vars(obj))) for obj in language_objects(device_modules)]
+
+
+def restore_language_state(state):
+    """Put every attribute back as it was in ``state`` (from ``_language_state``), and drop the ones added to a
+    class since. Names added to a module stay: the interpreter's rewritten functions look up globals it adds."""
+    missing = object()
+    for obj, saved in state:
+        now = dict(vars(obj))
+        for name, value in now.items():
+            if name not in saved:
+                if not inspect.ismodule(obj):
+                    delattr(obj, name)
+            elif saved[name] is not value:
+                setattr(obj, name, saved[name])
+        for name, value in saved.items():
+            if now.get(name, missing) is missing:
+                setattr(obj, name, value)
+
+
+__all__ = [
+    "CPU_CONFIG",
+    "DTYPES",
+    "HEAD_DIM_MULTIPLE",
+    "LOG2_E",
+    "MAX_HEAD_DIM",
+    "MIN_HEAD_DIM",
+    "block_d",
+    "cdiv",
+    "device_index",
+    "dot_precision",
+    "dot_upcast",
+    "fits_smem",
+    "interpreted",
+    "interpreted_language",
+    "language_objects",
+    "next_power_of_2",
+    "restore_language_state",
+    "sm_count",
+    "smem_limit",
+]
