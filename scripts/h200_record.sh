@@ -4,7 +4,7 @@
 #     OUT=/tmp/h200 bash scripts/h200_record.sh
 #
 # Steps, most important first, each under its own time cap so one slow step cannot starve the rest:
-#   1. the prefill benchmark on the grid (python -m flashlab.bench)   -> $OUT/h200-bf16-DATE.{csv,json}
+#   1. the prefill benchmark on its GPU grid (python -m flashlab.bench)       -> $OUT/h200-bf16-DATE.{csv,json}
 #   2. which SDPA backend runs for which dtype / head dim (flashlab.sdpa)  -> $OUT/h200-sdpa-backends.json
 #   3. the GPU test suite (pytest -m gpu)                                     -> in $OUT/record.log
 #   4. notebooks 04, 08 and 05 executed on the GPU (needs nbclient/ipykernel)  -> $OUT/notebooks-gpu.tar.gz

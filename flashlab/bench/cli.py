@@ -39,15 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0]
         + " Each (backend, cell) is checked against a float64 reference before it is timed.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Defaults marked None depend on the device and mode: on a GPU, prefill runs the issue's grid (bf16, "
-        "D 64,128, N 1k..16k, 16k tokens, model dim 2048, warmup 25, rep 100) and decode bf16, D 128, KV 4k,32k,128k, "
-        "batches 1,8, 64 query / 8 KV heads; on the CPU or with --quick, tiny grids.",
+        epilog="Defaults marked None depend on the device and mode: on a GPU, prefill runs bf16, D 64,128, N 1k..16k "
+        "with 16k tokens per batch and a 2048-wide model (H = 2048 / D), so every cell does the same work per token as "
+        "a layer of a 2048-wide model and fills the GPU (warmup 25, rep 100); decode runs bf16, D 128, KV 4k,32k,128k, "
+        "batches 1,8, 64 query / 8 KV heads (a Llama-70B-like GQA layer); on the CPU or with --quick, tiny grids.",
     )
     p.add_argument(
         "--mode",
         choices=["prefill", "decode"],
         default="prefill",
-        help="prefill: N queries attend to N keys (the issue's grid); decode: one query token per sequence against "
+        help="prefill: N queries attend to N keys; decode: one query token per sequence against "
         "a KV cache of N tokens, grouped-query heads (--q-heads / --kv-heads), batches from --batches",
     )
     p.add_argument(
@@ -87,6 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="random seed for q, k, v")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    study = p.add_argument_group("studying flashlab's prefill kernel (default: the kernel's own choices)")
+    study.add_argument(
+        "--kernel-config",
+        type=_sizes,
+        help="BLOCK_M,BLOCK_N,num_warps,num_stages: one fixed tile config instead of the autotuner's pick",
+    )
+    study.add_argument(
+        "--tile-order", choices=["forward", "reverse"], help="order of the query tiles (reverse: causal default)"
+    )
+    study.add_argument("--tma", choices=["on", "off"], help="tensor-memory-accelerator tile loads (Hopper) on or off")
     return p
 
 
@@ -112,6 +123,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         check_rows=args.check_rows,
         max_memory_gb=args.max_memory_gb,
         seed=args.seed,
+        kernel_config=tuple(args.kernel_config) if args.kernel_config else None,
+        tile_order=args.tile_order,
+        tma=args.tma,
     )
 
 

@@ -35,6 +35,10 @@ class BenchConfig:
     check_rows: int = 256
     max_memory_gb: float | None = None
     seed: int = 0
+    # switches for studying flashlab's prefill kernel (None: the kernel's own choice)
+    kernel_config: tuple[int, int, int, int] | None = None  # BLOCK_M, BLOCK_N, num_warps, num_stages
+    tile_order: str | None = None  # "forward" or "reverse" (causal: longest query tiles first)
+    tma: str | None = None  # "on" or "off": tensor-memory-accelerator loads where they can be used
 
     def resolve(self) -> BenchConfig:
         """Fill in defaults for the device (GPU: the grid below; CPU or --quick: tiny sizes); validate."""
@@ -107,6 +111,12 @@ class BenchConfig:
                 raise ValueError(f"{name} must be a positive int; got {filled[name]}")
         if filled["warmup"] < 0 or filled["rep"] <= 0:
             raise ValueError(f"warmup must be >= 0 and rep > 0 (ms); got {filled['warmup']}, {filled['rep']}")
+        if self.kernel_config is not None and (len(self.kernel_config) != 4 or min(self.kernel_config) < 1):
+            raise ValueError(
+                f"kernel_config must be 4 positive ints BLOCK_M,BLOCK_N,warps,stages; got {self.kernel_config}"
+            )
+        if self.tile_order not in (None, "forward", "reverse") or self.tma not in (None, "on", "off"):
+            raise ValueError(f"tile_order must be forward/reverse and tma on/off; got {self.tile_order}, {self.tma}")
         if self.check_rows < 1:
             raise ValueError(f"check_rows must be a positive int; got {self.check_rows}")
         return replace(self, device=device, backends=backends, **filled)
@@ -154,6 +164,12 @@ class BenchConfig:
             argv += ["--max-memory-gb", f"{c.max_memory_gb:g}"]
         if not c.ceilings:
             argv.append("--no-ceilings")
+        if c.kernel_config is not None:
+            argv += ["--kernel-config", ",".join(map(str, c.kernel_config))]
+        if c.tile_order is not None:
+            argv += ["--tile-order", c.tile_order]
+        if c.tma is not None:
+            argv += ["--tma", c.tma]
         return argv
 
 

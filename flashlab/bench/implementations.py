@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from flashlab.bench.grid import DTYPES, Cell
 from flashlab.kernels import flash_attention
+from flashlab.kernels.forward import check_inputs, forward
 from flashlab.reference.torch_float64 import attention_float64
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -96,6 +97,24 @@ def _sdpa_backend(member: str, description: str, cuda_only: bool, materialises: 
 
 def _flashlab_run(q, k, v, causal):
     return flash_attention(q, k, v, causal=causal)
+
+
+def flashlab_variant(kernel_config=None, tile_order=None, tma=None) -> Backend:
+    """flashlab's prefill kernel with the autotuner's pick, the causal tile order or the TMA choice overridden:
+    the benchmark's ``--kernel-config``, ``--tile-order`` and ``--tma``."""
+    config = None
+    if kernel_config is not None:
+        bm, bn, warps, stages = kernel_config
+        config = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    reverse_m = None if tile_order is None else tile_order == "reverse"
+    use_tma = None if tma is None else tma == "on"
+
+    def run(q, k, v, causal):
+        check_inputs(q, k, v, causal, None, None)
+        return forward(q, k, v, causal, None, None, config=config, reverse_m=reverse_m, use_tma=use_tma)[0]
+
+    what = ", ".join(f"{n}={x}" for n, x in (("config", config), ("tile order", tile_order), ("tma", tma)) if x)
+    return Backend("flashlab", f"flashlab.flash_attention's prefill kernel with {what}", run)
 
 
 BACKENDS: dict[str, Backend] = {

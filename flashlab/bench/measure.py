@@ -81,93 +81,107 @@ def peak_extra_bytes(fn: Callable, device: str) -> float:
     return float(peak)
 
 
-def bench_cell(cell: Cell, backends: Sequence[Backend], config: BenchConfig, meta: dict) -> list[dict]:
-    """Check, measure and time every backend on one cell; one result row per backend."""
+class NotTimed(Exception):
+    """A backend was not timed on a cell, and why: ``status`` is "skipped", "oom", "wrong" or "error"."""
+
+    def __init__(self, status: str, reason: str):
+        super().__init__(reason)
+        self.status, self.reason = status, _one_line(reason)
+
+
+def make_inputs(cell: Cell, config: BenchConfig):
+    """Fresh random q ``(B, H, Nq, D)`` and k, v ``(B, Hk, Nk, D)`` for one cell, on the sweep's device."""
     device, dtype = config.device, DTYPES[cell.dtype]
     gen = torch.Generator(device=device).manual_seed(config.seed)
-    shape = (cell.batch, cell.heads, cell.nq, cell.head_dim)  # (B, H, Nq, D)
-    kv_shape = (cell.batch, cell.hk, cell.seq_len, cell.head_dim)  # (B, Hk, Nk, D)
-    q = torch.randn(shape, generator=gen, device=device).to(dtype)
+    q = torch.randn((cell.batch, cell.heads, cell.nq, cell.head_dim), generator=gen, device=device).to(dtype)
+    kv_shape = (cell.batch, cell.hk, cell.seq_len, cell.head_dim)
     k, v = (torch.randn(kv_shape, generator=gen, device=device).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+def empty_row(cell: Cell, backend: Backend, meta: dict) -> dict:
+    """A result row before anything ran: the cell, the backend, the stamp; numbers NaN until measured."""
+    nan = float("nan")
+    row = dict(
+        backend=backend.name, dtype=cell.dtype, head_dim=cell.head_dim, seq_len=cell.seq_len, causal=cell.causal,
+        batch=cell.batch, heads=cell.heads, kv_heads=cell.hk, q_len=cell.nq, status="ok", reason="",
+        rel_err=nan, max_abs_err=nan, tol=TOLERANCE[cell.dtype], time_ms=nan, tflops=nan, bandwidth_gbps=nan,
+        peak_extra_mb=nan, flops=cell.flops, io_bytes=cell.io_bytes,
+    )  # fmt: skip
+    row.update({col: meta[col] for col in STAMP_COLUMNS})
+    return row
+
+
+def precheck(cell: Cell, backend: Backend, config: BenchConfig) -> None:
+    """Raise ``NotTimed`` before running a backend that cannot run here, or whose score matrix would not fit."""
+    reason = backend.unavailable(config.device, DTYPES[cell.dtype])
+    if reason:
+        raise NotTimed("skipped", reason)
+    if backend.materialises:
+        need = backend.workspace_bytes(cell)
+        free = _free_memory_bytes(config.device, config.max_memory_gb)
+        if need > 0.9 * free:
+            what = "S and P" if cell.hk == cell.heads else "S, P and K/V repeated per query head"
+            raise NotTimed("oom", f"predicted: {what} need {need / 1e9:.3g} GB, {free / 1e9:.3g} GB free")
+
+
+def check_output(fn: Callable, cell: Cell, ref, rows, batches, device: str) -> tuple[float, float]:
+    """Run ``fn`` once and compare the checked slice with the float64 reference: ``(rel_err, max_abs_err)``.
+
+    Raises ``NotTimed`` when the backend refuses the problem ("skipped", with PyTorch's own reasons), returns the
+    wrong shape, or misses the dtype's tolerance ("wrong": never timed)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = fn()
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
+            if _is_oom(e):
+                raise
+            why = "; ".join(dict.fromkeys(str(w.message).strip() for w in caught)) or str(e)
+            raise NotTimed("skipped", f"{e.__class__.__name__}: {why}") from e
+    _sync(device)
+    shape = (cell.batch, cell.heads, cell.nq, cell.head_dim)
+    if tuple(out.shape) != shape:
+        raise NotTimed("wrong", f"output shape {tuple(out.shape)}, expected {shape}")
+    diff = out[batches][:, :, rows].double() - ref  # (b, H, R, D)
+    del out
+    rel_err = (torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(ref)).item()
+    return rel_err, diff.abs().max().item()
+
+
+def bench_cell(cell: Cell, backends: Sequence[Backend], config: BenchConfig, meta: dict) -> list[dict]:
+    """Check, measure and time every backend on one cell, in that order; one result row per backend.
+
+    1. check against the float64 reference on sampled rows of the first and last batch entries (never timed if
+       wrong); 2. peak extra memory of one call; 3. median time."""
+    device = config.device
+    q, k, v = make_inputs(cell, config)
     rows = check_rows(cell.nq, config.check_rows).to(device)
     batches = sorted({0, cell.batch - 1})  # the first and last batch entries
     ref = reference_rows(q[batches], k[batches], v[batches], cell.causal, rows)  # (b, H, R, D) float64
-    tol = TOLERANCE[cell.dtype]
     rows_out = []
     for backend in backends:
-        row = dict(
-            backend=backend.name,
-            dtype=cell.dtype,
-            head_dim=cell.head_dim,
-            seq_len=cell.seq_len,
-            causal=cell.causal,
-            batch=cell.batch,
-            heads=cell.heads,
-            kv_heads=cell.hk,
-            q_len=cell.nq,
-            status="ok",
-            reason="",
-            rel_err=float("nan"),
-            max_abs_err=float("nan"),
-            tol=tol,
-            time_ms=float("nan"),
-            tflops=float("nan"),
-            bandwidth_gbps=float("nan"),
-            peak_extra_mb=float("nan"),
-            flops=cell.flops,
-            io_bytes=cell.io_bytes,
-        )
-        row.update({col: meta[col] for col in STAMP_COLUMNS})
+        row = empty_row(cell, backend, meta)
         rows_out.append(row)
-
-        reason = backend.unavailable(device, dtype)
-        if reason:
-            row.update(status="skipped", reason=reason)
-            continue
-        if backend.materialises:  # pre-check: would the score matrix fit?
-            need = backend.workspace_bytes(cell)
-            free = _free_memory_bytes(device, config.max_memory_gb)
-            if need > 0.9 * free:
-                what = "S and P" if cell.hk == cell.heads else "S, P and K/V repeated per query head"
-                row.update(status="oom", reason=f"predicted: {what} need {need / 1e9:.3g} GB, {free / 1e9:.3g} GB free")
-                continue
 
         def fn(backend=backend):
             return backend.run(q, k, v, cell.causal)
 
         try:
-            # 1. check against the float64 reference before any timing
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                try:
-                    out = fn()
-                except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
-                    if _is_oom(e):
-                        raise
-                    why = "; ".join(dict.fromkeys(str(w.message).strip() for w in caught)) or str(e)
-                    row.update(status="skipped", reason=_one_line(f"{e.__class__.__name__}: {why}"))
-                    continue
-            _sync(device)
-            if tuple(out.shape) != shape:
-                row.update(status="wrong", reason=f"output shape {tuple(out.shape)}, expected {shape}")
-                continue
-            got = out[batches][:, :, rows].double()  # (b, H, R, D)
-            del out
-            diff = got - ref
-            rel_err = (torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(ref)).item()
-            max_abs = diff.abs().max().item()
+            precheck(cell, backend, config)
+            rel_err, max_abs = check_output(fn, cell, ref, rows, batches, device)
             row.update(rel_err=rel_err, max_abs_err=max_abs)
-            if not rel_err <= tol:  # NaN fails too
-                row.update(status="wrong", reason=f"relative error {rel_err:.3g} > tolerance {tol:g}; not timed")
-                continue
-            # 2. peak extra memory of one call, then 3. time
+            if not rel_err <= row["tol"]:  # NaN fails too
+                raise NotTimed("wrong", f"relative error {rel_err:.3g} > tolerance {row['tol']:g}; not timed")
             row["peak_extra_mb"] = peak_extra_bytes(fn, device) / 1e6
             ms = time_ms(fn, device, config.warmup, config.rep)
+        except NotTimed as e:
+            row.update(status=e.status, reason=e.reason)
         except Exception as e:  # noqa: BLE001 -- one failing backend must not end the sweep
-            if _is_oom(e):
-                row.update(status="oom", reason=_one_line(f"out of memory: {e}"))
-            else:
-                row.update(status="error", reason=_one_line(f"{e.__class__.__name__}: {e}"))
+            status = "oom" if _is_oom(e) else "error"
+            row.update(
+                status=status, reason=_one_line(f"{'out of memory' if _is_oom(e) else e.__class__.__name__}: {e}")
+            )
         if row["status"] != "ok":
             if device == "cuda":  # the exception and its frames are gone now: hand their memory back
                 torch.cuda.empty_cache()

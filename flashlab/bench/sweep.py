@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from flashlab.bench.config import BenchConfig
-from flashlab.bench.implementations import BACKENDS, Backend
+from flashlab.bench.implementations import BACKENDS, Backend, flashlab_variant
 from flashlab.bench.measure import bench_cell, measure_ceilings
 from flashlab.bench.results import BenchResults
 from flashlab.bench.stamp import environment_stamp
@@ -32,6 +32,9 @@ def run_sweep(
     if unknown:
         raise ValueError(f"unknown backend(s) {unknown}; choose from {list(BACKENDS)}")
     backends = [BACKENDS[b] for b in config.backends] + list(extra_backends)
+    if (config.kernel_config, config.tile_order, config.tma) != (None, None, None):
+        variant = flashlab_variant(config.kernel_config, config.tile_order, config.tma)
+        backends = [variant if b.name == "flashlab" else b for b in backends]
     meta = environment_stamp(config.device)
     meta["command"] = command or "python -m flashlab.bench " + shlex.join(config.to_argv())
     meta["config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()}
