@@ -32,13 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashlab.core.numerics import TOLERANCE, relative_error
+from flashlab.core.numerics import DTYPE_NAMES, TOLERANCE, relative_error
 from flashlab.reference import attention as reference_attention
 
 BACKENDS = ("MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 CUDA_ONLY = ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def _dtype(dtype) -> tuple[str, torch.dtype]:

@@ -9,27 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashlab.core.masking import visible_mask
+from flashlab.core.numerics import tolerance
 from flashlab.kernels.forward import flash_attention
+from flashlab.reference.torch_float64 import attention_float64
 
 pytestmark = pytest.mark.gpu
 
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 LSE_TOL = 1e-3
-
-
-def reference(q, k, v, causal=False, window=None, scale=None):
-    """Materialised attention in float64 on the GPU (same semantics as ``flashlab.reference.attention``)."""
-    q, k, v = q.double(), k.double(), v.double()
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, Hq, Nk, D)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    s = q @ k.transpose(-1, -2) * scale  # (B, H, Nq, Nk)
-    mask = torch.from_numpy(visible_mask(q.shape[2], k.shape[2], causal, window)).to(q.device)
-    s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # (B, H, Nq), -inf on empty rows
-    p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None]).nan_to_num(0.0)
-    return p @ v, lse
 
 
 def make(b, hq, hk, nq, nk, d, dtype, seed=0):
@@ -43,10 +29,10 @@ def make(b, hq, hk, nq, nk, d, dtype, seed=0):
 def check(q, k, v, causal=False, window=None, scale=None, num_splits=None):
     torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # poison the allocator's cache: unwritten -> NaN
     o, lse = flash_attention(q, k, v, causal=causal, window=window, scale=scale, return_lse=True, num_splits=num_splits)
-    ro, rlse = reference(q, k, v, causal, window, scale)
+    ro, rlse = attention_float64(q, k, v, causal, window, scale)
     assert torch.isfinite(o).all()
     err = ((o.double() - ro).norm() / ro.norm().clamp_min(1e-300)).item()
-    assert err < TOL[q.dtype], f"relative error {err:.2e} over {TOL[q.dtype]:.0e} for {q.dtype}"
+    assert err < tolerance(q.dtype), f"relative error {err:.2e} over {tolerance(q.dtype):.0e} for {q.dtype}"
     empty = torch.isneginf(rlse)
     assert torch.equal(torch.isneginf(lse), empty)
     assert (o[empty] == 0).all()

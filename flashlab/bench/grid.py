@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from flashlab.calculators import roofline
-from flashlab.core.numerics import tolerance
+from flashlab.core.numerics import SHORT_NAMES, tolerance
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {short: getattr(torch, name) for short, name in SHORT_NAMES.items()}
 DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 
 # Relative error (Frobenius norm of the difference over that of the reference) a backend may have on a checked

@@ -10,6 +10,8 @@ import numpy as np
 
 # Dtype names as torch spells them (``str(torch.bfloat16) == "torch.bfloat16"``, without the prefix).
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
+# The short names the benchmark's command line and result files use.
+SHORT_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 # Relative error ||out - ref|| / ||ref|| allowed against the float64 reference, per input dtype. A few times the
 # dtype's unit roundoff (fp16 2^-11 ~ 4.9e-4, bf16 2^-8 ~ 3.9e-3): attention sums many rounded terms and rounds P
