@@ -136,8 +136,8 @@ def _attn_fwd(
     full_hi = tl.minimum(row_lo + offset + win_right + 1, NK)  # ... and < full_hi
     # in tiles: [t_lo, t_full_lo) stage 0, [t_full_lo, t_full_hi) stage 1, [t_full_hi, t_hi) stage 2
     t_lo = lo // BLOCK_N
-    t_hi = (hi + BLOCK_N - 1) // BLOCK_N
-    t_full_lo = tl.minimum(tl.maximum((full_lo + BLOCK_N - 1) // BLOCK_N, t_lo), t_hi)
+    t_hi = tl.cdiv(hi, BLOCK_N)
+    t_full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N), t_lo), t_hi)
     t_full_hi = tl.minimum(tl.maximum(full_hi, 0) // BLOCK_N, t_hi)
     t_full_hi = tl.maximum(t_full_hi, t_full_lo)
 
