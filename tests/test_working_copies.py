@@ -58,6 +58,7 @@ def _answer(path, text):
     nbformat.write(nb, path)
 
 
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="not a git checkout")
 def test_the_working_folder_is_ignored_by_git():
     assert subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", f"{WORK}/01_x.ipynb"]).returncode == 0
 
