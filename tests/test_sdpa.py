@@ -268,3 +268,17 @@ def test_recorded_gpu_probe_is_stamped_and_readable():
             mine = backend_reasons(r["backend"], r["reasons"])
             assert mine, (r["dtype"], r["head_dim"], r["backend"])
             assert not any("runtime disabled" in line for line in mine)
+
+
+@pytest.mark.gpu
+def test_on_cuda_each_refusal_names_only_its_own_backend():
+    # head dim 512: FlashAttention-2 and cuDNN refuse it; fp32: FlashAttention-2 refuses the dtype
+    rows = probe_sdpa_backends(device="cuda", dtypes=("float16", "float32"), head_dims=(64, 512), seq_len=64, heads=2)
+    for r in rows:
+        assert not any("runtime disabled" in line for line in r["reasons"]), r
+        if r["status"] == "raised" and r["backend"] == "FLASH_ATTENTION":
+            assert r["reasons"] and not any("cudnn" in line.lower() for line in r["reasons"]), r
+    flash = {(r["dtype"], r["head_dim"]): r for r in rows if r["backend"] == "FLASH_ATTENTION"}
+    assert flash[("float16", 64)]["status"] == "ran"
+    assert flash[("float16", 512)]["status"] == "raised" and "256" in " ".join(flash[("float16", 512)]["reasons"])
+    assert flash[("float32", 64)]["status"] == "raised"
