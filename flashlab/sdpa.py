@@ -13,7 +13,7 @@ dtype / head dim / causal setting it records which backend the dispatcher would 
 with ``torch.nn.attention.sdpa_kernel`` and records whether it ran (and matched the float64 reference within a
 tolerance suited to the dtype) or raised (and why).
 
-    python -m flashlab.sdpa --device cuda --head-dims 64,96,100,128,192,256,512,1024 \
+    python -m flashlab.sdpa --device cuda --head-dims 64,96,100,128,192,256,512,1024 \\
         --out data/results/h200-sdpa-backends.json
 
 writes that table as JSON, stamped with the device, torch / triton / CUDA versions and the date.
