@@ -7,7 +7,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.flashlab-installed
 # The exact versions CI ran, for every package but torch and triton (whose builds depend on the platform).
-CONSTRAINTS := requirements/ci-constraints.txt
+# `make test CONSTRAINTS=` installs without them (newest versions that fit pyproject.toml), e.g. if a newer torch
+# you chose needs newer versions of its dependencies than CI ran.
+CONSTRAINTS ?= requirements/ci-constraints.txt
 
 # Which torch to install. Left empty, pip takes whatever build its index serves for `torch>=2.4`: on Linux x86_64
 # PyPI serves a CUDA build (several GB with its NVIDIA libraries), even on a machine without a GPU.
@@ -67,12 +69,13 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(if $(TORCH_SPEC)$(TORCH_INDEX),$(BIN)/python -m pip install --quiet --no-deps \
 	    $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(or $(TORCH_SPEC),torch)")
-	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e ".[test]"
-	touch $@
+	$(BIN)/python -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[test]"
+	echo "pinned by: $(or $(CONSTRAINTS),nothing)" > $@
 
 # Re-record the pins from this environment: run it where CI's install ran (a fresh clone, `TORCH_SPEC=torch==2.13.0
 # make install`), then commit the file. torch and triton go in as comments: CI's builds, not pins.
 constraints: $(STAMP)
+	test -n "$(CONSTRAINTS)"
 	{ sed -n '1,/^# ---/p' $(CONSTRAINTS); \
 	  $(BIN)/python -m pip freeze --exclude-editable | grep -i -E '^(torch|triton)==' | sed 's/^/# ci ran, not pinned: /'; \
 	  $(BIN)/python -m pip freeze --exclude-editable | grep -v -i -E '^(torch|triton)==' | grep -v '^#'; \

@@ -10,7 +10,8 @@ CUDA build of torch requires its own triton release, so a pin would either fail 
 build on a GPU machine. They are compared only where this environment has CI's very torch build: the same torch
 with the same pins must bring the same triton.
 
-Conda environments, and virtual environments made by hand, choose their own versions; the test skips there.
+Conda environments, virtual environments made by hand, and ``make ... CONSTRAINTS=`` (an install without the
+pins) choose their own versions; the test skips there.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import pytest
 from conftest import ROOT
 
 CONSTRAINTS = ROOT / "requirements" / "ci-constraints.txt"
-MAKEFILE_STAMP = Path(sys.prefix) / ".flashlab-installed"  # written by the Makefile after its pinned install
+MAKEFILE_STAMP = Path(sys.prefix) / ".flashlab-installed"  # the Makefile writes which pins it installed with
 NOT_PINNED = ("torch", "triton")
 
 
@@ -78,9 +79,28 @@ def test_parse_constraints_reads_pins_and_ci_builds():
         parse_constraints("numpy>=1\n")
 
 
+def pinned_by_the_makefile(stamp=MAKEFILE_STAMP) -> bool:
+    """Whether the Makefile installed this environment with the constraints file (not with CONSTRAINTS= empty)."""
+    return stamp.is_file() and stamp.read_text().strip() == "pinned by: requirements/ci-constraints.txt"
+
+
 needs_makefile_env = pytest.mark.skipif(
-    not MAKEFILE_STAMP.exists(), reason="not the Makefile's environment (conda or hand-made): its versions are its own"
+    not pinned_by_the_makefile(),
+    reason="not installed by the Makefile with the pins (conda, hand-made, or CONSTRAINTS= empty): "
+    "its versions are its own",
 )
+
+
+def test_the_makefile_stamp_says_what_pinned_it(tmp_path):
+    stamp = tmp_path / ".flashlab-installed"
+    assert not pinned_by_the_makefile(stamp)
+    stamp.write_text("pinned by: nothing\n")
+    assert not pinned_by_the_makefile(stamp)
+    stamp.write_text("pinned by: requirements/ci-constraints.txt\n")
+    assert pinned_by_the_makefile(stamp)
+    makefile = (ROOT / "Makefile").read_text()
+    assert 'echo "pinned by: $(or $(CONSTRAINTS),nothing)" > $@' in makefile
+    assert "CONSTRAINTS ?= requirements/ci-constraints.txt" in makefile
 
 
 @needs_makefile_env
