@@ -13,9 +13,22 @@ dtype / head dim / causal setting it records which backend the dispatcher would 
 with ``torch.nn.attention.sdpa_kernel`` and records whether it ran (and matched the float64 reference within a
 tolerance suited to the dtype) or raised (and why).
 
-    python -m flashlab.sdpa --out data/results/h200-sdpa-backends.json
+    python -m flashlab.sdpa --device cuda --head-dims 64,96,100,128,192,256,512,1024 \\
+        --out data/results/h200-sdpa-backends.json
 
 writes that table as JSON, stamped with the device, torch / triton / CUDA versions and the date.
+
+Whose reason is it? When a pinned call finds no kernel, PyTorch re-runs every fused backend's checks and warns
+what each one objected to, under a header per backend ("Memory efficient kernel not used because:", "Flash
+attention kernel not used because:", "cuDNN attention kernel not used because:"; ``select_sdp_backend`` in
+``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``). Pinning one backend switches the others off, so their
+sections say only "... has been runtime disabled". ``backend_reasons`` keeps the lines of the pinned backend's own
+section, so a row's ``reasons`` are that backend's and no other's.
+
+On CPU, ``FLASH_ATTENTION`` is not the CUDA FlashAttention-2 kernel: it is PyTorch's own tiled C++ kernel
+(``aten/src/ATen/native/cpu/FlashAttentionKernel.cpp``, the same online-softmax loop), and its gate
+(``use_flash_attention_cpp`` in ``sdp_utils_cpp.cpp``) accepts float32 and float64 as well as float16 and
+bfloat16. That is why it runs float32 on a CPU while the CUDA kernel refuses anything but fp16 / bf16.
 """
 
 from __future__ import annotations
@@ -72,6 +85,59 @@ def selected_sdpa_backend(q, k, v, causal: bool = False) -> str | None:
         return None
 
 
+# The header SDPA warns before each fused backend's reasons, and the words by which a warning names a backend.
+_SECTION_HEADERS = {
+    "memory efficient kernel not used because": "EFFICIENT_ATTENTION",
+    "flash attention kernel not used because": "FLASH_ATTENTION",
+    "cudnn attention kernel not used because": "CUDNN_ATTENTION",
+}
+_BACKEND_WORDS = {
+    "EFFICIENT_ATTENTION": ("memory efficient", "mem efficient", "efficient attention"),
+    "FLASH_ATTENTION": ("flash attention",),
+    "CUDNN_ATTENTION": ("cudnn",),
+}
+
+
+def _clean(message) -> str:
+    """A warning's first line without PyTorch's "(Triggered internally at <file>:<line>.)" suffix."""
+    line = _first_line(message)
+    cut = line.find(" (Triggered internally at ")
+    return line[:cut].rstrip() if cut >= 0 else line
+
+
+def _named_backends(line: str) -> set[str]:
+    low = line.lower()
+    return {b for b, words in _BACKEND_WORDS.items() if any(w in low for w in words)}
+
+
+def backend_reasons(backend: str, messages: Sequence) -> list[str]:
+    """The refusal reasons that ``backend`` itself gave, out of the warnings one pinned SDPA call raised.
+
+    ``messages`` are the warnings in the order SDPA gave them (strings or ``warnings.WarningMessage``). Where
+    SDPA's per-backend headers are present, only the lines under ``backend``'s own header are kept. Lines outside
+    any section (or a list recorded without its headers) are kept unless they name another backend or say a
+    backend "has been runtime disabled" -- which, in a pinned call, is only ever said of the backends the pin
+    switched off.
+    """
+    lines = [_clean(getattr(m, "message", m)) for m in messages]
+    reasons, section = [], None
+    for line in lines:
+        header = line.lower().rstrip(": ")
+        if header in _SECTION_HEADERS:
+            section = _SECTION_HEADERS[header]
+            continue
+        if not line or line in reasons:
+            continue
+        if section is not None:
+            keep = section == backend
+        else:
+            named = _named_backends(line)
+            keep = "runtime disabled" not in line.lower() and (not named or backend in named)
+        if keep:
+            reasons.append(line)
+    return reasons
+
+
 def _run_pinned(backend: str, q, k, v, causal: bool):
     """Run SDPA with only ``backend`` allowed. Returns (out, None, reasons) or (None, error line, reasons)."""
     with warnings.catch_warnings(record=True) as caught:
@@ -82,12 +148,7 @@ def _run_pinned(backend: str, q, k, v, causal: bool):
             error = None
         except Exception as e:  # "No available kernel" and friends: the backend refused the problem
             out, error = None, f"{type(e).__name__}: {_first_line(e)}"
-    # On CUDA, SDPA explains each refusal in warnings ("Flash attention kernel not used because: ...").
-    reasons = []
-    for w in caught:
-        line = _first_line(w.message)
-        if line and line not in reasons and "not used because" not in line.lower().rstrip(":"):
-            reasons.append(line)
+    reasons = backend_reasons(backend, caught)
     if error is not None and not reasons and q.device.type != "cuda" and backend in CUDA_ONLY:
         reasons.append(f"{backend} has CUDA kernels only; there is none for {q.device.type}")
     return out, error, reasons

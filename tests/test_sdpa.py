@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
 import torch
-from torch.nn.attention import SDPBackend
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from conftest import ROOT
 from flashlab import sdpa
 from flashlab.sdpa import (
     BACKENDS,
     TOLERANCE,
+    backend_reasons,
     format_table,
     probe_sdpa_backends,
     relative_error,
@@ -174,6 +176,79 @@ def test_command_line_help(capsys):
         assert flag in text
 
 
+# What SDPA warned, in order, when one backend was pinned on an H200 with head dim 512 in fp16 (torch 2.11): each
+# fused backend's checks run again under its own header, and the two the pin switched off say "runtime disabled".
+H200_D512_FLASH_PINNED = [
+    "Memory efficient kernel not used because: (Triggered internally at sdp_utils.cpp:1.)",
+    "Memory Efficient attention has been runtime disabled. (Triggered internally at sdp_utils_cpp.h:552.)",
+    "Flash attention kernel not used because: (Triggered internally at sdp_utils.cpp:2.)",
+    "Flash attention requires q,k,v to have the same last dimension and to be less than or equal to 256. Got "
+    "Query.size(-1): 512, Key.size(-1): 512, Value.size(-1): 512 instead. (Triggered internally at sdp_utils.cpp:180.)",
+    "cuDNN attention kernel not used because: (Triggered internally at sdp_utils.cpp:3.)",
+    "cuDNN attention has been runtime disabled. (Triggered internally at sdp_utils.cpp:706.)",
+]
+H200_D512_CUDNN_PINNED = [
+    "Memory efficient kernel not used because:",
+    "Memory Efficient attention has been runtime disabled.",
+    "Flash attention kernel not used because:",
+    "Flash attention has been runtime disabled.",
+    "cuDNN attention kernel not used because:",
+    "head_dim should be no more than 256 (Triggered internally at sdp_utils.cpp:522.)",
+]
+H200_FP32_FLASH_PINNED = [
+    "Memory efficient kernel not used because:",
+    "Memory Efficient attention has been runtime disabled.",
+    "Flash attention kernel not used because:",
+    "Expected query, key and value to all be of dtype: {Half, BFloat16}. Got Query dtype: float, Key dtype: "
+    "float, and Value dtype: float instead.",
+    "cuDNN attention kernel not used because:",
+    "cuDNN attention has been runtime disabled.",
+]
+
+
+def test_each_backend_gets_only_the_reasons_under_its_own_header():
+    flash = backend_reasons("FLASH_ATTENTION", H200_D512_FLASH_PINNED)
+    assert len(flash) == 1 and flash[0].startswith("Flash attention requires q,k,v to have the same last dimension")
+    assert flash[0].endswith("instead.")  # PyTorch's "(Triggered internally at ...)" suffix is dropped
+    assert backend_reasons("CUDNN_ATTENTION", H200_D512_CUDNN_PINNED) == ["head_dim should be no more than 256"]
+    fp32 = backend_reasons("FLASH_ATTENTION", H200_FP32_FLASH_PINNED)
+    assert fp32 == [H200_FP32_FLASH_PINNED[3]]
+    # a backend the pin switched off is never blamed for its own "runtime disabled" line, nor for another's reason
+    assert backend_reasons("EFFICIENT_ATTENTION", H200_D512_FLASH_PINNED) == [
+        "Memory Efficient attention has been runtime disabled."
+    ]
+    assert backend_reasons("MATH", H200_D512_FLASH_PINNED) == []
+
+
+def test_reasons_recorded_without_headers_drop_lines_about_other_backends():
+    headerless = [m for m in H200_D512_FLASH_PINNED if "not used because" not in m]
+    flash = backend_reasons("FLASH_ATTENTION", headerless)
+    assert len(flash) == 1 and "less than or equal to 256" in flash[0]
+    assert not any("cudnn" in r.lower() or "runtime disabled" in r for r in flash)
+    cudnn = [m for m in H200_D512_CUDNN_PINNED if "not used because" not in m]
+    assert backend_reasons("CUDNN_ATTENTION", cudnn) == ["head_dim should be no more than 256"]
+    assert backend_reasons("FLASH_ATTENTION", ["x", "x", ""]) == ["x"]  # deduplicated, blanks dropped
+
+
+def test_a_real_cpu_refusal_is_attributed_to_the_pinned_backend():
+    # PyTorch's CPU flash kernel needs q, k and v to share a head dim; give v another one and pin it
+    q = k = torch.randn(1, 1, 5, 16)
+    v = torch.randn(1, 1, 5, 24)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    flash = backend_reasons("FLASH_ATTENTION", caught)
+    assert len(flash) == 1 and flash[0].startswith("Flash attention requires q,k,v to have the same last dimension")
+    assert backend_reasons("MATH", caught) == []
+
+
+def test_cpu_flash_backend_runs_float32(cpu_rows):
+    # on CPU, FLASH_ATTENTION is PyTorch's C++ kernel, which takes float32 (the CUDA kernel takes fp16/bf16 only)
+    flash32 = [r for r in cpu_rows if r["backend"] == "FLASH_ATTENTION" and r["dtype"] == "float32"]
+    assert flash32 and all(r["status"] == "ran" for r in flash32)
+
+
 RECORDED = ROOT / "data" / "results" / "h200-sdpa-backends.json"
 
 
@@ -188,3 +263,22 @@ def test_recorded_gpu_probe_is_stamped_and_readable():
     assert data["rows"] and {r["backend"] for r in data["rows"]} >= {"MATH", "FLASH_ATTENTION"}
     assert all(r["status"] in ("ran", "wrong", "raised") for r in data["rows"])
     assert format_table(data["rows"])
+    for r in data["rows"]:  # read through backend_reasons, every refusal keeps a reason of its own backend
+        if r["status"] == "raised" and r["backend"] != "MATH":
+            mine = backend_reasons(r["backend"], r["reasons"])
+            assert mine, (r["dtype"], r["head_dim"], r["backend"])
+            assert not any("runtime disabled" in line for line in mine)
+
+
+@pytest.mark.gpu
+def test_on_cuda_each_refusal_names_only_its_own_backend():
+    # head dim 512: FlashAttention-2 and cuDNN refuse it; fp32: FlashAttention-2 refuses the dtype
+    rows = probe_sdpa_backends(device="cuda", dtypes=("float16", "float32"), head_dims=(64, 512), seq_len=64, heads=2)
+    for r in rows:
+        assert not any("runtime disabled" in line for line in r["reasons"]), r
+        if r["status"] == "raised" and r["backend"] == "FLASH_ATTENTION":
+            assert r["reasons"] and not any("cudnn" in line.lower() for line in r["reasons"]), r
+    flash = {(r["dtype"], r["head_dim"]): r for r in rows if r["backend"] == "FLASH_ATTENTION"}
+    assert flash[("float16", 64)]["status"] == "ran"
+    assert flash[("float16", 512)]["status"] == "raised" and "256" in " ".join(flash[("float16", 512)]["reasons"])
+    assert flash[("float32", 64)]["status"] == "raised"

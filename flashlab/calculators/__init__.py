@@ -3,6 +3,7 @@
 - ``roofline`` -- score-matrix size, naive against flash HBM traffic, the paper's tiled count, FLOPs, roofline
   time bounds, KV-cache reads at decode, Amdahl, tile SRAM footprints.
 - ``catalog`` -- the GPU and model catalogues (``data/*.json`` beside it), every figure with its source.
+- ``flash_versions`` -- FlashAttention 1 to 4 and Flash-Decoding, dated and sourced (``data/flash_versions.json``).
 
 They need no torch and no GPU: only ``flashlab.core``.
 """
