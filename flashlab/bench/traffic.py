@@ -654,8 +654,8 @@ def summary_table(results: TrafficResults) -> str:
 def _backward_unavailable() -> str | None:
     try:
         import flashlab.kernels.backward  # noqa: F401
-    except ImportError as e:
-        return f"not available: flashlab.kernels.backward cannot be imported ({e})"
+    except Exception as e:  # noqa: BLE001 -- missing, or present but broken: either way not measurable
+        return f"not available: flashlab.kernels.backward cannot be imported ({e.__class__.__name__}: {e})"
     return None
 
 
