@@ -125,6 +125,19 @@ def test_case_rows_sum_each_cases_kernels_and_skip_unprofiled_cases():
     assert naive["model_bytes"] == 16 * (6 * 1024 * 1024 * 2) + 4 * x  # eager PyTorch: six passes
 
 
+def test_a_case_that_failed_while_profiled_keeps_its_kernels_out_of_the_next_case():
+    running = manifest(NAIVE)[0] | dict(status="running", profiled=True)  # the child ended inside this case
+    config = TrafficConfig(seq_lens=(1024,), head_dims=(128,), causal="no", backends=("naive", "flashlab"), heads=16)
+    cases = traffic.complete_manifest([running, manifest(FLASH)[0] | dict(profiled=True)], config)
+    assert [c["status"] for c in cases] == ["error", "ok"]
+    rows = attribute_kernels(parse_ncu_csv(RAW), cases)
+    naive, flash = case_rows(cases, rows)
+    assert naive["status"] == "error" and naive["kernels"] == 0 and "ended" in naive["reason"]
+    assert flash["kernels"] == 1 and flash["dram_read_bytes"] == 12_615_680  # still the flash kernel's own
+    short = traffic.complete_manifest([manifest(NAIVE)[0]], config)
+    assert [c["status"] for c in short] == ["ok", "skipped"]
+
+
 # -- the models the measurement is put beside --------------------------------------------------------------------
 
 
@@ -275,3 +288,46 @@ def test_quick_recording_on_a_gpu_with_ncu(tmp_path):
     assert flash["dram_read_bytes"] >= 0.9 * 3 * flash["io_bytes"] / 4  # Q, K, V cross HBM at least once
     assert naive["hbm_bytes"] > 3 * flash["hbm_bytes"]
     Path(results.save(tmp_path / "t")[0]).read_text()
+
+
+FAKE_NCU = """#!/usr/bin/env python3
+# Stands in for ncu: profiling writes an empty report and the manifest the child would write; --import prints
+# the fixture's CSV; --version answers.
+import json, sys
+args = sys.argv[1:]
+if "--version" in args:
+    print("Version 2099.1.0 (fake)")
+elif "--import" in args:
+    print(open(%r).read())
+else:
+    open(args[args.index("--export") + 1] + ".ncu-rep", "w").write("report")
+    cases = %r
+    open(args[args.index("--traffic-child") + 1], "w").write(json.dumps(cases))
+    print("==PROF== Connected to process 1")
+    print("[1/2] naive: ok")
+"""
+
+
+def test_the_parent_runs_ncu_reads_its_report_and_writes_the_files(tmp_path, monkeypatch):
+    import torch
+
+    import flashlab.bench.stamp
+
+    cases = [c | dict(profiled=True) for c in manifest(NAIVE, FLASH)]
+    fake = tmp_path / "ncu"
+    fake.write_text(FAKE_NCU % (str(FIXTURES / "ncu_traffic_raw.csv"), cases))
+    fake.chmod(0o755)
+    stamp = dict(tool="flashlab.bench", device_name="NVIDIA H200", is_cuda_gpu=True, torch="t", triton="tr",
+                 cuda="13.0", date="2026-12-01T10:00:00Z")  # fmt: skip
+    monkeypatch.setattr(traffic, "unavailable_reason", lambda ncu=None: None)
+    monkeypatch.setattr(flashlab.bench.stamp, "environment_stamp", lambda device: dict(stamp))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"L2_cache_size": 60 * 2**20}))
+    config = TrafficConfig(seq_lens=(1024,), head_dims=(128,), causal="no", backends=("naive", "flashlab"), heads=16,
+                           ncu=str(fake))  # fmt: skip
+    results = traffic.measure_traffic(config, keep_report=tmp_path / "kept.ncu-rep")
+    assert results.meta["ncu"] == "Version 2099.1.0 (fake)" and results.meta["l2_bytes"] == 60 * 2**20
+    assert [c["kernels"] for c in results.cases] == [4, 1]
+    assert (tmp_path / "kept.ncu-rep.csv").read_text().startswith("==PROF==")
+    json_path, _ = results.save(tmp_path / traffic.default_prefix(results.meta).name)
+    assert json_path.name == "h200-traffic-bf16-2026-12-01.json"
+    assert "naive" in traffic.summary_table(results)

@@ -453,11 +453,12 @@ def case_rows(cases: Sequence[dict], kernel_rows: Sequence[dict]) -> list[dict]:
             float("nan"),
         )
         row["kernels"] = 0
-        if row["status"] == "ok":
+        if c.get("profiled", row["status"] == "ok"):  # its kernels are the next case's in the report
             own = by_case.get(profiled_index, [])
             profiled_index += 1
-            row["kernels"] = len(own)
-            sums = {key: float(sum(k[key] for k in own)) for key in sums}
+            if row["status"] == "ok":
+                row["kernels"] = len(own)
+                sums = {key: float(sum(k[key] for k in own)) for key in sums}
         row.update(sums)
         row["hbm_bytes"] = row["dram_read_bytes"] + row["dram_write_bytes"]
         row["ratio"] = row["hbm_bytes"] / row["model_bytes"]
@@ -697,6 +698,15 @@ def _workspace_bytes(case: TrafficCase) -> int:
     return 3 * case.copies * case.seq_len**2 * case.dtype_bytes + case.seq_len**2
 
 
+def _profiler(torch, what: str) -> None:
+    """cudaProfilerStart / cudaProfilerStop: what ncu's --profile-from-start off waits for."""
+    cudart = torch.cuda.cudart() if hasattr(torch.cuda, "cudart") else None
+    if cudart is not None and hasattr(cudart, f"cudaProfiler{what}"):
+        getattr(cudart, f"cudaProfiler{what}")()
+    else:
+        getattr(torch.cuda.profiler, what.lower())()
+
+
 def run_child(config: TrafficConfig, manifest: Path) -> None:
     """Under ncu: every case warmed up and checked outside the profiled range, then one call profiled after a
     marker kernel. The manifest lists every case with its status, in order."""
@@ -716,7 +726,8 @@ def run_child(config: TrafficConfig, manifest: Path) -> None:
     start = time.perf_counter()
     budget_s = 0.8 * config.timeout_s  # stop starting cases in time for ncu to write its report
     for i, case in enumerate(cases):
-        entry = case.fields() | dict(status="ok", reason="", rel_err=float("nan"))
+        entry = case.fields() | dict(status="ok", reason="", rel_err=float("nan"), profiled=False)
+        done.append(entry)
         shape = (case.batch, case.heads, case.seq_len, case.head_dim)  # (B, H, N, D)
         try:
             if time.perf_counter() - start > budget_s:
@@ -741,11 +752,16 @@ def run_child(config: TrafficConfig, manifest: Path) -> None:
             del out
             call()  # warm-up 2: the steady state
             torch.cuda.synchronize()
-            torch.cuda.cudart().cudaProfilerStart()
-            marker()
-            result = call()
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaProfilerStop()
+            entry.update(profiled=True, status="running")  # on disk before profiling: a crash still lines up
+            manifest.write_text(json.dumps(done))
+            _profiler(torch, "Start")
+            try:
+                marker()
+                result = call()
+                torch.cuda.synchronize()
+            finally:
+                _profiler(torch, "Stop")
+            entry["status"] = "ok"
             del result, call, q, k, v
         except LookupError as e:
             entry.update(status="unavailable", reason=str(e))
@@ -757,7 +773,6 @@ def run_child(config: TrafficConfig, manifest: Path) -> None:
             entry.update(status="oom", reason=" ".join(str(e).split())[:200])
         except Exception as e:  # noqa: BLE001 -- one failing case must not end the recording
             entry.update(status="error", reason=f"{e.__class__.__name__}: {' '.join(str(e).split())[:200]}")
-        done.append(entry)
         manifest.write_text(json.dumps(done))
         print(f"[{i + 1}/{len(cases)} {time.perf_counter() - start:5.0f} s] {case.label()}: {entry['status']}"
               f"{' -- ' + entry['reason'] if entry['reason'] else ''}", flush=True)  # fmt: skip
@@ -839,9 +854,22 @@ def measure_traffic(config: TrafficConfig | None = None, command: str | None = N
             keep.with_name(keep.name + ".cases.json").write_text(json.dumps(cases, indent=1))
         kernels = parse_ncu_csv(csv_text)
     meta["elapsed_s"] = round(time.perf_counter() - start, 1)
-    profiled = [c for c in cases if c["status"] == "ok"]
+    cases = complete_manifest(cases, config)
+    profiled = [c for c in cases if c.get("profiled", c["status"] == "ok")]
     kernel_rows = attribute_kernels(kernels, profiled, meta)
     return TrafficResults(meta=meta, cases=case_rows(cases, kernel_rows), kernels=kernel_rows)
+
+
+def complete_manifest(cases: Sequence[dict], config: TrafficConfig) -> list[dict]:
+    """The child's manifest with every case of ``config``: a case the child was profiling when it ended is an
+    ``error``, and cases it never reached are ``skipped``."""
+    out = [dict(c) for c in cases]
+    for c in out:
+        if c["status"] == "running":
+            c.update(status="error", reason="the profiled program ended during this case (see ncu's log)")
+    for case in config.cases()[len(out) :]:
+        out.append(case.fields() | dict(status="skipped", reason="not reached: the profiled program ended first"))
+    return out
 
 
 def _stream(cmd: list[str], timeout: float) -> str:
