@@ -331,3 +331,40 @@ def test_the_parent_runs_ncu_reads_its_report_and_writes_the_files(tmp_path, mon
     json_path, _ = results.save(tmp_path / traffic.default_prefix(results.meta).name)
     assert json_path.name == "h200-traffic-bf16-2026-12-01.json"
     assert "naive" in traffic.summary_table(results)
+
+
+# -- the notebooks' cells, on a recording and without one -------------------------------------------------------
+
+
+def _run_cells(path, ids, monkeypatch, found):
+    import matplotlib
+    import nbformat
+
+    matplotlib.use("Agg")
+    monkeypatch.setattr(traffic, "notebook_traffic", lambda directory, live="auto": found)
+    nb = nbformat.read(ROOT / "notebooks" / path, as_version=4)
+    namespace: dict = {}
+    cells = {c.id: c for c in nb.cells}
+    for cell_id in ids:
+        exec(compile(cells[cell_id].source, f"{path}:{cell_id}", "exec"), namespace)
+    return namespace
+
+
+NB02_TRAFFIC = ["nb02-01", "nb02-t1", "nb02-t3", "nb02-t5", "nb02-t7"]
+
+
+def test_notebook_02_traffic_cells_show_a_recording(monkeypatch, capsys):
+    found = (TrafficResults.load(SYNTHETIC), "recorded (synthetic test fixture)")
+    ns = _run_cells("02_score_matrix_and_traffic.ipynb", NB02_TRAFFIC, monkeypatch, found)
+    out = capsys.readouterr().out
+    assert ns["D_T"] == 128 and ns["N_T"] == 4096  # the lesson's head dim; the longest length recorded
+    assert "SYNTHETIC" in out and "reproduce with" in out
+    assert "QK^T" in out and "softmax" in out and "total: measured" in out
+    assert "naive / flashlab, no mask: predicted" in out and "not yet written back" in out
+    assert "how the bytes grow with n" in out
+
+
+def test_notebook_02_traffic_cells_without_a_recording(monkeypatch, capsys):
+    _run_cells("02_score_matrix_and_traffic.ipynb", NB02_TRAFFIC, monkeypatch, (None, "no traffic recording"))
+    out = capsys.readouterr().out
+    assert "Nothing measured to show" in out and "python -m flashlab.bench --mode traffic" in out

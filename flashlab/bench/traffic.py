@@ -404,7 +404,8 @@ def attribute_kernels(kernels: Sequence[dict], profiled: Sequence[dict], meta: d
 # Predictions beside measurements
 
 
-def _case_of(row: dict) -> TrafficCase:
+def case_of(row: dict) -> TrafficCase:
+    """The ``TrafficCase`` a case or kernel row describes."""
     return TrafficCase(**{name: row[name] for name in TrafficCase.__dataclass_fields__})
 
 
@@ -447,7 +448,7 @@ def case_rows(cases: Sequence[dict], kernel_rows: Sequence[dict]) -> list[dict]:
     for c in cases:
         row = {name: c[name] for name in TrafficCase.__dataclass_fields__}
         row.update(status=c.get("status", "ok"), reason=c.get("reason", ""), rel_err=c.get("rel_err", float("nan")))
-        row.update(predictions(_case_of(c)))
+        row.update(predictions(case_of(c)))
         sums = dict.fromkeys(
             ("dram_read_bytes", "dram_write_bytes", "l2_bytes", "l2_read_bytes", "l2_write_bytes", "duration_ns"),
             float("nan"),
@@ -470,11 +471,13 @@ def _gb(x: float) -> str:
     return roofline.format_bytes(x) if math.isfinite(x) else "n/a"
 
 
-def gap_explanations(row: dict, rows: Sequence[dict] = (), l2_bytes: float = DEFAULT_L2_BYTES) -> list[str]:
+def gap_explanations(
+    row: dict, rows: Sequence[dict] = (), l2_bytes: float = DEFAULT_L2_BYTES, kernels: Sequence[dict] = ()
+) -> list[str]:
     """Why one case's measured HBM bytes differ from the model, each reason computed from the counters.
 
     ``rows`` are the other cases of the same recording (for the causal-against-unmasked comparison); ``l2_bytes``
-    is the GPU's L2 size.
+    is the GPU's L2 size; ``kernels`` the case's kernel rows (for the kernels the model leaves out).
     """
     why = []
     read, write, hbm = row["dram_read_bytes"], row["dram_write_bytes"], row["hbm_bytes"]
@@ -485,6 +488,11 @@ def gap_explanations(row: dict, rows: Sequence[dict] = (), l2_bytes: float = DEF
         passes = (hbm - qkvo) / s
         why.append(f"{passes:.1f} passes over S measured; the lesson counts 4, eager PyTorch's kernels make "
                    f"{(row['model_bytes'] - qkvo) / s:.1f}")  # fmt: skip
+        extra = [k for k in kernels if k.get("pass") in ("mask build", "other")]
+        if extra:
+            moved = sum(k["dram_read_bytes"] + k["dram_write_bytes"] for k in extra)
+            names = ", ".join(sorted({k["pass"] for k in extra}))
+            why.append(f"{len(extra)} kernel(s) the model leaves out ({names}): {_gb(moved)}")
         if s <= l2_bytes:
             why.append(f"S ({_gb(s)}) fits in the {_gb(l2_bytes)} L2: what one kernel writes is partly still there "
                        "when it ends, and never reaches HBM")  # fmt: skip
@@ -513,6 +521,9 @@ def gap_explanations(row: dict, rows: Sequence[dict] = (), l2_bytes: float = DEF
     return why
 
 
+_CASE_KEYS = ("backend", "dtype", "head_dim", "seq_len", "causal", "batch", "heads")
+
+
 def predicted_vs_measured(results: TrafficResults, backends: Sequence[str] | None = None) -> list[dict]:
     """The table the notebooks show: per measured case, the lesson's count, the model, the measurement, their
     ratio, and the reasons for the gap (``gap_explanations``)."""
@@ -535,7 +546,7 @@ def predicted_vs_measured(results: TrafficResults, backends: Sequence[str] | Non
                 l2_bytes=r["l2_bytes"],
                 ratio=r["hbm_bytes"] / r["model_bytes"],
                 lesson_ratio=r["hbm_bytes"] / r["lesson_bytes"],
-                why=gap_explanations(r, results.cases, l2),
+                why=gap_explanations(r, results.cases, l2, results.kernels_of(**{k: r[k] for k in _CASE_KEYS})),
             )  # fmt: skip
         )
     return out
@@ -625,6 +636,38 @@ def newest_traffic_results(directory="data/results") -> Path | None:
         if meta.get("tool") == "flashlab.bench" and meta.get("mode") == "traffic" and meta.get("is_cuda_gpu"):
             found.append((meta.get("date", ""), path.name, path))
     return max(found)[2] if found else None
+
+
+# The live measurement a notebook takes on a GPU with ncu: the lesson's head dim, three lengths, no mask.
+NOTEBOOK_LIVE = TrafficConfig(seq_lens=(1024, 2048, 4096), head_dims=(128,), causal="no",
+                              backends=("naive", "flashlab"), timeout_s=240)  # fmt: skip
+
+
+def notebook_traffic(directory="data/results", live="auto") -> tuple[TrafficResults | None, str]:
+    """What a notebook shows, and where it came from: ``(results, source)``.
+
+    ``live=True``: measure here (``NOTEBOOK_LIVE``) when this machine has a GPU and ncu, else read the newest
+    recording in ``directory``. ``live="auto"``: the recording if there is one, else a live measurement where
+    possible. ``live=False``: the recording only. ``(None, why)`` when there is neither.
+    """
+    recorded = newest_traffic_results(directory)
+    why_not_live = unavailable_reason()
+    if why_not_live is None and (live is True or (live == "auto" and recorded is None)):
+        try:
+            return measure_traffic(NOTEBOOK_LIVE), "live (ncu on this machine)"
+        except (TrafficUnavailable, ValueError) as e:
+            why_not_live = str(e)
+    if recorded is not None:
+        return TrafficResults.load(recorded), f"recorded ({Path(recorded).name})"
+    return None, f"no traffic recording in {directory} yet, and no live measurement here ({why_not_live})"
+
+
+def bytes_per_head(results: TrafficResults, column: str = "hbm_bytes") -> dict:
+    """Measured bytes of one (batch entry, head) per ``(backend, head_dim, seq_len, causal)``: the case's counter
+    divided by batch x heads, so it can be set beside per-head counts or scaled to another batch and head count
+    (heads are independent work; only the L2's share differs)."""
+    return {(r["backend"], r["head_dim"], r["seq_len"], r["causal"]): r[column] / (r["batch"] * r["heads"])
+            for r in results.ok_cases()}  # fmt: skip
 
 
 def summary_table(results: TrafficResults) -> str:
