@@ -368,3 +368,20 @@ def test_notebook_02_traffic_cells_without_a_recording(monkeypatch, capsys):
     _run_cells("02_score_matrix_and_traffic.ipynb", NB02_TRAFFIC, monkeypatch, (None, "no traffic recording"))
     out = capsys.readouterr().out
     assert "Nothing measured to show" in out and "python -m flashlab.bench --mode traffic" in out
+
+
+def test_notebook_05_roofline_uses_measured_bytes_where_recorded(monkeypatch, capsys):
+    found = (TrafficResults.load(SYNTHETIC), "recorded (synthetic test fixture)")
+    monkeypatch.chdir(ROOT / "notebooks")  # the notebook reads ../data/results
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # the recorded GPU sweep, never a live one
+    ns = _run_cells("05_timing_on_gpu.ipynb", ["999323e5", "c179b1bc", "nb05-traffic", "c847ecce"], monkeypatch, found)
+    out = capsys.readouterr().out
+    assert ns["SOURCE"] == "recorded GPU"
+    measured = [r for r in ns["results"].ok_rows() if ns["measured_bytes"](r) is not None]
+    assert measured and {r["seq_len"] for r in measured} <= {1024, 2048, 4096}  # the fixture's lengths only
+    r = measured[0]
+    case = TrafficResults.load(SYNTHETIC).ok_cases(
+        backend=r["backend"], head_dim=r["head_dim"], seq_len=r["seq_len"], causal=r["causal"]
+    )[0]
+    assert ns["traffic"](r) == pytest.approx(case["hbm_bytes"] / case["heads"] * r["batch"] * r["heads"])
+    assert f"{len(measured)} of " in out and "measured HBM bytes from recorded" in out
