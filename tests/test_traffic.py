@@ -175,6 +175,16 @@ def test_gap_explanations_come_from_the_counters():
     assert passes == pytest.approx((c["hbm_bytes"] - c["io_bytes"]) / c["score_bytes"], abs=0.05)
 
 
+def test_headline_quotes_predicted_and_measured_bytes_and_their_ratio():
+    results = TrafficResults.load(SYNTHETIC)
+    naive = results.ok_cases(backend="naive", seq_len=4096, head_dim=128, causal=False)[0]
+    flash = results.ok_cases(backend="flashlab", seq_len=4096, head_dim=128, causal=False)[0]
+    line = traffic.headline(results, 4096, 128)
+    assert roofline.format_bytes(naive["hbm_bytes"]) in line and roofline.format_bytes(flash["model_bytes"]) in line
+    assert f"measured {naive['hbm_bytes'] / flash['hbm_bytes']:.0f}x" in line
+    assert "not both measured" in traffic.headline(results, 8192, 128)
+
+
 def test_growth_with_n_separates_n_squared_from_n():
     slopes = traffic.growth_with_n(TrafficResults.load(SYNTHETIC))
     assert slopes[("flashlab", 128, False)] == pytest.approx(1.0, abs=0.01)  # Q, K, V, O: linear in N

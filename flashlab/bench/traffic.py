@@ -689,7 +689,24 @@ def summary_table(results: TrafficResults) -> str:
     widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     lines += [fmt.format(*head)] + [fmt.format(*b) for b in body]
+    lines.append(headline(results))
     return "\n".join(lines)
+
+
+def headline(results: TrafficResults, seq_len: int = 8192, head_dim: int = 128) -> str:
+    """Predicted and measured HBM bytes of naive attention and flashlab at one cell (no mask), and their ratio."""
+    naive = results.ok_cases(backend="naive", seq_len=seq_len, head_dim=head_dim, causal=False)
+    flash = results.ok_cases(backend="flashlab", seq_len=seq_len, head_dim=head_dim, causal=False)
+    if not (naive and flash):
+        return f"N = {seq_len}, D = {head_dim}, no mask: naive and flashlab were not both measured"
+    n, f = naive[0], flash[0]
+    return (
+        f"N = {seq_len}, D = {head_dim}, no mask, {n['batch']} x {n['heads']} heads: naive predicted "
+        f"{_gb(n['model_bytes'])} (eager kernels; the lesson's 4 passes: {_gb(n['lesson_bytes'])}), measured "
+        f"{_gb(n['hbm_bytes'])}; flashlab predicted {_gb(f['model_bytes'])}, measured {_gb(f['hbm_bytes'])}; "
+        f"naive / flashlab: predicted {n['model_bytes'] / f['model_bytes']:.0f}x, measured "
+        f"{n['hbm_bytes'] / f['hbm_bytes']:.0f}x"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
