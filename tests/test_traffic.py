@@ -138,6 +138,22 @@ def test_a_case_that_failed_while_profiled_keeps_its_kernels_out_of_the_next_cas
     assert [c["status"] for c in short] == ["ok", "skipped"]
 
 
+def test_the_child_checks_and_runs_every_case_and_writes_its_manifest(tmp_path, capsys):
+    # the child's steps on the CPU (no profiler, no marker; flashlab in Triton's interpreter), tiny cases
+    config = TrafficConfig(seq_lens=(40,), head_dims=(16,), dtype="fp32", causal="yes", heads=2, check_rows=8,
+                           backends=("naive", "flashlab", "sdpa_cudnn", "flashlab_backward"))  # fmt: skip
+    traffic.run_child(config, tmp_path / "cases.json", device="cpu")
+    cases = json.loads((tmp_path / "cases.json").read_text())
+    status = {c["backend"]: c["status"] for c in cases}
+    assert status["naive"] == status["flashlab"] == "ok", cases
+    assert all(c["profiled"] for c in cases if c["status"] == "ok")
+    assert cases[0]["rel_err"] < 1e-5  # checked against the float64 reference before it ran
+    assert status["sdpa_cudnn"] == "error" and not next(c for c in cases if c["backend"] == "sdpa_cudnn")["profiled"]
+    if status["flashlab_backward"] == "unavailable":  # until flashlab.kernels.backward exists
+        assert "not available" in cases[-1]["reason"]
+    assert "[4/4" in capsys.readouterr().out
+
+
 # -- the models the measurement is put beside --------------------------------------------------------------------
 
 
@@ -395,3 +411,11 @@ def test_notebook_05_roofline_uses_measured_bytes_where_recorded(monkeypatch, ca
     )[0]
     assert ns["traffic"](r) == pytest.approx(case["hbm_bytes"] / case["heads"] * r["batch"] * r["heads"])
     assert f"{len(measured)} of " in out and "measured HBM bytes from recorded" in out
+
+
+def test_the_child_stops_starting_cases_when_its_time_is_nearly_gone(tmp_path):
+    config = TrafficConfig(seq_lens=(40,), head_dims=(16,), dtype="fp32", causal="no", heads=2, timeout_s=0,
+                           backends=("naive", "flashlab"))  # fmt: skip
+    traffic.run_child(config, tmp_path / "cases.json", device="cpu")
+    cases = json.loads((tmp_path / "cases.json").read_text())
+    assert [c["status"] for c in cases] == ["skipped", "skipped"] and "time limit" in cases[0]["reason"]

@@ -148,8 +148,8 @@ class TrafficConfig:
             raise ValueError(f"unknown traffic backend(s) {unknown}; choose from {list(TRAFFIC_BACKENDS)}")
         if causal not in ("both", "yes", "no"):
             raise ValueError(f"causal must be 'both', 'yes' or 'no'; got {causal!r}")
-        if self.dtype not in ("bf16", "fp16"):
-            raise ValueError(f"dtype must be 'bf16' or 'fp16' (the flash kernels' dtypes); got {self.dtype!r}")
+        if self.dtype not in ("bf16", "fp16", "fp32"):
+            raise ValueError(f"dtype must be 'bf16', 'fp16' or 'fp32'; got {self.dtype!r}")
         for name, values in (("seq_lens", seq_lens), ("head_dims", head_dims)):
             if not values or min(values) < 1:
                 raise ValueError(f"{name} must be a non-empty list of positive ints; got {list(values)}")
@@ -768,9 +768,10 @@ def _profiler(torch, what: str) -> None:
         getattr(torch.cuda.profiler, what.lower())()
 
 
-def run_child(config: TrafficConfig, manifest: Path) -> None:
+def run_child(config: TrafficConfig, manifest: Path, device: str = "cuda") -> None:
     """Under ncu: every case warmed up and checked outside the profiled range, then one call profiled after a
-    marker kernel. The manifest lists every case with its status, in order."""
+    marker kernel. The manifest lists every case with its status, in order. ``device="cpu"`` runs the same steps
+    without a profiler or marker (flashlab in Triton's interpreter), to test them."""
     import torch
 
     from flashlab.bench.grid import DTYPES, TOLERANCE
@@ -779,9 +780,11 @@ def run_child(config: TrafficConfig, manifest: Path) -> None:
 
     config = config.resolve()
     cases = config.cases()
-    marker = _marker()
+    gpu = device == "cuda"
+    marker = _marker() if gpu else (lambda: None)
     marker()
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    sync()
     backward_missing = _backward_unavailable()
     done = []
     start = time.perf_counter()
@@ -795,16 +798,17 @@ def run_child(config: TrafficConfig, manifest: Path) -> None:
                 raise TimeoutError(f"not run: the recording's time limit ({config.timeout_s:.0f} s) is near")
             if case.backend == "flashlab_backward" and backward_missing:
                 raise LookupError(backward_missing)
-            torch.cuda.empty_cache()
-            free = torch.cuda.mem_get_info()[0]
-            if _workspace_bytes(case) + 4 * math.prod(shape) * case.dtype_bytes > 0.9 * free:
-                raise MemoryError(f"needs about {_gb(_workspace_bytes(case))}, {_gb(free)} free")
-            gen = torch.Generator(device="cuda").manual_seed(config.seed)
-            q, k, v = (torch.randn(shape, generator=gen, device="cuda").to(DTYPES[case.dtype]) for _ in range(3))
+            if gpu:
+                torch.cuda.empty_cache()
+                free = torch.cuda.mem_get_info()[0]
+                if _workspace_bytes(case) + 4 * math.prod(shape) * case.dtype_bytes > 0.9 * free:
+                    raise MemoryError(f"needs about {_gb(_workspace_bytes(case))}, {_gb(free)} free")
+            gen = torch.Generator(device=device).manual_seed(config.seed)
+            q, k, v = (torch.randn(shape, generator=gen, device=device).to(DTYPES[case.dtype]) for _ in range(3))
             call = _case_call(case, q, k, v)
             out = call()  # warm-up 1: compile, autotune, build plans
             if case.backend != "flashlab_backward":
-                rows = check_rows(case.seq_len, config.check_rows).to("cuda")
+                rows = check_rows(case.seq_len, config.check_rows).to(device)
                 ref = reference_rows(q[:1], k[:1], v[:1], case.causal, rows)  # (1, H, R, D) float64
                 got = out[:1][:, :, rows].double()
                 entry["rel_err"] = (torch.linalg.vector_norm(got - ref) / torch.linalg.vector_norm(ref)).item()
@@ -812,16 +816,18 @@ def run_child(config: TrafficConfig, manifest: Path) -> None:
                     raise ArithmeticError(f"relative error {entry['rel_err']:.3g} > {TOLERANCE[case.dtype]:g}")
             del out
             call()  # warm-up 2: the steady state
-            torch.cuda.synchronize()
+            sync()
             entry.update(profiled=True, status="running")  # on disk before profiling: a crash still lines up
             manifest.write_text(json.dumps(done))
-            _profiler(torch, "Start")
+            if gpu:
+                _profiler(torch, "Start")
             try:
                 marker()
                 result = call()
-                torch.cuda.synchronize()
+                sync()
             finally:
-                _profiler(torch, "Stop")
+                if gpu:
+                    _profiler(torch, "Stop")
             entry["status"] = "ok"
             del result, call, q, k, v
         except LookupError as e:
