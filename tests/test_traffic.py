@@ -99,6 +99,17 @@ def test_causal_eager_kernels_are_named_by_their_pass():
              "nvjet_tst_192x192", "vectorized_elementwise_kernel<MulFunctor<float>>", "masked_fill_kernel",
              "cunn_SoftMaxForward<8>", "sm90_xmma_gemm_bf16bf16_bf16f32"]  # fmt: skip
     assert naive_pass_names(names) == ["mask build", "mask build", "QK^T", "scale", "mask", "softmax", "PV"]
+    bare = [
+        "FillFunctor",
+        "triu_tril_kernel",
+        "nvjet_tst_192x192",
+        "vectorized_elementwise_kernel",
+        "vectorized_elementwise_kernel",
+        "cunn_SoftMaxForward",
+        "nvjet_tst_128x64",
+    ]  # function names only
+    assert naive_pass_names(bare) == ["mask build", "mask build", "QK^T", "scale", "mask", "softmax", "PV"]
+    assert naive_pass_names(bare[2:4] + bare[5:]) == ["QK^T", "scale", "softmax", "PV"]
 
 
 def test_markers_that_disagree_with_the_manifest_are_an_error():

@@ -336,23 +336,29 @@ def parse_ncu_csv(text: str) -> list[dict]:
 
 def naive_pass_names(kernels: Sequence[str]) -> list[str]:
     """Which pass of naive attention each kernel of one eager call is, from its name and its place in the launch
-    order: the first matrix multiply is "QK^T", the last "PV"; "softmax" by name; an elementwise multiply is the
-    "scale"; a ``masked_fill`` / ``where`` is the causal "mask"; building the mask (fill, ``tril``) is
-    "mask build"; anything else "other"."""
+    order: the first matrix multiply is "QK^T", the last "PV"; "softmax" by name; between Q K^T and softmax, a
+    ``masked_fill`` / ``where`` is the causal "mask" and any other kernel (the elementwise multiply) the "scale",
+    the first of them at least; before Q K^T, building the causal mask (fill, ``tril``) is "mask build";
+    anything else "other". Names may be full (``void at::native::...<MulFunctor...>``) or bare function names."""
     lowered = [k.lower() for k in kernels]
     gemms = [i for i, k in enumerate(lowered) if any(w in k for w in ("gemm", "nvjet", "cutlass", "xmma", "matmul"))]
+    softmax = [i for i, k in enumerate(lowered) if "softmax" in k]
+    first, last = (gemms[0], gemms[-1]) if len(gemms) >= 2 else (-1, len(kernels))
     names = []
     for i, k in enumerate(lowered):
-        if i in gemms:
-            names.append("QK^T" if i == gemms[0] else "PV" if i == gemms[-1] else "other")
-        elif "softmax" in k:
+        if i in (first, last):
+            names.append("QK^T" if i == first else "PV")
+        elif i in softmax:
             names.append("softmax")
-        elif "masked_fill" in k or "where" in k:
-            names.append("mask")
-        elif "tril" in k or "triu" in k or "fill" in k:
+        elif i < first:
             names.append("mask build")
-        elif "mul" in k:
-            names.append("scale")
+        elif first < i < (softmax[0] if softmax else last):
+            if "masked_fill" in k or "where" in k:
+                names.append("mask")
+            elif "scale" not in names or "mul" in k:
+                names.append("scale")
+            else:
+                names.append("mask")
         else:
             names.append("other")
     return names
@@ -851,7 +857,19 @@ def run_child(config: TrafficConfig, manifest: Path, device: str = "cuda") -> No
 
 def _import_csv(ncu: str, report: Path) -> str:
     """The report as CSV: the raw page (one row per kernel) with values in base units, or the details page."""
-    attempts = (
+    attempts = (  # full (demangled) kernel names where this ncu can print them, else its default names
+        [
+            ncu,
+            "--import",
+            str(report),
+            "--page",
+            "raw",
+            "--csv",
+            "--print-units",
+            "base",
+            "--print-kernel-base",
+            "demangled",
+        ],
         [ncu, "--import", str(report), "--page", "raw", "--csv", "--print-units", "base"],
         [ncu, "--import", str(report), "--page", "raw", "--csv"],
         [ncu, "--import", str(report), "--csv"],
