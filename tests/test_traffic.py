@@ -19,6 +19,7 @@ import pytest
 
 from conftest import ROOT
 from flashlab.bench import traffic
+from flashlab.bench.results import newest_gpu_results
 from flashlab.bench.traffic import (
     KERNEL_COLUMNS,
     MARKER,
@@ -72,6 +73,32 @@ def test_details_page_and_scaled_units_read_the_same_values():
     raw = {k["id"]: k for k in parse_ncu_csv(RAW)}[6]
     for metric in ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum"):
         assert flash[metric] == pytest.approx(raw[metric], rel=2e-3), metric  # the two layouts agree
+
+
+def test_an_h200_report_excerpt_reads_and_attributes_as_recorded():
+    # the first four cases of the H200 recording, ncu's own raw CSV (device, launch and link columns dropped)
+    text = (FIXTURES / "ncu_h200_raw_excerpt.csv").read_text()
+    cases = json.loads((FIXTURES / "ncu_h200_raw_excerpt.cases.json").read_text())
+    rows = attribute_kernels(parse_ncu_csv(text), cases)
+    assert [r["backend"] for r in rows] == ["naive"] * 4 + ["flashlab", "sdpa_flash", "sdpa_cudnn"]
+    assert [r["pass"] for r in rows[:4]] == ["QK^T", "scale", "softmax", "PV"]
+    recorded = TrafficResults.load(ROOT / "data" / "results" / "h200-traffic-bf16-2026-12-01.json")
+    for got, want in zip(rows, recorded.kernels[: len(rows)], strict=True):
+        assert got["kernel"] == want["kernel"]
+        for column in ("dram_read_bytes", "dram_write_bytes", "l2_bytes", "l2_read_bytes", "duration_ns"):
+            assert got[column] == want[column], column
+    assert rows[0]["dram_read_bytes"] == 8_411_648 and rows[0]["duration_ns"] == 15_008  # "ns" is ncu's unit
+
+
+def test_every_naive_kernel_of_the_recording_is_named_for_its_pass():
+    recorded = TrafficResults.load(ROOT / "data" / "results" / "h200-traffic-bf16-2026-12-01.json")
+    for case in recorded.ok_cases(backend="naive"):
+        own = recorded.kernels_of(backend="naive", head_dim=case["head_dim"], seq_len=case["seq_len"],
+                                  causal=case["causal"])  # fmt: skip
+        passes = naive_pass_names([k["kernel"] for k in own])
+        want = {"QK^T", "scale", "softmax", "PV"} | ({"mask build", "mask"} if case["causal"] else set())
+        assert set(passes) == want, (case["seq_len"], case["causal"], passes)
+        assert passes[0] == "QK^T" and passes[-1] == "PV"
 
 
 def test_text_without_a_csv_header_is_refused():
@@ -232,6 +259,7 @@ def test_files_have_the_promised_shape_and_the_loader_picks_the_newest_gpu_recor
         TrafficResults(m, results.cases, results.kernels).save(tmp_path / traffic.default_prefix(m).name)
     (tmp_path / "h200-bf16-2026-12-03.json").write_text(json.dumps({"meta": meta | {"mode": "prefill"}}))
     newest = traffic.newest_traffic_results(tmp_path)
+    assert newest_gpu_results(tmp_path) == tmp_path / "h200-bf16-2026-12-03.json"  # the timing loader skips traffic
     assert newest == tmp_path / "h200-traffic-bf16-2026-12-02.json"
     data = json.loads(newest.read_text())
     assert set(data) == {"meta", "cases", "kernels"}

@@ -265,7 +265,9 @@ def ncu_command(ncu: str, metrics: Sequence[str], report: str | Path, child: Seq
 _UNIT_SCALE = {
     "byte": 1.0, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12,
     "kibyte": 2.0**10, "mibyte": 2.0**20, "gibyte": 2.0**30, "tibyte": 2.0**40,
+    "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
     "nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9,  # durations are kept in ns
+    "ns": 1.0, "us": 1e3, "ms": 1e6, "s": 1e9,
     "sector": 1.0, "ksector": 1e3, "msector": 1e6, "gsector": 1e9,  # counts of 32-byte sectors
 }  # fmt: skip
 
@@ -336,10 +338,12 @@ def parse_ncu_csv(text: str) -> list[dict]:
 
 def naive_pass_names(kernels: Sequence[str]) -> list[str]:
     """Which pass of naive attention each kernel of one eager call is, from its name and its place in the launch
-    order: the first matrix multiply is "QK^T", the last "PV"; "softmax" by name; between Q K^T and softmax, a
-    ``masked_fill`` / ``where`` is the causal "mask" and any other kernel (the elementwise multiply) the "scale",
-    the first of them at least; before Q K^T, building the causal mask (fill, ``tril``) is "mask build";
-    anything else "other". Names may be full (``void at::native::...<MulFunctor...>``) or bare function names."""
+    order: the first matrix multiply is "QK^T", the last "PV"; "softmax" by name; building the causal mask
+    (``torch.ones``' fill, ``tril``, the ``~``) is "mask build"; between Q K^T and softmax, a ``masked_fill`` /
+    ``where`` is the causal "mask" and an elementwise multiply the "scale" (PyTorch splits one elementwise
+    operator over more than 2^31 elements into several kernels: each is named for the pass it is part of);
+    anything else "other". Names may be ncu's full ones (``void at::vectorized_elementwise_kernel<8,
+    ...MulFunctor<float>>...``) or bare function names, where the first kernel after Q K^T is the scale."""
     lowered = [k.lower() for k in kernels]
     gemms = [i for i, k in enumerate(lowered) if any(w in k for w in ("gemm", "nvjet", "cutlass", "xmma", "matmul"))]
     softmax = [i for i, k in enumerate(lowered) if "softmax" in k]
@@ -350,8 +354,8 @@ def naive_pass_names(kernels: Sequence[str]) -> list[str]:
             names.append("QK^T" if i == first else "PV")
         elif i in softmax:
             names.append("softmax")
-        elif i < first:
-            names.append("mask build")
+        elif i < first or any(w in k for w in ("fillfunctor", "tril", "triu", "bitwise_not")):
+            names.append("mask build")  # the causal mask is made by ones(), tril() and ~ before masked_fill
         elif first < i < (softmax[0] if softmax else last):
             if "masked_fill" in k or "where" in k:
                 names.append("mask")
@@ -615,13 +619,23 @@ class TrafficResults:
 
     @classmethod
     def load(cls, path) -> TrafficResults:
+        """Read a ``.json`` written by ``save``: missing numbers come back as NaN, and naive attention's kernels
+        are named for their pass again by ``naive_pass_names`` (a label derived from the names, not a counter)."""
         data = json.loads(Path(path).read_text())
 
         def nan(rows):
             return [{k: (float("nan") if v is None and k not in ("reason",) else v) for k, v in r.items()}
                     for r in rows]  # fmt: skip
 
-        return cls(meta=data["meta"], cases=nan(data["cases"]), kernels=nan(data.get("kernels", [])))
+        kernels = nan(data.get("kernels", []))
+        by_case: dict[tuple, list[dict]] = {}
+        for k in kernels:
+            if k.get("backend") == "naive":
+                by_case.setdefault((k.get("case"), k.get("seq_len"), k.get("head_dim"), k.get("causal")), []).append(k)
+        for own in by_case.values():
+            for k, name in zip(own, naive_pass_names([k["kernel"] for k in own]), strict=True):
+                k["pass"] = name
+        return cls(meta=data["meta"], cases=nan(data["cases"]), kernels=kernels)
 
 
 def default_prefix(meta: dict) -> Path:
@@ -904,7 +918,7 @@ def measure_traffic(config: TrafficConfig | None = None, command: str | None = N
         l2_bytes=getattr(props, "L2_cache_size", None),
         metrics=list(config.metrics),
         command=command or "python -m flashlab.bench " + shlex.join(config.to_argv()),
-        config={k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
+        config={"mode": "traffic"} | {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
         profiler="ncu --profile-from-start off --clock-control none --replay-mode kernel --target-processes all",
     )
     start = time.perf_counter()
