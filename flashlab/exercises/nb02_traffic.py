@@ -252,3 +252,30 @@ def test_passes_random_tables(answer):
         passes, predicted = unpack(answer(kernels, n, n_next), 2, f"naive_kernel_passes({what}, {n}, {n_next})")
         _expect_passes(passes, want, f"passes of the {what}")
         _expect_prediction(predicted, quad, lin, n, n_next, f"predicted bytes at n = {n_next} from the {what}")
+
+
+# One call recorded on an NVIDIA H200 (data/results/h200-traffic-bf16-2026-12-01.json, ncu 2025.3.1): naive attention
+# at n = 8,192, d = 128, 16 heads, bf16, no mask, kernel by kernel; and the same call's total HBM bytes at 16,384.
+_H200_8K = [
+    ('nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT',
+     104_699_136, 2_118_265_088),
+    ('void at::vectorized_elementwise_kernel<8, at::AUnaryFunctor<c10::BFloat16, c10::BFloat16, c10::B'
+     'Float16, binary_internal::MulFunctor<float>>, std::array<char *, 2>>(int, T2, T3)',
+     2_147_535_360, 2_121_362_944),
+    ('void at::<unnamed>::cunn_SoftMaxForwardReg<c10::BFloat16, float, c10::BFloat16, at::<unnamed>::S'
+     'oftMaxForwardEpilogue, long, 8>(T3 *, const T1 *, T5)',
+     2_147_565_824, 2_126_821_120),
+    ('nvjet_sm90_tst_128x256_64x4_1x2_h_bz_coopA_NNN',
+     2_202_699_008, 28_057_344),
+]  # fmt: skip
+_H200_16K_TOTAL = 52_000_259_584
+
+
+@graded("02.naive_kernel_passes", 1)
+def test_passes_h200_recording(answer):
+    """a real recording: the H200's four kernels at 8K, and the bytes it measured at 16K (within 3 %)"""
+    kernels = [dict(kernel=name, read=float(read), write=float(write)) for name, read, write in _H200_8K]
+    passes, predicted = unpack(answer(kernels, 8192, 16384), 2, "naive_kernel_passes(the H200's table, 8192, 16384)")
+    _expect_passes(passes, ["QK^T", "scale", "softmax", "PV"], "passes of the H200's kernels at 8K")
+    expect_number(predicted, _H200_16K_TOTAL, "predicted bytes at 16K against the H200's measurement", rel=0.03,
+                  hints={"the bytes did not change with the length": 0.25})  # fmt: skip
