@@ -550,6 +550,7 @@ def predicted_vs_measured(results: TrafficResults, backends: Sequence[str] | Non
                 causal=r["causal"],
                 lesson_bytes=r["lesson_bytes"],
                 model_bytes=r["model_bytes"],
+                tiled_bytes=r["tiled_bytes"],
                 measured_bytes=r["hbm_bytes"],
                 read_bytes=r["dram_read_bytes"],
                 write_bytes=r["dram_write_bytes"],
