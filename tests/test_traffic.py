@@ -331,7 +331,7 @@ def test_cli_routes_traffic_mode_and_its_flags_reproduce_the_config(capsys):
     assert [c.heads for c in again.cases()] == [8, 8] * len(traffic.TRAFFIC_BACKENDS)
 
 
-def test_default_cases_are_the_issues_grid():
+def test_default_cases_are_the_recorded_grid():
     cases = TrafficConfig().cases()
     assert {c.seq_len for c in cases} == {1024, 2048, 4096, 8192, 16384}
     assert {(c.head_dim, c.heads) for c in cases} == {(64, 32), (128, 16)}  # H = 2048 / D, B = 1
