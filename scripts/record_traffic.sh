@@ -6,9 +6,10 @@
 #
 # Steps, each under its own time cap (about 6 minutes in all):
 #   0. what is there: the GPU, torch / triton, ncu's path and version
-#   1. a smoke test: python -m flashlab.bench --mode traffic --quick      -> $OUT/quick.{json,csv} (+ ncu report)
+#   1. a smoke test: python -m flashlab.bench --mode traffic --quick      -> $OUT/quick.{json,csv}
 #   2. the grid: bf16, D 128 then 64, no mask then causal, N 1K..16K, every backend, H = 2048 / D, B = 1
 #                                                                         -> $OUT/<gpu>-traffic-bf16-DATE.{json,csv}
+#      with ncu's report, its CSV and the case list (grid.ncu-rep, .csv, .cases.json) to check the attribution
 # The child stops starting cases when 80 % of --timeout has gone, so a slow machine still writes a (shorter) file.
 # Copy $OUT/*-traffic-*.json and .csv into data/results/ and commit them with $OUT/record-traffic.log.
 set -uo pipefail
@@ -43,7 +44,7 @@ fi
 echo "ncu: $NCU ($("$NCU" --version 2>&1 | tail -n 1))" | tee -a "$LOG"
 
 step "${QUICK_CAP:-90}" "traffic smoke test" "$PY" -m flashlab.bench --mode traffic --quick --ncu "$NCU" \
-    --timeout 80 --out "$OUT/quick" --keep-report "$OUT/quick.ncu-rep"
+    --timeout 80 --out "$OUT/quick"
 step "${GRID_CAP:-270}" "traffic grid" "$PY" -m flashlab.bench --mode traffic --ncu "$NCU" --timeout 250 \
     --out-dir "$OUT" --keep-report "$OUT/grid.ncu-rep"
 ls -la "$OUT" | tee -a "$LOG"
