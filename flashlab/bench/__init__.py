@@ -2,6 +2,7 @@
 
     python -m flashlab.bench                        # the GPU grid: bf16, D 64/128, N 1K..16K, 16K tokens
     python -m flashlab.bench --device cpu --quick   # a tiny grid on the CPU (flashlab runs in Triton's interpreter)
+    python -m flashlab.bench --mode traffic         # HBM and L2 bytes per kernel, from Nsight Compute (traffic.py)
 
 For every cell of the sweep (dtype x head dim D x sequence length N x causal, with B*N = ``--tokens`` and
 H = ``--model-dim`` / D) and every backend, in the order llm.c's ``dev/cuda`` uses:

@@ -46,10 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mode",
-        choices=["prefill", "decode"],
+        choices=["prefill", "decode", "traffic"],
         default="prefill",
         help="prefill: N queries attend to N keys; decode: one query token per sequence against "
-        "a KV cache of N tokens, grouped-query heads (--q-heads / --kv-heads), batches from --batches",
+        "a KV cache of N tokens, grouped-query heads (--q-heads / --kv-heads), batches from --batches; traffic: HBM "
+        "and L2 bytes per kernel from Nsight Compute's counters (its own flags: --mode traffic --help)",
     )
     p.add_argument(
         "--seq-lens", type=_sizes, help="sequence lengths N, comma-separated ('2k' = 2048); in decode, KV cache lengths"
@@ -131,6 +132,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def main(argv: Sequence[str] | None = None) -> BenchResults:
     argv = list(sys.argv[1:] if argv is None else argv)
+    mode = argparse.ArgumentParser(add_help=False)
+    mode.add_argument("--mode")
+    if mode.parse_known_args(argv)[0].mode == "traffic":  # measured bytes: its own flags (--mode traffic --help)
+        from flashlab.bench.traffic import main as traffic_main
+
+        return traffic_main(argv)
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
     results = run_sweep(

@@ -163,7 +163,7 @@ def newest_gpu_results(directory="data/results", mode: str = "prefill") -> Path 
             meta = json.loads(path.read_text())["meta"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        file_mode = (meta.get("config") or {}).get("mode", "prefill")
+        file_mode = meta.get("mode") or (meta.get("config") or {}).get("mode", "prefill")  # traffic files: "traffic"
         if meta.get("tool") == "flashlab.bench" and meta.get("is_cuda_gpu") and file_mode == mode:
             found.append((meta.get("date", ""), path.name, path))
     return max(found)[2] if found else None

@@ -415,3 +415,81 @@ def format_flops(flops, digits: int = 3) -> str:
 def format_seconds(seconds, digits: int = 3) -> str:
     """Seconds in s / ms / µs: 0.00159 -> '1.59 ms'; from 0.1 s up in seconds, as the lesson's '0.92 s'."""
     return _format(seconds, digits, [(1e-9, "ns", 0), (1e-6, "µs", 1e-6), (1e-3, "ms", 1e-3), (1, "s", 0.1)])
+
+
+# --- measured against modelled: the passes PyTorch's eager naive attention really makes ---------------------------
+#
+# The lesson's four passes (write S, read S, write P, read P) describe three kernels: Q K^T, softmax, P V. Written
+# the way most code writes it, ``softmax((q @ k.transpose(-2, -1)) * scale) @ v`` in eager PyTorch launches one
+# kernel per operator, and the multiply by the scale is an operator of its own: it reads the whole of S and writes
+# a scaled copy. A causal ``masked_fill`` is another full read and write. The hardware counters of
+# ``python -m flashlab.bench --mode traffic`` (HBM bytes per kernel, in ``data/results/*-traffic-*.json``) show
+# these kernels one by one; the functions below are the count that matches them. The recording that justifies
+# them, data/results/h200-traffic-bf16-2026-12-01.json (an NVIDIA H200, Nsight Compute 2025.3.1), at n = 8,192,
+# d = 128, 16 heads, bf16, no mask: Q K^T wrote 2.12 GB, the scale read 2.15 and wrote 2.12, softmax read 2.15
+# and wrote 2.13, P V read 2.20 GB: 13.0 GB in all, where ``eager_naive_attention_traffic`` counts 13.0 GB and the
+# lesson's four passes (with Q, K, V, O) 8.7 GB. The same recording puts flashlab's forward at 101 MB read and
+# 24 MB written against the 134 MB of ``flash_attention_traffic``: O's last tiles were still in the L2 cache.
+
+__all__ += ["KernelTraffic", "eager_naive_attention_kernels", "eager_naive_attention_traffic", "flash_backward_traffic"]
+
+
+@dataclass(frozen=True)
+class KernelTraffic:
+    """One kernel's modelled HBM traffic, in bytes: what it reads and what it writes."""
+
+    name: str  # the pass of attention it performs: "QK^T", "scale", "mask", "softmax", "PV"
+    read: float
+    write: float
+
+    @property
+    def total(self) -> float:
+        return self.read + self.write
+
+
+def eager_naive_attention_kernels(n: int, d: int, dtype_bytes=2, causal: bool = False) -> list[KernelTraffic]:
+    """HBM traffic of each kernel of naive attention as eager PyTorch runs it, for one head, in launch order.
+
+    ``softmax((q @ k^T) * scale [masked_fill if causal]) @ v`` with an n x n score matrix of ``dtype_bytes`` per
+    entry (``score_matrix_bytes(n)``, "S" below) and n x d inputs::
+
+        QK^T     read Q, K (2 n d)      write S
+        scale    read S                 write S * scale
+        mask     read S, the n x n mask (1 byte an entry)   write S   (causal only)
+        softmax  read S                 write P
+        PV       read P, V (n d)        write O (n d)
+
+    Every pass over the matrix is counted in full even under a causal mask: these kernels compute all of it and
+    mask afterwards. Building the boolean mask itself (two more kernels writing n x n bytes) is left out. At
+    n = 8,192, d = 128 in bf16 that is 6 passes over S (805 MB) plus 8.4 MB of Q, K, V and O, 814 MB a head,
+    against the lesson's 4 passes (537 MB).
+    """
+    check_positive_int("n (sequence length)", n)
+    check_positive_int("d (head dim)", d)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False; got {causal!r}")
+    s = score_matrix_bytes(n, dtype_bytes)  # one n x n matrix, S or P
+    x = n * d * dtype_bytes  # one n x d matrix: Q, K, V or O
+    kernels = [KernelTraffic("QK^T", 2 * x, s), KernelTraffic("scale", s, s)]
+    if causal:
+        kernels.append(KernelTraffic("mask", s + n * n, s))
+    kernels += [KernelTraffic("softmax", s, s), KernelTraffic("PV", s + x, x)]
+    return kernels
+
+
+def eager_naive_attention_traffic(n: int, d: int, dtype_bytes=2, causal: bool = False) -> int:
+    """Total HBM bytes of ``eager_naive_attention_kernels``: what the counters should show for one head of naive
+    attention run kernel by kernel in eager PyTorch (6 passes over S plus Q, K, V, O; 7 passes under a causal
+    mask, plus the mask's own n x n bytes)."""
+    return _as_size(sum(k.total for k in eager_naive_attention_kernels(n, d, dtype_bytes, causal)))
+
+
+def flash_backward_traffic(n: int, d: int, dtype_bytes=2) -> int:
+    """HBM traffic in bytes of a fused (Flash) backward pass for one head, the simplified count: read Q, K, V, O
+    and dO once and write dQ, dK, dV once, 8 n d elements. The per-row statistics (log-sum-exp, the dO . O row
+    sums) and any fp32 partial sums of dQ are left out; re-reads, as in the forward, are the L2 cache's business.
+    """
+    check_positive_int("n (sequence length)", n)
+    check_positive_int("d (head dim)", d)
+    _check_dtype_bytes(dtype_bytes)
+    return _as_size(8 * n * d * dtype_bytes)

@@ -22,3 +22,27 @@ def roofline_bound(flops, nbytes, bandwidth, peak_flops):
     if memory_s >= compute_s:
         return memory_s, "memory"
     return compute_s, "compute"
+
+
+# %% exercise 02.naive_kernel_passes
+def naive_kernel_passes(kernels, n, n_next):
+    # launch order names the passes: the first matrix multiply, the n x n passes, the last matrix multiply
+    last = len(kernels) - 1
+    passes = []
+    for i in range(len(kernels)):
+        if i == 0:
+            passes.append("QK^T")  # reads Q and K, writes S
+        elif i == last:
+            passes.append("PV")  # reads P and V, writes O
+        elif i == last - 1:
+            passes.append("softmax")  # the last pass over the n x n matrix before P V
+        elif i == 1:
+            passes.append("scale")  # the first one after Q K^T
+        else:
+            passes.append("mask")
+    # the n x d parts, which grow as n: Q and K (QK^T's reads), V (the same size as one of them), O (PV's write)
+    q_and_k = kernels[0]["read"]
+    linear = q_and_k + q_and_k / 2 + kernels[-1]["write"]
+    total = sum(k["read"] + k["write"] for k in kernels)
+    r = n_next / n
+    return passes, (total - linear) * r**2 + linear * r
