@@ -30,7 +30,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torc
     | tee -a "$LOG"
 
 step "${BENCH_CAP:-240}" "prefill benchmark" python3 -m flashlab.bench --no-progress --out "$OUT/h200-bf16-$DATE"
-step 45 "SDPA backend probe" python3 -m flashlab.sdpa --out "$OUT/h200-sdpa-backends.json"
+step 60 "SDPA backend probe" python3 -m flashlab.sdpa --device cuda --head-dims 64,96,100,128,192,256,512,1024 \
+    --out "$OUT/h200-sdpa-backends.json"
 step "${TESTS_CAP:-240}" "GPU tests" python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/
 if python3 -c "import nbclient, ipykernel" 2>/dev/null; then
     mkdir -p /tmp/nb-gpu
