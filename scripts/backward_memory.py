@@ -10,9 +10,9 @@ q, k, v requiring grad, for two implementations:
 
 Two numbers per cell, both in bytes:
 
-- ``saved_bytes`` -- the tensors autograd keeps from the forward for the backward (unique storages, counted with
-  ``torch.autograd.graph.saved_tensors_hooks``): for naive Q, K, V, P and the boolean mask; for flashlab Q, K, V,
-  O and lse.
+- ``saved_bytes`` -- the tensors autograd keeps from the forward for the backward (distinct storages, counted by
+  ``flashlab.bench.training_memory``): for naive Q, K, V, P and the boolean mask; for flashlab Q, K, V, O and
+  lse.
 - ``peak_bytes`` -- ``torch.cuda.max_memory_allocated`` during forward + backward, minus what was allocated
   before (q, k, v and dO): saved tensors, temporaries (S, dP, dS for naive) and the gradients.
 
@@ -22,9 +22,7 @@ Two numbers per cell, both in bytes:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -32,35 +30,10 @@ import torch
 
 import flashlab
 from flashlab.bench.implementations import naive_attention
+from flashlab.bench.stamp import environment_stamp
+from flashlab.bench.training_memory import training_step_memory
 
 IMPLEMENTATIONS = {"naive": naive_attention, "flashlab": flashlab.flash_attention}
-
-
-def saved_bytes_and_peak(attention, q, k, v, do, causal: bool = True):
-    """``(saved_bytes, peak_bytes)`` of one forward + backward of ``attention`` (peak is None off CUDA)."""
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    cuda = q.is_cuda
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        o = attention(q, k, v, causal=causal)
-    o.backward(do)
-    peak = None
-    if cuda:
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-    for x in (q, k, v):
-        x.grad = None
-    return sum(storages.values()), peak
 
 
 def main(argv=None) -> int:
@@ -83,23 +56,13 @@ def main(argv=None) -> int:
         q, k, v, do = (torch.randn(shape, device=device, dtype=dtype, generator=gen) for _ in range(4))
         q, k, v = (x.requires_grad_() for x in (q, k, v))
         for name, attention in IMPLEMENTATIONS.items():
-            saved, peak = saved_bytes_and_peak(attention, q, k, v, do)
+            saved, peak = training_step_memory(attention, q, k, v, do, causal=True)
             row = dict(backend=name, n=n, d=args.head_dim, heads=args.heads, batch=1, dtype=str(dtype)[6:])
             row.update(causal=True, saved_bytes=saved, peak_bytes=peak)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    import triton
-
-    meta = {
-        "tool": "scripts/backward_memory.py",
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu"),
-        "is_cuda_gpu": device.type == "cuda",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": "python " + " ".join(sys.argv),
-    }
+    meta = environment_stamp(device.type)
+    meta.update(tool="scripts/backward_memory.py", command="python " + " ".join(sys.argv))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
