@@ -206,7 +206,7 @@ def test_eager_naive_model_counts_every_kernel():
     assert roofline.eager_naive_attention_traffic(8192, 128, causal=True) == 813_694_976 + 2 * s + 8192**2
     # 16 heads at 8K: 6 passes over S, 13.0 GB, where the lesson's 4 passes give 8.6 GB
     assert 16 * roofline.eager_naive_attention_traffic(8192, 128) == pytest.approx(13.02e9, rel=1e-3)
-    assert roofline.flash_backward_traffic(8192, 128) == 8 * x
+    assert roofline.flash_attention_backward_traffic(8192, 128) == 8 * x + 3 * 8192 * 4  # + lse, delta in fp32
     with pytest.raises(ValueError, match="n"):
         roofline.eager_naive_attention_kernels(0, 128)
 

@@ -436,7 +436,7 @@ def predictions(case: TrafficCase, sram_bytes: int | None = None) -> dict:
         lesson = roofline.naive_attention_traffic(n, d, b, include_qkvo=True)
         model = roofline.eager_naive_attention_traffic(n, d, b, causal=case.causal)
     elif case.backend == "flashlab_backward":
-        lesson = model = roofline.flash_backward_traffic(n, d, b)
+        lesson = model = roofline.flash_attention_backward_traffic(n, d, b)
     else:
         lesson = model = flash
     return dict(

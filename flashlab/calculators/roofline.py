@@ -431,7 +431,7 @@ def format_seconds(seconds, digits: int = 3) -> str:
 # lesson's four passes (with Q, K, V, O) 8.7 GB. The same recording puts flashlab's forward at 101 MB read and
 # 24 MB written against the 134 MB of ``flash_attention_traffic``: O's last tiles were still in the L2 cache.
 
-__all__ += ["KernelTraffic", "eager_naive_attention_kernels", "eager_naive_attention_traffic", "flash_backward_traffic"]
+__all__ += ["KernelTraffic", "eager_naive_attention_kernels", "eager_naive_attention_traffic"]
 
 
 @dataclass(frozen=True)
@@ -484,12 +484,102 @@ def eager_naive_attention_traffic(n: int, d: int, dtype_bytes=2, causal: bool = 
     return _as_size(sum(k.total for k in eager_naive_attention_kernels(n, d, dtype_bytes, causal)))
 
 
-def flash_backward_traffic(n: int, d: int, dtype_bytes=2) -> int:
-    """HBM traffic in bytes of a fused (Flash) backward pass for one head, the simplified count: read Q, K, V, O
-    and dO once and write dQ, dK, dV once, 8 n d elements. The per-row statistics (log-sum-exp, the dO . O row
-    sums) and any fp32 partial sums of dQ are left out; re-reads, as in the forward, are the L2 cache's business.
+# --- the backward pass: training ----------------------------------------------------------------------------------
+#
+# Training runs the forward, keeps what the backward will need, and runs the backward. Per head, n tokens, head dim
+# d: the FLOPs of the backward, the HBM traffic of an unfused backward against a fused one, and the bytes each keeps
+# alive between the forward and the backward. The formulas are written out in each docstring.
+
+
+def attention_backward_flops(n: int, d: int, causal: bool = False) -> int:
+    """FLOPs of one head's attention backward: 10 n^2 d, 2.5x the forward (the FlashAttention-2 convention).
+
+    The forward does two n x n x d matrix multiplies (S = Q K^T, O = P V), 2 n^2 d FLOPs each. The backward does
+    five: it recomputes S = Q K^T (the scores were not stored), then dV = P^T dO, dP = dO V^T, dQ = dS K and
+    dK = dS^T Q -- 5 x 2 n^2 d = 10 n^2 d, and 10 / 4 = 2.5. The softmax's elementwise work (exp, dS = P (dP -
+    delta)) is not counted, as in the forward. ``causal=True`` halves it (the masked half is skipped). A kernel
+    that computes dQ in a pass of its own (as ``flashlab.reference.tiled_attention_backward`` does, to avoid
+    atomic adds) recomputes S and dP a second time, 7 multiplies in all; the convention still counts 5, so
+    reported TFLOP/s compare the same useful work.
+    """
+    return attention_flops(n, d, causal=causal) * 5 // 2  # exact: the forward's count is even
+
+
+def naive_attention_backward_traffic(n: int, d: int, dtype_bytes=2, passes: int = 7, include_qkvo: bool = False) -> int:
+    """HBM traffic in bytes of an unfused attention backward for one head, counted like the forward's.
+
+    The unfused forward stored P (n x n) for the backward. Its backward, one kernel per line, moves n x n tensors
+    through HBM ``passes=7`` times by default:
+
+        dV = P^T dO              read P                                1
+        dP = dO V^T              write dP                              1
+        dS = P * (dP - delta)    read P, read dP, write dS             3   (delta = rowsum(P * dP), in the same kernel)
+        dQ = dS K                read dS                               1
+        dK = dS^T Q              read dS                               1
+
+    That is 7 x ``score_matrix_bytes(n)``, 940 MB at 8K in fp16. An eager framework often moves more (a separate
+    kernel for the scale, for the mask); fewer is possible only by fusing, which is what FlashAttention does.
+    ``include_qkvo=True`` adds reading Q, K, V and dO and writing dQ, dK and dV once each (7 n d elements).
+    """
+    check_positive_int("n (sequence length)", n)
+    check_positive_int("d (head dim)", d)
+    check_positive_int("passes (passes over n x n tensors)", passes)
+    if not isinstance(include_qkvo, bool):
+        raise TypeError(f"include_qkvo must be True or False; got {include_qkvo!r}")
+    traffic = passes * score_matrix_bytes(n, dtype_bytes)
+    if include_qkvo:
+        traffic += 7 * n * d * dtype_bytes
+    return _as_size(traffic)
+
+
+def flash_attention_backward_traffic(n: int, d: int, dtype_bytes=2, stat_bytes=4) -> int:
+    """HBM traffic in bytes of a fused (Flash) attention backward for one head, the best case.
+
+    Read Q, K, V, O and dO and write dQ, dK and dV once each: 8 n d elements of ``dtype_bytes``. Plus the per-row
+    statistics in fp32 (``stat_bytes``): read the forward's lse (n numbers), and write delta = rowsum(dO * O) in
+    the preprocessing pass and read it back in the main pass (2 n numbers) -- 3 n x ``stat_bytes``. Recomputing
+    the tiles of S, P, dP and dS costs FLOPs (``attention_backward_flops``) and no bytes: they live on chip.
+    16.9 MB at 8K, d = 128 in fp16. As with ``flash_attention_traffic``, real kernels re-read some tiles (the
+    dK/dV pass walks Q and dO once per key tile) and rely on the L2 cache to keep that cheap.
     """
     check_positive_int("n (sequence length)", n)
     check_positive_int("d (head dim)", d)
     _check_dtype_bytes(dtype_bytes)
-    return _as_size(8 * n * d * dtype_bytes)
+    check_positive("stat_bytes (bytes per lse / delta number, 4 for fp32)", stat_bytes)
+    return _as_size(8 * n * d * dtype_bytes + 3 * n * stat_bytes)
+
+
+def naive_saved_for_backward_bytes(n: int, d: int, dtype_bytes=2) -> int:
+    """Bytes one head of unfused attention keeps alive between forward and backward: Q, K, V and P.
+
+    The backward needs P (for dV and dS), so the forward stores it: n^2 elements, plus Q, K and V (3 n d) for dK,
+    dQ and dP. At 8K in fp16 that is 134 MB of P per head, per layer, for the whole step: training memory that
+    grows as n^2.
+    """
+    check_positive_int("n (sequence length)", n)
+    check_positive_int("d (head dim)", d)
+    _check_dtype_bytes(dtype_bytes)
+    return _as_size((n * n + 3 * n * d) * dtype_bytes)
+
+
+def flash_saved_for_backward_bytes(n: int, d: int, dtype_bytes=2, stat_bytes=4) -> int:
+    """Bytes one head of Flash attention keeps alive between forward and backward: Q, K, V, O and lse.
+
+    4 n d elements of ``dtype_bytes`` plus the n log-sum-exps in fp32 -- the backward rebuilds P from them, tile
+    by tile. Grows as n, not n^2: 8.4 MB at 8K, d = 128 in fp16. (O would usually be kept anyway: the next layer
+    reads it.)
+    """
+    check_positive_int("n (sequence length)", n)
+    check_positive_int("d (head dim)", d)
+    _check_dtype_bytes(dtype_bytes)
+    check_positive("stat_bytes (bytes per lse number, 4 for fp32)", stat_bytes)
+    return _as_size(4 * n * d * dtype_bytes + n * stat_bytes)
+
+
+__all__ += [
+    "attention_backward_flops",
+    "flash_attention_backward_traffic",
+    "flash_saved_for_backward_bytes",
+    "naive_attention_backward_traffic",
+    "naive_saved_for_backward_bytes",
+]

@@ -30,6 +30,7 @@ MODULES = {
     "06": "flashlab.exercises.nb06_decode",
     "07": "flashlab.exercises.nb07_kv_cache",
     "08": "flashlab.exercises.nb08_exactness",
+    "09": "flashlab.exercises.nb09_backward",
 }
 
 

@@ -5,6 +5,9 @@
 - ``attention`` -- materialised attention: the whole score matrix, then softmax, then P V (``attention``).
 - ``tiled_attention`` -- the tiled FlashAttention loop, never holding more than one score tile (``tiled``).
 - ``merge_partials`` -- combine results over disjoint key ranges by their log-sum-exps (``merge``).
+- ``attention_backward``, ``tiled_attention_backward``, ``backward_delta`` -- the gradients dQ, dK, dV: built
+  from the whole P, dP and dS, and FlashAttention-2's tiled backward that recomputes P tile by tile from the saved
+  log-sum-exp (``backward``).
 
 Shapes are ``(..., N, D)``; k/v may have fewer heads than q (GQA). Masks follow ``flashlab.core.masking``.
 ``flashlab.reference.torch_float64.attention_float64`` is the same materialised attention in float64 torch, on
@@ -13,6 +16,7 @@ Everything computes in float64; float64 in gives float64 out.
 """
 
 from flashlab.reference.attention import attention
+from flashlab.reference.backward import attention_backward, backward_delta, tiled_attention_backward
 from flashlab.reference.merge import merge_partials
 from flashlab.reference.online_softmax import (
     OnlineAttentionStep,
@@ -32,4 +36,7 @@ __all__ = [
     "attention",
     "tiled_attention",
     "merge_partials",
+    "attention_backward",
+    "tiled_attention_backward",
+    "backward_delta",
 ]
