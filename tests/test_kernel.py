@@ -198,3 +198,91 @@ def test_cpu_runs_leave_triton_language_as_they_found_it():
         if isinstance(obj, type):
             added = sorted(set(now) - set(saved))
             assert not added, f"class {obj.__name__} gained {added[:5]}"
+
+
+def test_calls_from_several_threads_at_once_are_correct_and_leave_triton_language_as_it_was():
+    # Triton's interpreter patches triton.language while it runs; two threads interleaving their patches and
+    # restores would corrupt it (crashes mid-run, or patches left behind). Three threads of small causal calls,
+    # prefill and split-KV mixed: every result equals the reference, and the language is as it was after.
+    import threading
+
+    from flashlab.kernels.runtime import language_objects
+
+    objects = language_objects()
+    before = [dict(vars(obj)) for obj in objects]
+    cases = [make_qkv(1, 2, 1, nq, 24, 16, torch.float32, seed=40 + i) for i, nq in enumerate((20, 3, 17))]
+    errors, results = [], {}
+
+    def work(i):
+        try:
+            for _ in range(2):
+                results[i] = check_against_reference(*cases[i], causal=True)
+        except BaseException as exc:  # noqa: BLE001 - reported below, in the main thread
+            errors.append((i, repr(exc)))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert not errors, errors
+    assert sorted(results) == [0, 1, 2]
+    for obj, saved in zip(objects, before, strict=True):
+        now = vars(obj)
+        changed = [name for name, value in saved.items() if now.get(name) is not value]
+        assert not changed, f"{getattr(obj, '__name__', obj)}: {changed[:5]} still patched"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "nq, nk, causal, window",
+    [(40, 40, True, None), (24, 45, True, None), (40, 50, False, (5, 3)), (33, 40, False, (None, 0))],
+)
+def test_inf_and_nan_in_hidden_v_rows_do_not_reach_rows_that_cannot_see_them(dtype, nq, nk, causal, window):
+    # The diagonal tiles are computed with an element mask: the hidden keys get p = 0, but a plain P @ V gives
+    # 0 * inf = NaN and would spread a bad V row to every row of the tile. Rows that cannot see the bad keys must
+    # equal the clean result; rows that can see them are non-finite exactly where the float64 reference is.
+    q, k, v = make_qkv(1, 2, 1, nq, nk, 32, dtype, seed=21)
+    v_bad = v.clone()
+    v_bad[0, 0, nk - 1] = float("nan")  # past the diagonal / right edge of most rows: stage 2
+    v_bad[0, 0, nk - 3, 5] = float("inf")
+    v_bad[0, 0, nk - 5, 7] = float("-inf")
+    if window is not None and window[0] is not None:
+        v_bad[0, 0, 3, 2] = float("nan")  # left of every row's window, inside a tile cut by the left edge: stage 0
+    o_clean = flash_attention(q, k, v, causal=causal, window=window)
+    o = flash_attention(q, k, v_bad, causal=causal, window=window).double().numpy()
+    ref, _ = attention(q.double().numpy(), k.double().numpy(), v_bad.double().numpy(), causal=causal, window=window)
+    assert np.array_equal(np.isnan(o), np.isnan(ref))
+    assert np.array_equal(np.isposinf(o), np.isposinf(ref)) and np.array_equal(np.isneginf(o), np.isneginf(ref))
+    clean_rows = np.isfinite(ref).all(axis=-1)  # (B, H, Nq)
+    assert clean_rows.any() and (~clean_rows).any()
+    np.testing.assert_array_equal(o[clean_rows], o_clean.double().numpy()[clean_rows])
+
+
+@pytest.mark.parametrize("scale", [1e39, -1e39, 10**400, 3e38])
+def test_scale_beyond_float32_is_a_clear_value_error(scale):
+    # the kernels multiply the scores by scale * log2(e) in float32: 1e39 would silently become inf, then NaN
+    q, k, v = make_qkv(1, 1, 1, 4, 4, 16, torch.float32, seed=22)
+    with pytest.raises(ValueError, match="scale"):
+        flash_attention(q, k, v, scale=scale)
+
+
+def test_numpy_numbers_are_accepted_where_a_number_is_meant():
+    q, k, v = make_qkv(1, 2, 1, 20, 27, 16, torch.float32, seed=23)
+    expected = flash_attention(q, k, v, window=(3, 2), scale=0.125)
+    got = flash_attention(q, k, v, window=(np.int64(3), np.int32(2)), scale=np.float32(0.125))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    check_against_reference(q, k, v, window=(np.int64(3), np.int64(2)), scale=np.float64(0.2))
+
+
+@pytest.mark.parametrize("side", [2**63, 2**63 - 1, 2**64 + 5, 10**30])
+def test_window_sides_beyond_int64_mean_unbounded(side):
+    # a window side wider than the score matrix reaches every key: it is exactly the unbounded side, at any size,
+    # not an OverflowError from deep inside the launch (nor a band wrapped around by int64 arithmetic)
+    q, k, v = make_qkv(1, 1, 1, 20, 30, 16, torch.float32, seed=24)
+    for window, same in (((side, 0), (None, 0)), ((4, side), (4, None)), ((side, side), (None, None))):
+        torch.testing.assert_close(flash_attention(q, k, v, window=window), flash_attention(q, k, v, window=same))
+        torch.testing.assert_close(
+            flash_attention(q[:, :, :2], k, v, window=window), flash_attention(q[:, :, :2], k, v, window=same)
+        )
