@@ -286,3 +286,31 @@ def test_window_sides_beyond_int64_mean_unbounded(side):
         torch.testing.assert_close(
             flash_attention(q[:, :, :2], k, v, window=window), flash_attention(q[:, :, :2], k, v, window=same)
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "nq, nk, causal, window",
+    [(1000, 1000, True, None), (777, 1500, False, (300, 40)), (2, 6000, True, None), (4, 6000, False, (2000, 0))],
+)
+def test_gpu_hidden_non_finite_v_rows_do_not_leak(dtype, nq, nk, causal, window):
+    # the compiled kernels (prefill for nq = 1000/777, split-KV for nq = 2/4): the same contract as on CPU
+    from flashlab.core.masking import visible_mask
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(2, h, n, 128, device="cuda", generator=g).to(dtype) for h, n in ((8, nq), (2, nk), (2, nk)))
+    bad = [nk - 1, nk - 1 - nq // 4]  # past the diagonal / right edge of the first rows
+    v_bad = v.clone()
+    v_bad[:, :, bad[0]] = float("nan")
+    v_bad[:, :, bad[1], 3] = float("inf")
+    if window is not None:  # left of every row's window, in the same 16-key group as the first visible key
+        first_visible = nk - nq - window[0]
+        bad.append(first_visible // 16 * 16 if first_visible % 16 else first_visible - 1)
+        v_bad[:, :, bad[2], 5] = float("-inf")
+    o_clean = flash_attention(q, k, v, causal=causal, window=window)
+    o = flash_attention(q, k, v_bad, causal=causal, window=window)
+    sees_bad = torch.from_numpy(visible_mask(nq, nk, causal, window)[:, bad].any(axis=1)).cuda()  # (Nq,)
+    assert (~sees_bad).any()
+    torch.testing.assert_close(o[:, :, ~sees_bad], o_clean[:, :, ~sees_bad], rtol=0, atol=0)
+    assert not torch.isfinite(o[:, :, sees_bad]).all(dim=-1).any()  # every row that sees a bad value shows it

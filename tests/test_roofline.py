@@ -437,3 +437,33 @@ def test_end_to_end_speedup_accepts_every_share_from_0_to_1():
 )
 def test_rounding_carries_into_the_next_unit(call, text):
     assert call() == text
+
+
+def test_the_long_request_is_128000_tokens_as_the_lesson_counts_it():
+    from flashlab.calculators.roofline import LONG_REQUEST_TOKENS
+
+    assert LONG_REQUEST_TOKENS == 128_000
+    assert round(kv_cache_bytes("lesson-70b", LONG_REQUEST_TOKENS) / 1e9, 1) == 41.9  # the lesson's figure
+    mha = {"name": "lesson-70b-mha", "layers": 80, "query_heads": 64, "head_dim": 128}
+    assert format_bytes(kv_cache_bytes(mha, LONG_REQUEST_TOKENS)) == "336 GB"  # 2 x 64 x 128 x 80 x 2 B x 128,000
+
+
+def test_notebooks_take_each_shared_figure_from_one_source():
+    # one figure, one source: the long request is LONG_REQUEST_TOKENS in every notebook that sizes it (it was
+    # 131,072 in one table and 128,000 elsewhere), and the prefill ratios come from one named recording
+    import json
+    from pathlib import Path
+
+    notebooks = Path(__file__).resolve().parents[1] / "notebooks"
+
+    def code(name):
+        cells = json.loads(next(notebooks.glob(f"{name}_*.ipynb")).read_text())["cells"]
+        return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+
+    for name in ("06", "07"):
+        src = code(name)
+        assert "LONG_REQUEST_TOKENS" in src
+        for typed in ("128 * 1024", "131_072", "131072", "128_000", "2**17"):
+            assert typed not in src, f"notebook {name} types the long request as {typed}"
+    for name in ("04", "05"):
+        assert "h200-bf16-2026-11-29.json" in code(name), f"notebook {name} must name the prefill recording"

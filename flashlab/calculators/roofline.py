@@ -34,6 +34,7 @@ from flashlab.core.checks import as_fraction, as_positive, as_positive_int
 __all__ = [
     "GPU",
     "GPUS",
+    "LONG_REQUEST_TOKENS",
     "MODELS",
     "Model",
     "PrefillCost",
@@ -325,6 +326,10 @@ def prefill_cost(n: int, model="lesson-70b", gpu="lesson-gpu", dtype_bytes=2, ca
 
 # --- decode: the KV cache -----------------------------------------------------------------------------------------
 
+# The lesson's long request, "128K" tokens: 128,000 in decimal, as the lesson counts it (327,680 B x 128,000 =
+# 41.9 GB on lesson-70b), not 128 x 1,024 = 131,072. Notebooks 06 and 07 size their long request with it.
+LONG_REQUEST_TOKENS = 128_000
+
 
 def kv_cache_bytes_per_token(model, dtype_bytes=2) -> int:
     """Bytes of KV cache one token adds, over all layers.
@@ -339,7 +344,8 @@ def kv_cache_bytes_per_token(model, dtype_bytes=2) -> int:
 
 
 def kv_cache_bytes(model, context: int, dtype_bytes=2, batch: int = 1) -> int:
-    """Bytes of KV cache for ``batch`` requests of ``context`` tokens: 41.9 GB for lesson-70b at 128,000 tokens."""
+    """Bytes of KV cache for ``batch`` requests of ``context`` tokens: 41.9 GB for lesson-70b at the lesson's
+    128,000-token request (``LONG_REQUEST_TOKENS``); 336 GB for the same shape with one KV head per query head."""
     context = as_positive_int("context (tokens in the KV cache)", context)
     batch = as_positive_int("batch (requests)", batch)
     return _as_size(kv_cache_bytes_per_token(model, dtype_bytes) * context * batch)
