@@ -117,9 +117,10 @@ def test_non_contiguous_inputs():
     check_against_reference(wide[..., ::2], wide[..., 1::2], wide[..., ::2])
 
 
-def test_hidden_tiles_are_never_loaded():
-    # NaN keys/values in whole tiles that the window hides from every query: a kernel that loaded them would
-    # turn the output into NaN (0 * NaN); skipping them keeps it finite and equal to the reference.
+def test_hidden_tiles_do_not_change_a_bit_of_the_output():
+    # NaN keys/values in whole tiles that the window hides from every query: the loop bounds skip them, and had a
+    # masked stage loaded them it would still replace their scores by -inf and ignore their values; a tile run
+    # through the unmasked stage by mistake would turn the output into NaN (0 * NaN).
     q, k, v = make_qkv(1, 2, 1, 8, 200, 32, torch.float32, seed=8)
     ref = flash_attention(q, k, v, causal=True, window=(20, None))
     k[:, :, :128], v[:, :, :128] = float("nan"), float("nan")

@@ -376,6 +376,9 @@ def test_numpy_integers_give_the_exact_python_answer(as_int):
     assert tile_sram_bytes(as_int(128), as_int(128), as_int(128)) == 163_840
     assert flash_io_accesses(n32k, as_int(128), as_int(100 * KiB)) == flash_io_accesses(32768, 128, 100 * KiB)
     assert flash_block_sizes(as_int(64), as_int(48 * KiB)) == flash_block_sizes(64, 48 * KiB)
+    bounds = time_bounds(attention_flops(n32k, as_int(128)), naive_attention_traffic(n32k, as_int(128)), "h100-sxm")
+    assert bounds.flops == 4 * 32768**2 * 128 and bounds.nbytes == 4 * 32768**2 * 2
+    assert time_bounds(np.int64(10**15), np.float32(2.0**40)) == time_bounds(10**15, 2**40)
     t = decode_read_time("lesson-70b", as_int(128_000), gpus=as_int(8), bandwidth=np.float32(3.3e12))
     assert t == pytest.approx(327_680 * 128_000 / (8 * 3.3e12))
 
