@@ -20,8 +20,8 @@ The key tiles a query tile visits are split into three stages by the mask band (
 
 Tiles outside the band are never loaded: the loop bounds come from the band, not from a per-tile test. In the two
 masked stages a hidden key gets p = 0 and adds nothing to a row's output, even if its V row holds inf or NaN
-(``softmax_step.accumulate_pv``; a plain ``tl.dot`` would make 0 * inf = NaN for every row of the tile); stage 1
-keeps the plain dot, since every row sees every key there.
+(``softmax_step.accumulate_pv``; a plain ``tl.dot`` would make 0 * inf = NaN for every row of the tile); a row that
+does see such a value comes out NaN. Stage 1 keeps the plain dot, since every row sees every key there.
 
 Loads: plain pointer loads with masks (``tl.load``) everywhere; on Hopper at head dims <= 64 the tiles are moved
 by the tensor-memory accelerator instead (``desc.load``, TMA: one instruction per tile, out-of-bounds rows and

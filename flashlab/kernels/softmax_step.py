@@ -48,21 +48,15 @@ def online_softmax_step(s, m_i, l_i):
 def accumulate_pv(acc, p, v, DOT_PRECISION: tl.constexpr):
     """``acc + p @ v`` for a tile with an element mask, where a key with ``p == 0`` (hidden from that row) adds
     nothing even if its V row holds inf or NaN -- inside a plain ``tl.dot`` 0 * inf is NaN and would reach every
-    row of the tile. The equal of ``flashlab.reference.attention.weighted_values``.
+    row of the tile.
 
-    The finite entries of V go through the one ordinary dot. Only a tile that holds a non-finite entry pays for
-    more: three small dots count, per row and column, the +inf, -inf and NaN entries the row gives weight to, and
-    those set the result to +inf, -inf or NaN. Unmasked tiles (every row sees every key) keep the plain dot.
+    The dot takes V with its non-finite entries set to 0; a row that gives weight (p > 0) to a key whose V row
+    holds inf or NaN is then set to NaN as a whole, so it still shows that it saw one. (The float64 reference,
+    ``flashlab.reference.attention``, follows IEEE arithmetic column by column; both agree on which rows are not
+    finite.) Unmasked tiles, where every row sees every key, keep the plain dot.
     """
     finite = tl.abs(v) < float("inf")  # (BLOCK_N, BLOCK_D) False for +-inf and NaN
     acc = tl.dot(p, tl.where(finite, v, 0.0), acc, input_precision=DOT_PRECISION)
-    n_bad = tl.sum(tl.sum(tl.where(finite, 0, 1), 1), 0)
-    if n_bad > 0:
-        weighted = tl.where(p > 0, 1.0, 0.0).to(v.dtype)  # (BLOCK_M, BLOCK_N) the keys each row gives weight to
-        pos_inf = tl.dot(weighted, tl.where(v == float("inf"), 1.0, 0.0).to(v.dtype), input_precision=DOT_PRECISION)
-        neg_inf = tl.dot(weighted, tl.where(v == float("-inf"), 1.0, 0.0).to(v.dtype), input_precision=DOT_PRECISION)
-        nan = tl.dot(weighted, tl.where(v != v, 1.0, 0.0).to(v.dtype), input_precision=DOT_PRECISION)
-        nan = (nan > 0) | ((pos_inf > 0) & (neg_inf > 0))
-        bad = tl.where(pos_inf > 0, float("inf"), tl.where(neg_inf > 0, float("-inf"), 0.0))
-        acc += tl.where(nan, float("nan"), bad)
-    return acc
+    key_bad = tl.max(tl.where(finite, 0, 1), 1)  # (BLOCK_N,) 1 where the key's V row holds inf or NaN
+    row_bad = tl.max(tl.where(p > 0, key_bad[None, :], 0), 1)  # (BLOCK_M,) 1 where a row weighs such a key
+    return tl.where(row_bad[:, None] > 0, float("nan"), acc)
