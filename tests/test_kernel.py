@@ -116,9 +116,10 @@ def test_non_contiguous_inputs():
     check_against_reference(wide[..., ::2], wide[..., 1::2], wide[..., ::2])
 
 
-def test_hidden_tiles_are_never_loaded():
-    # NaN keys/values in whole tiles that the window hides from every query: a kernel that loaded them would
-    # turn the output into NaN (0 * NaN); skipping them keeps it finite and equal to the reference.
+def test_hidden_tiles_do_not_change_a_bit_of_the_output():
+    # NaN keys/values in whole tiles that the window hides from every query: the loop bounds skip them, and had a
+    # masked stage loaded them it would still replace their scores by -inf and ignore their values; a tile run
+    # through the unmasked stage by mistake would turn the output into NaN (0 * NaN).
     q, k, v = make_qkv(1, 2, 1, 8, 200, 32, torch.float32, seed=8)
     ref = flash_attention(q, k, v, causal=True, window=(20, None))
     k[:, :, :128], v[:, :, :128] = float("nan"), float("nan")
@@ -197,3 +198,119 @@ def test_cpu_runs_leave_triton_language_as_they_found_it():
         if isinstance(obj, type):
             added = sorted(set(now) - set(saved))
             assert not added, f"class {obj.__name__} gained {added[:5]}"
+
+
+def test_calls_from_several_threads_at_once_are_correct_and_leave_triton_language_as_it_was():
+    # Triton's interpreter patches triton.language while it runs; two threads interleaving their patches and
+    # restores would corrupt it (crashes mid-run, or patches left behind). Three threads of small causal calls,
+    # prefill and split-KV mixed: every result equals the reference, and the language is as it was after.
+    import threading
+
+    from flashlab.kernels.runtime import language_objects
+
+    objects = language_objects()
+    before = [dict(vars(obj)) for obj in objects]
+    cases = [make_qkv(1, 2, 1, nq, 24, 16, torch.float32, seed=40 + i) for i, nq in enumerate((20, 3, 17))]
+    errors, results = [], {}
+
+    def work(i):
+        try:
+            for _ in range(2):
+                results[i] = check_against_reference(*cases[i], causal=True)
+        except BaseException as exc:  # noqa: BLE001 - reported below, in the main thread
+            errors.append((i, repr(exc)))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert not errors, errors
+    assert sorted(results) == [0, 1, 2]
+    for obj, saved in zip(objects, before, strict=True):
+        now = vars(obj)
+        changed = [name for name, value in saved.items() if now.get(name) is not value]
+        assert not changed, f"{getattr(obj, '__name__', obj)}: {changed[:5]} still patched"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "nq, nk, causal, window",
+    [(40, 40, True, None), (24, 45, True, None), (40, 50, False, (5, 3)), (33, 40, False, (None, 0))],
+)
+def test_inf_and_nan_in_hidden_v_rows_do_not_reach_rows_that_cannot_see_them(dtype, nq, nk, causal, window):
+    # The diagonal tiles are computed with an element mask: the hidden keys get p = 0, but a plain P @ V gives
+    # 0 * inf = NaN and would spread a bad V row to every row of the tile. Rows that cannot see the bad keys must
+    # equal the clean result bit for bit; rows that can see them are not finite, as in the float64 reference
+    # (which entries are NaN or inf may differ: a masked tile makes such a row NaN as a whole).
+    q, k, v = make_qkv(1, 2, 1, nq, nk, 32, dtype, seed=21)
+    v_bad = v.clone()
+    v_bad[0, 0, nk - 1] = float("nan")  # past the diagonal / right edge of most rows: stage 2
+    v_bad[0, 0, nk - 3, 5] = float("inf")
+    v_bad[0, 0, nk - 5, 7] = float("-inf")
+    if window is not None and window[0] is not None:
+        v_bad[0, 0, 3, 2] = float("nan")  # left of every row's window, inside a tile cut by the left edge: stage 0
+    o_clean = flash_attention(q, k, v, causal=causal, window=window)
+    o = flash_attention(q, k, v_bad, causal=causal, window=window).double().numpy()
+    ref, _ = attention(q.double().numpy(), k.double().numpy(), v_bad.double().numpy(), causal=causal, window=window)
+    clean_rows = np.isfinite(ref).all(axis=-1)  # (B, H, Nq)
+    np.testing.assert_array_equal(np.isfinite(o).all(axis=-1), clean_rows)
+    assert clean_rows.any() and (~clean_rows).any()
+    np.testing.assert_array_equal(o[clean_rows], o_clean.double().numpy()[clean_rows])
+
+
+@pytest.mark.parametrize("scale", [1e39, -1e39, 10**400, 3e38])
+def test_scale_beyond_float32_is_a_clear_value_error(scale):
+    # the kernels multiply the scores by scale * log2(e) in float32: 1e39 would silently become inf, then NaN
+    q, k, v = make_qkv(1, 1, 1, 4, 4, 16, torch.float32, seed=22)
+    with pytest.raises(ValueError, match="scale"):
+        flash_attention(q, k, v, scale=scale)
+
+
+def test_numpy_numbers_are_accepted_where_a_number_is_meant():
+    q, k, v = make_qkv(1, 2, 1, 20, 27, 16, torch.float32, seed=23)
+    expected = flash_attention(q, k, v, window=(3, 2), scale=0.125)
+    got = flash_attention(q, k, v, window=(np.int64(3), np.int32(2)), scale=np.float32(0.125))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    check_against_reference(q, k, v, window=(np.int64(3), np.int64(2)), scale=np.float64(0.2))
+
+
+@pytest.mark.parametrize("side", [2**63, 2**63 - 1, 2**64 + 5, 10**30])
+def test_window_sides_beyond_int64_mean_unbounded(side):
+    # a window side wider than the score matrix reaches every key: it is exactly the unbounded side, at any size,
+    # not an OverflowError from deep inside the launch (nor a band wrapped around by int64 arithmetic)
+    q, k, v = make_qkv(1, 1, 1, 20, 30, 16, torch.float32, seed=24)
+    for window, same in (((side, 0), (None, 0)), ((4, side), (4, None)), ((side, side), (None, None))):
+        torch.testing.assert_close(flash_attention(q, k, v, window=window), flash_attention(q, k, v, window=same))
+        torch.testing.assert_close(
+            flash_attention(q[:, :, :2], k, v, window=window), flash_attention(q[:, :, :2], k, v, window=same)
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "nq, nk, causal, window",
+    [(1000, 1000, True, None), (777, 1500, False, (300, 40)), (2, 6000, True, None), (4, 6000, False, (2000, 0))],
+)
+def test_gpu_hidden_non_finite_v_rows_do_not_leak(dtype, nq, nk, causal, window):
+    # the compiled kernels (prefill for nq = 1000/777, split-KV for nq = 2/4): the same contract as on CPU
+    from flashlab.core.masking import visible_mask
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(2, h, n, 128, device="cuda", generator=g).to(dtype) for h, n in ((8, nq), (2, nk), (2, nk)))
+    bad = [nk - 1, nk - 1 - nq // 4]  # past the diagonal / right edge of the first rows
+    v_bad = v.clone()
+    v_bad[:, :, bad[0]] = float("nan")
+    v_bad[:, :, bad[1], 3] = float("inf")
+    if window is not None:  # left of every row's window, in the same 16-key group as the first visible key
+        first_visible = nk - nq - window[0]
+        bad.append(first_visible // 16 * 16 if first_visible % 16 else first_visible - 1)
+        v_bad[:, :, bad[2], 5] = float("-inf")
+    o_clean = flash_attention(q, k, v, causal=causal, window=window)
+    o = flash_attention(q, k, v_bad, causal=causal, window=window)
+    sees_bad = torch.from_numpy(visible_mask(nq, nk, causal, window)[:, bad].any(axis=1)).cuda()  # (Nq,)
+    assert (~sees_bad).any()
+    torch.testing.assert_close(o[:, :, ~sees_bad], o_clean[:, :, ~sees_bad], rtol=0, atol=0)
+    assert not torch.isfinite(o[:, :, sees_bad]).all(dim=-1).any()  # every row that sees a bad value shows it

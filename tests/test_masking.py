@@ -189,3 +189,76 @@ def test_tile_map_bad_block_size(bad):
 
 def test_tile_map_accepts_numpy_ints():
     assert tile_map(8, 8, np.int64(4), np.int32(2)).state.shape == (2, 4)
+
+
+def tile_map_by_loop(nq, nk, block_m, block_n, causal=False, window=None):
+    """The tile map the way it used to be built: one ``tile_state`` call per tile, in Python loops."""
+    band = visible_band(nq, nk, causal, window)
+    n_m, n_n = -(-nq // block_m), -(-nk // block_n)
+    state = np.empty((n_m, n_n), dtype=np.int8)
+    for ti in range(n_m):
+        r0, r1 = ti * block_m, min((ti + 1) * block_m, nq)
+        for tj in range(n_n):
+            c0, c1 = tj * block_n, min((tj + 1) * block_n, nk)
+            state[ti, tj] = tile_state(r0, r1, c0, c1, band)
+    return state
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    nq=st.integers(1, 300),
+    nk=st.integers(1, 300),
+    block_m=st.integers(1, 40),
+    block_n=st.integers(1, 40),
+    causal=st.booleans(),
+    left=st.one_of(st.none(), st.integers(0, 400)),
+    right=st.one_of(st.none(), st.integers(0, 400)),
+)
+def test_vectorised_tile_map_equals_the_loop(nq, nk, block_m, block_n, causal, left, right):
+    tm = tile_map(nq, nk, block_m, block_n, causal, (left, right))
+    np.testing.assert_array_equal(tm.state, tile_map_by_loop(nq, nk, block_m, block_n, causal, (left, right)))
+    assert tm.state.dtype == np.int8
+
+
+def test_tile_map_of_100k_tokens_in_16_tiles_takes_seconds_not_minutes():
+    import time
+
+    start = time.perf_counter()
+    tm = tile_map(10**5, 10**5, 16, 16, causal=True)
+    elapsed = time.perf_counter() - start
+    assert tm.state.shape == (6250, 6250)
+    assert tm.n_computed == 6250 * 6251 // 2  # the diagonal tiles and everything below them
+    assert elapsed < 30, f"tile_map took {elapsed:.1f} s"  # the loop took minutes; vectorised ~1 s
+
+
+@pytest.mark.parametrize("nq, nk", [(0, 8), (8, 0), (0, 0)])
+def test_tile_map_refuses_empty_lengths(nq, nk):
+    # an attention call has at least one query and one key; an empty map would make fraction_computed 0 / 0
+    with pytest.raises(ValueError, match="at least 1"):
+        tile_map(nq, nk, 4, 4)
+
+
+@pytest.mark.parametrize("causal", ["yes", 1, None, "False"])
+def test_causal_must_be_a_bool(causal):
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        visible_band(4, 4, causal=causal)
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        tile_map(4, 4, 2, 2, causal=causal)
+
+
+def test_numpy_bool_causal_is_fine():
+    np.testing.assert_array_equal(visible_mask(5, 5, np.bool_(True)), visible_mask(5, 5, True))
+
+
+@pytest.mark.parametrize("side", [9, 10**6, 2**62, 2**63 - 1, 2**63, 2**64, 10**40])
+def test_window_sides_at_least_as_wide_as_the_matrix_are_unbounded(side):
+    # query i's band reaches i + offset +- side; once side >= nq + nk it covers every key, whatever its size --
+    # and int64 arithmetic on 2**63 - 1 would wrap around
+    assert visible_band(4, 5, window=(side, side)) == (1, float("inf"), float("inf"))
+    np.testing.assert_array_equal(visible_mask(4, 5, window=(side, 0)), visible_mask(4, 5, window=(None, 0)))
+    wide, unbounded = tile_map(4, 5, 2, 2, window=(0, side)), tile_map(4, 5, 2, 2, window=(0, None))
+    np.testing.assert_array_equal(wide.state, unbounded.state)
+
+
+def test_window_sides_narrower_than_the_matrix_are_kept():
+    assert visible_band(4, 5, window=(8, np.int64(3))) == (1, 8, 3)

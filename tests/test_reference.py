@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashlab.core.masking import tile_map
+from flashlab.core.masking import tile_map, visible_mask
 from flashlab.reference import attention, merge_partials, online_attention, online_softmax, softmax, tiled_attention
 
 tiled_module = importlib.import_module("flashlab.reference.tiled")
@@ -421,15 +421,17 @@ def test_causal_skips_about_half_the_tiles():
     assert causal.fraction_computed == pytest.approx(17 / 32)
 
 
-def _poisoning_as_heads(key_ranges):
-    """Wrap the loop's input preparation so the given key ranges of K and V hold NaN after validation."""
+def _poisoning_as_heads(key_ranges, keys=True):
+    """Wrap the loop's input preparation so the given key ranges of V (and of K, with ``keys``) hold NaN after
+    validation."""
     real = tiled_module.as_heads
 
     def poisoned(q, k, v):
         q, k, v, shape, out_dtype = real(q, k, v)
         k, v = k.copy(), v.copy()
         for c0, c1 in key_ranges:
-            k[..., c0:c1, :] = np.nan
+            if keys:
+                k[..., c0:c1, :] = np.nan
             v[..., c0:c1, :] = np.nan
         return q, k, v, shape, out_dtype
 
@@ -453,8 +455,8 @@ def test_poisoned_skipped_tiles_do_not_change_the_output(monkeypatch, nq, nk, wi
     assert np.isfinite(o).all()
     np.testing.assert_array_equal(o, o_clean)
     np.testing.assert_array_equal(lse, lse_clean)
-    # the poison is real: the same NaN keys in a tile the loop computes do reach the output
-    monkeypatch.setattr(tiled_module, "as_heads", _poisoning_as_heads([(nk - 1, nk)]))
+    # the poison is real: the same NaN values in a tile the loop computes reach the rows that see them
+    monkeypatch.setattr(tiled_module, "as_heads", _poisoning_as_heads([(nk - 1, nk)], keys=False))
     o_bad, _ = tiled_attention(q, k, v, window=window, block_m=4, block_n=bn)
     assert np.isnan(o_bad).any()
 
@@ -598,8 +600,8 @@ def test_bad_shapes_raise_value_error(fn):
 
 @pytest.mark.parametrize("fn", [attention, tiled_attention])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-@pytest.mark.parametrize("which", [0, 1, 2])
-def test_non_finite_inputs_raise(fn, bad, which):
+@pytest.mark.parametrize("which", [0, 1])
+def test_non_finite_queries_and_keys_raise(fn, bad, which):
     rng = np.random.default_rng(17)
     args = list(qkv(rng, (), 1, 1, 4, 4, 3))
     args[which][0, 1, 2] = bad
@@ -680,3 +682,104 @@ def test_softmax_bad_input():
         softmax([0.0, np.nan])
     with pytest.raises(TypeError, match="real numbers"):
         softmax(np.array([1j]))
+
+
+# ---------------------------------------------------------------------------------------------- inf and NaN in V
+
+
+def v_with_bad_rows(v, nk):
+    """A copy of v (..., Nk, Dv) with NaN in the last key's row, +inf and -inf in two entries near the end."""
+    v = v.copy()
+    v[..., nk - 1, :] = np.nan
+    v[..., nk - 3, 1] = np.inf
+    v[..., nk - 4, 2] = -np.inf
+    return v
+
+
+@pytest.mark.parametrize("fn", [attention, tiled_attention])
+@pytest.mark.parametrize("nq, nk, causal, window", [(9, 9, True, None), (6, 11, True, None), (8, 12, False, (2, 1))])
+def test_inf_and_nan_in_v_reach_only_the_rows_that_see_them(fn, nq, nk, causal, window):
+    # A hidden key has probability exactly 0; 0 * inf = NaN in a plain P @ V would spread a bad V row to every
+    # query. Expected, built by hand: each row's output, over its visible keys only, with IEEE arithmetic.
+    rng = np.random.default_rng(30)
+    q, k, v = qkv(rng, (2,), 2, 1, nq, nk, 3)
+    v_bad = v_with_bad_rows(v, nk)
+    o, lse = fn(q, k, v_bad, causal=causal, window=window)
+    o_clean, lse_clean = fn(q, k, v, causal=causal, window=window)
+    np.testing.assert_array_equal(lse, lse_clean)  # V never touches the softmax
+    mask = visible_mask(nq, nk, causal, window)  # (Nq, Nk)
+    for i in range(nq):
+        seen = np.flatnonzero(mask[i])
+        sees_nan = (nk - 1) in seen
+        sees_pos, sees_neg = (nk - 3) in seen, (nk - 4) in seen
+        row = o[..., i, :]  # (B, Hq, Dv)
+        if not (sees_nan or sees_pos or sees_neg):
+            np.testing.assert_array_equal(row, o_clean[..., i, :])
+            continue
+        if sees_nan:
+            assert np.isnan(row).all()
+            continue
+        assert (np.isposinf(row[..., 1]) if sees_pos else np.isfinite(row[..., 1])).all()
+        assert (np.isneginf(row[..., 2]) if sees_neg else np.isfinite(row[..., 2])).all()
+        np.testing.assert_array_equal(row[..., 0], o_clean[..., i, 0])
+    assert np.isfinite(o[..., 0, :]).all()  # the first row sees none of the bad keys in every case here
+
+
+def test_tiled_and_materialised_agree_on_bad_v_and_every_tile_size():
+    rng = np.random.default_rng(31)
+    q, k, v = qkv(rng, (), 3, 3, 13, 17, 4)
+    v_bad = v_with_bad_rows(v, 17)
+    ref, _ = attention(q, k, v_bad, causal=True)
+    for bm, bn in [(1, 1), (4, 3), (5, 8), (16, 16)]:
+        o, _ = tiled_attention(q, k, v_bad, causal=True, block_m=bm, block_n=bn)
+        np.testing.assert_array_equal(np.isnan(o), np.isnan(ref))
+        np.testing.assert_array_equal(np.isinf(o), np.isinf(ref))
+        np.testing.assert_allclose(o[np.isfinite(ref)], ref[np.isfinite(ref)], **TOL)
+
+
+def test_weighted_values_is_p_at_v_where_no_zero_meets_inf():
+    from flashlab.reference.attention import weighted_values
+
+    rng = np.random.default_rng(32)
+    p = rng.random((5, 6)) * (rng.random((5, 6)) > 0.4)  # some exact zeros
+    v = rng.standard_normal((6, 3))
+    np.testing.assert_allclose(weighted_values(p, v), p @ v, rtol=1e-15)
+    v[2, 0], v[4, 0], v[3, 1] = np.inf, -np.inf, np.nan
+    out = weighted_values(p, v)
+    for i in range(5):  # by hand, one term at a time, skipping zero weights
+        for j in range(3):
+            terms = [p[i, t] * v[t, j] for t in range(6) if p[i, t] > 0]
+            with np.errstate(invalid="ignore"):  # inf + -inf = NaN, as intended
+                expected = sum(terms) if terms else 0.0
+            assert (np.isnan(out[i, j]) and np.isnan(expected)) or out[i, j] == pytest.approx(expected)
+
+
+# ---------------------------------------------------------------------------------------------- argument types
+
+
+@pytest.mark.parametrize("fn", [attention, tiled_attention])
+@pytest.mark.parametrize("causal", ["yes", 1, None])
+def test_causal_must_be_a_bool(fn, causal):
+    x = np.zeros((3, 2))
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        fn(x, x, x, causal=causal)
+
+
+@pytest.mark.parametrize("fn", [attention, tiled_attention])
+def test_scale_too_large_for_a_float_is_a_value_error(fn):
+    x = np.zeros((3, 2))
+    with pytest.raises(ValueError, match="scale"):
+        fn(x, x, x, scale=10**400)
+    with pytest.raises(TypeError, match="scale"):
+        fn(x, x, x, scale="0.5")
+
+
+@pytest.mark.parametrize("fn", [attention, tiled_attention])
+def test_numpy_scale_and_window_sides_are_accepted(fn):
+    rng = np.random.default_rng(33)
+    q, k, v = qkv(rng, (), 2, 2, 7, 9, 4)
+    expected, _ = fn(q, k, v, window=(3, 1), scale=0.25)
+    got, _ = fn(q, k, v, window=(np.int64(3), np.int32(1)), scale=np.float32(0.25))
+    np.testing.assert_array_equal(got, expected)
+    wide, _ = fn(q, k, v, window=(2**63, 2**64))  # wider than the matrix: no window at all
+    np.testing.assert_array_equal(wide, fn(q, k, v)[0])

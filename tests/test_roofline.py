@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -347,3 +348,125 @@ def test_more_sram_never_means_more_traffic(n, d, kib):
     sram = max(kib * KiB, 4 * d * 2)
     assert flash_io_accesses(n, d, 2 * sram) <= flash_io_accesses(n, d, sram)
     assert flash_io_accesses(n, d, sram) >= flash_attention_traffic(n, d)  # never below reading everything once
+
+
+# --- NumPy numbers are the same numbers -------------------------------------------------------------------------------
+
+INT_TYPES = [int, np.int32, np.int64]
+
+
+@pytest.mark.parametrize("as_int", INT_TYPES)
+def test_numpy_integers_give_the_exact_python_answer(as_int):
+    # NumPy integers wrap around silently: np.int32(8192) ** 2 * 2 * 128 * 4 is 0 in int32. Every calculator
+    # must give the exact answer whatever integer type comes in. The expected values are written out by hand.
+    n8k, n32k, n10m = as_int(8192), as_int(32768), as_int(10_000_000)
+    assert attention_flops(n8k, as_int(128)) == 4 * 8192**2 * 128 == 34_359_738_368
+    assert naive_attention_traffic(n32k, as_int(128)) == 4 * 32768**2 * 2 == 8_589_934_592
+    assert score_matrix_bytes(as_int(65536)) == 65536**2 * 2
+    assert flash_attention_traffic(n32k, as_int(128)) == 4 * 32768 * 128 * 2
+    assert model_score_matrix_bytes(n8k, "lesson-70b") == 8192**2 * 2 * 64 * 80
+    assert model_naive_traffic(n32k, "lesson-70b") == 4 * 32768**2 * 2 * 64 * 80
+    assert model_attention_flops(n32k, "lesson-70b") == 4 * 32768**2 * 128 * 64 * 80
+    cost = prefill_cost(n10m)
+    assert cost.flops == 4 * 10**14 * 128 * 64 * 80
+    assert cost.naive_traffic == 4 * 10**14 * 2 * 64 * 80
+    assert cost.flash_traffic == 4 * 10**7 * 128 * 2 * 64 * 80
+    assert isinstance(cost.n, int) and cost.traffic_ratio == pytest.approx(10**7 / 128)
+    assert kv_cache_bytes("lesson-70b", as_int(128_000), batch=as_int(64)) == 327_680 * 128_000 * 64
+    assert tile_sram_bytes(as_int(128), as_int(128), as_int(128)) == 163_840
+    assert flash_io_accesses(n32k, as_int(128), as_int(100 * KiB)) == flash_io_accesses(32768, 128, 100 * KiB)
+    assert flash_block_sizes(as_int(64), as_int(48 * KiB)) == flash_block_sizes(64, 48 * KiB)
+    bounds = time_bounds(attention_flops(n32k, as_int(128)), naive_attention_traffic(n32k, as_int(128)), "h100-sxm")
+    assert bounds.flops == 4 * 32768**2 * 128 and bounds.nbytes == 4 * 32768**2 * 2
+    assert time_bounds(np.int64(10**15), np.float32(2.0**40)) == time_bounds(10**15, 2**40)
+    t = decode_read_time("lesson-70b", as_int(128_000), gpus=as_int(8), bandwidth=np.float32(3.3e12))
+    assert t == pytest.approx(327_680 * 128_000 / (8 * 3.3e12))
+
+
+def test_prefill_cost_at_ten_million_tokens_in_int64_is_exact():
+    assert prefill_cost(np.int64(10**7)) == prefill_cost(10**7)
+
+
+def test_numpy_integers_in_a_model_dict_are_exact():
+    model = {"name": "np-model", "layers": np.int32(80), "query_heads": np.int32(64), "head_dim": np.int32(128)}
+    assert model_attention_flops(np.int32(32768), model) == 4 * 32768**2 * 128 * 64 * 80
+    assert kv_cache_bytes(model, np.int32(2**20), batch=np.int32(1024)) == 2 * 64 * 128 * 80 * 2 * 2**20 * 1024
+
+
+@pytest.mark.parametrize("dtype_bytes", [np.float32(0.5), np.int64(2), np.float64(0.75)])
+def test_numpy_dtype_bytes_are_accepted(dtype_bytes):
+    assert kv_cache_bytes_per_token("lesson-70b", dtype_bytes) == 163_840 * float(dtype_bytes)
+
+
+def test_numbers_too_large_for_a_float_are_a_value_error():
+    with pytest.raises(ValueError, match="too large"):
+        end_to_end_speedup(10**400, 2)
+    with pytest.raises(ValueError, match="kernel_speedup"):
+        end_to_end_speedup(0.5, float("inf"))
+
+
+# --- Amdahl: a share of 0 is a share ---------------------------------------------------------------------------------
+
+
+def test_end_to_end_speedup_accepts_every_share_from_0_to_1():
+    assert end_to_end_speedup(0.0, 2) == 1.0  # nothing got faster
+    assert end_to_end_speedup(0, 5) == 1.0
+    assert end_to_end_speedup(np.float32(0.5), np.int64(3)) == pytest.approx(1 / (0.5 + 0.5 / 3))
+    for bad in (-0.1, 1.01):
+        with pytest.raises(ValueError, match="fraction"):
+            end_to_end_speedup(bad, 2)
+    with pytest.raises(TypeError, match="attention_share"):
+        end_to_end_speedup("0.3", 2)
+
+
+# --- printing: rounding carries into the next unit -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call, text",
+    [
+        (lambda: format_bytes(999_999), "1.00 MB"),
+        (lambda: format_bytes(999_499), "999 kB"),
+        (lambda: format_bytes(10**6), "1.00 MB"),
+        (lambda: format_bytes(999.6), "1.00 kB"),
+        (lambda: format_bytes(999_999_999_999), "1.00 TB"),
+        (lambda: format_bytes(np.int64(134_217_728)), "134 MB"),
+        (lambda: format_bytes(9_960_000, digits=2), "10 MB"),
+        (lambda: format_flops(999_999e9), "1.00 PFLOP"),
+        (lambda: format_seconds(0.0999999), "0.100 s"),
+        (lambda: format_seconds(999.9999e-6), "1.00 ms"),
+        (lambda: format_seconds(0.00159), "1.59 ms"),
+    ],
+)
+def test_rounding_carries_into_the_next_unit(call, text):
+    assert call() == text
+
+
+def test_the_long_request_is_128000_tokens_as_the_lesson_counts_it():
+    from flashlab.calculators.roofline import LONG_REQUEST_TOKENS
+
+    assert LONG_REQUEST_TOKENS == 128_000
+    assert round(kv_cache_bytes("lesson-70b", LONG_REQUEST_TOKENS) / 1e9, 1) == 41.9  # the lesson's figure
+    mha = {"name": "lesson-70b-mha", "layers": 80, "query_heads": 64, "head_dim": 128}
+    assert format_bytes(kv_cache_bytes(mha, LONG_REQUEST_TOKENS)) == "336 GB"  # 2 x 64 x 128 x 80 x 2 B x 128,000
+
+
+def test_notebooks_take_each_shared_figure_from_one_source():
+    # one figure, one source: the long request is LONG_REQUEST_TOKENS in every notebook that sizes it (it was
+    # 131,072 in one table and 128,000 elsewhere), and the prefill ratios come from one named recording
+    import json
+    from pathlib import Path
+
+    notebooks = Path(__file__).resolve().parents[1] / "notebooks"
+
+    def code(name):
+        cells = json.loads(next(notebooks.glob(f"{name}_*.ipynb")).read_text())["cells"]
+        return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+
+    for name in ("06", "07"):
+        src = code(name)
+        assert "LONG_REQUEST_TOKENS" in src
+        for typed in ("128 * 1024", "131_072", "131072", "128_000", "2**17"):
+            assert typed not in src, f"notebook {name} types the long request as {typed}"
+    for name in ("04", "05"):
+        assert "h200-bf16-2026-11-29.json" in code(name), f"notebook {name} must name the prefill recording"

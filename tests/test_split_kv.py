@@ -13,6 +13,7 @@ from test_kernel import check_against_reference, make_qkv
 
 from flashlab.kernels.forward import flash_attention
 from flashlab.kernels.split_kv import MAX_SPLIT_QUERY_ROWS, MAX_SPLITS, MIN_KEYS_PER_SPLIT, choose_splits
+from flashlab.reference import attention
 
 
 def random_decode_case(seed):
@@ -65,8 +66,8 @@ def test_rows_that_see_no_key_give_zeros_and_minus_inf():
     check_against_reference(q, k, v, causal=True)
 
 
-def test_hidden_chunks_are_never_loaded():
-    # one decode query with a 100-key window over a 3000-key cache: NaN in the keys it cannot see stays unread
+def test_hidden_chunks_do_not_change_the_output():
+    # one decode query with a 100-key window over a 3000-key cache: NaN in the keys it cannot see changes nothing
     q, k, v = make_qkv(1, 4, 1, 1, 3000, 32, torch.float32, seed=5)
     ref = flash_attention(q, k, v, causal=True, window=(100, None))
     k[:, :, :2880], v[:, :, :2880] = float("nan"), float("nan")
@@ -112,3 +113,28 @@ def test_bad_num_splits_raise_clear_errors():
         flash_attention(q, k, v, num_splits=0)
     with pytest.raises(ValueError, match="between 1 and min"):
         flash_attention(q, k, v, num_splits=51)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "nq, causal, window, num_splits", [(4, True, None, 2), (3, False, (20, 0), 3), (1, False, (30, 0), None)]
+)
+def test_inf_and_nan_in_hidden_v_rows_do_not_reach_rows_that_cannot_see_them(dtype, nq, causal, window, num_splits):
+    # every tile of the split-KV kernel has an element mask: a hidden key gets p = 0, and 0 * inf inside a plain
+    # P @ V would be NaN for every row of the tile. Rows that cannot see the bad keys equal the clean result.
+    nk = 150
+    q, k, v = make_qkv(1, 4, 2, nq, nk, 32, dtype, seed=31)
+    kw = dict(causal=causal, window=window, num_splits=num_splits)
+    o_clean = flash_attention(q, k, v, **kw).double().numpy()
+    v_bad = v.clone()
+    if window is not None:  # key 115: left of every row's window, but in the 16-key tile [112, 128) that is loaded
+        v_bad[0, :, 115, 1] = float("-inf")
+        np.testing.assert_array_equal(flash_attention(q, k, v_bad, **kw).double().numpy(), o_clean)
+    v_bad[0, :, nk - 1] = float("nan")  # past the diagonal / right edge of the first rows
+    v_bad[0, :, nk - 2, 3] = float("inf")
+    o = flash_attention(q, k, v_bad, **kw).double().numpy()
+    ref, _ = attention(q.double().numpy(), k.double().numpy(), v_bad.double().numpy(), causal=causal, window=window)
+    clean_rows = np.isfinite(ref).all(axis=-1)  # (B, Hq, Nq) rows that see no bad value
+    np.testing.assert_array_equal(np.isfinite(o).all(axis=-1), clean_rows)  # the others are not finite
+    assert clean_rows.any() or nq == 1
+    np.testing.assert_array_equal(o[clean_rows], o_clean[clean_rows])

@@ -29,11 +29,12 @@ import math
 from dataclasses import dataclass
 
 from flashlab.calculators.catalog import GPU, GPUS, MODELS, Model, as_gpu, as_model
-from flashlab.core.checks import check_positive, check_positive_int
+from flashlab.core.checks import as_fraction, as_positive, as_positive_int
 
 __all__ = [
     "GPU",
     "GPUS",
+    "LONG_REQUEST_TOKENS",
     "MODELS",
     "Model",
     "PrefillCost",
@@ -63,13 +64,15 @@ __all__ = [
 ]
 
 
-def _check_dtype_bytes(dtype_bytes) -> None:
+def _dtype_bytes(dtype_bytes) -> int | float:
     # Not only integers: an 8-bit cache is 1, a 4-bit one 0.5, DeepSeek-V2's ~6-bit KV 0.75.
-    check_positive("dtype_bytes (bytes per element: 2 for fp16/bf16, 4 for fp32, 1 for fp8)", dtype_bytes)
+    return as_positive("dtype_bytes (bytes per element: 2 for fp16/bf16, 4 for fp32, 1 for fp8)", dtype_bytes)
 
 
 def _as_size(value):
     """Return ints as ints and whole floats as ints, so byte counts stay exact."""
+    if isinstance(value, int):
+        return value
     return int(value) if float(value).is_integer() else value
 
 
@@ -82,8 +85,8 @@ def score_matrix_bytes(n: int, dtype_bytes=2) -> int:
     >>> score_matrix_bytes(8192)  # 8K tokens in fp16: about 134 MB
     134217728
     """
-    check_positive_int("n (sequence length)", n)
-    _check_dtype_bytes(dtype_bytes)
+    n = as_positive_int("n (sequence length)", n)
+    dtype_bytes = _dtype_bytes(dtype_bytes)
     return _as_size(n * n * dtype_bytes)
 
 
@@ -95,9 +98,9 @@ def naive_attention_traffic(n: int, d: int, dtype_bytes=2, passes: int = 4, incl
     lesson's 4 x 134 MB = 537 MB at 8K). ``include_qkvo=True`` adds reading Q, K, V and writing O (4 n d elements),
     which makes it the count of the paper's standard attention (Dao et al. 2022, Algorithm 0): Theta(n d + n^2).
     """
-    check_positive_int("n (sequence length)", n)
-    check_positive_int("d (head dim)", d)
-    check_positive_int("passes (passes over the score matrix)", passes)
+    n = as_positive_int("n (sequence length)", n)
+    d = as_positive_int("d (head dim)", d)
+    passes = as_positive_int("passes (passes over the score matrix)", passes)
     if not isinstance(include_qkvo, bool):
         raise TypeError(f"include_qkvo must be True or False; got {include_qkvo!r}")
     traffic = passes * score_matrix_bytes(n, dtype_bytes)
@@ -116,9 +119,9 @@ def flash_attention_traffic(n: int, d: int, dtype_bytes=2) -> int:
     cache to keep those re-reads cheap. The per-row log-sum-exp the kernel also writes (n numbers) is left out,
     as in the lesson.
     """
-    check_positive_int("n (sequence length)", n)
-    check_positive_int("d (head dim)", d)
-    _check_dtype_bytes(dtype_bytes)
+    n = as_positive_int("n (sequence length)", n)
+    d = as_positive_int("d (head dim)", d)
+    dtype_bytes = _dtype_bytes(dtype_bytes)
     return _as_size(4 * n * d * dtype_bytes)
 
 
@@ -126,9 +129,9 @@ def flash_block_sizes(d: int, sram_bytes, dtype_bytes=2) -> tuple[int, int]:
     """The FlashAttention paper's block sizes (Dao et al. 2022, Algorithm 1): ``(B_r, B_c)`` with
     B_c = ceil(M / 4d) and B_r = min(B_c, d), where M = sram_bytes / dtype_bytes is the SRAM size in *elements*.
     """
-    check_positive_int("d (head dim)", d)
-    check_positive("sram_bytes (on-chip SRAM size in bytes)", sram_bytes)
-    _check_dtype_bytes(dtype_bytes)
+    d = as_positive_int("d (head dim)", d)
+    sram_bytes = as_positive("sram_bytes (on-chip SRAM size in bytes)", sram_bytes)
+    dtype_bytes = _dtype_bytes(dtype_bytes)
     m = sram_bytes / dtype_bytes  # M, in elements
     if m < 4 * d:
         raise ValueError(
@@ -157,7 +160,9 @@ def flash_io_accesses(n: int, d: int, sram_bytes, dtype_bytes=2) -> int:
     extra K/V block costs another sweep over Q and O. Once M is large enough that B_c >= n (T_c = 1) it flattens
     at about 6 n d, a little more than ``flash_attention_traffic`` because Algorithm 1 also initialises and reads O.
     """
-    check_positive_int("n (sequence length)", n)
+    n = as_positive_int("n (sequence length)", n)
+    d = as_positive_int("d (head dim)", d)
+    dtype_bytes = _dtype_bytes(dtype_bytes)
     _, block_c = flash_block_sizes(d, sram_bytes, dtype_bytes)
     t_c = math.ceil(n / block_c)  # number of K/V blocks: outer-loop iterations
     elements = (n * d + 2 * n) + 2 * n * d + t_c * (3 * n * d + 4 * n)
@@ -171,11 +176,9 @@ def attention_flops(n: int, d: int, causal: bool = False, dv: int | None = None)
     is skipped, the softmax's exponentials are not counted). ``dv`` is the value head dim when it differs from d
     (MLA); then the count is 2 n^2 (d + dv).
     """
-    check_positive_int("n (sequence length)", n)
-    check_positive_int("d (head dim)", d)
-    if dv is None:
-        dv = d
-    check_positive_int("dv (value head dim)", dv)
+    n = as_positive_int("n (sequence length)", n)
+    d = as_positive_int("d (head dim)", d)
+    dv = d if dv is None else as_positive_int("dv (value head dim)", dv)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False; got {causal!r}")
     flops = 2 * n * n * (d + dv)
@@ -191,7 +194,8 @@ def _copies(model: Model, per: str) -> int:
     """How many per-head quantities make one 'head', 'layer' or 'model' (query heads x layers)."""
     if per not in _PER:
         raise ValueError(f"per must be one of {_PER}; got {per!r}")
-    return {"head": 1, "layer": model.query_heads, "model": model.query_heads * model.layers}[per]
+    heads, layers = int(model.query_heads), int(model.layers)  # Python ints: exact at any size
+    return {"head": 1, "layer": heads, "model": heads * layers}[per]
 
 
 def model_score_matrix_bytes(n: int, model, dtype_bytes=2, per: str = "model") -> int:
@@ -205,7 +209,7 @@ def model_naive_traffic(n: int, model, dtype_bytes=2, per: str = "model", passes
     """``naive_attention_traffic`` for every query head (``per="layer"``: 34.4 GB for lesson-70b at 8K) and every
     layer (``per="model"``: 2.75 TB)."""
     model = as_model(model)
-    per_head = naive_attention_traffic(n, model.head_dim, dtype_bytes, passes=passes, include_qkvo=include_qkvo)
+    per_head = naive_attention_traffic(n, int(model.head_dim), dtype_bytes, passes=passes, include_qkvo=include_qkvo)
     return _as_size(per_head * _copies(model, per))
 
 
@@ -213,13 +217,14 @@ def model_flash_traffic(n: int, model, dtype_bytes=2, per: str = "model") -> int
     """``flash_attention_traffic`` for every query head and layer (the simplified per-head count, as the lesson:
     GQA heads that share K and V are not credited with reading them once)."""
     model = as_model(model)
-    return _as_size(flash_attention_traffic(n, model.head_dim, dtype_bytes) * _copies(model, per))
+    return _as_size(flash_attention_traffic(n, int(model.head_dim), dtype_bytes) * _copies(model, per))
 
 
 def model_attention_flops(n: int, model, causal: bool = False, per: str = "model") -> int:
     """``attention_flops`` for every query head and layer: 34.4 GFLOP x 64 x 80 = 176 TFLOP for lesson-70b at 8K."""
     model = as_model(model)
-    return attention_flops(n, model.head_dim, causal=causal, dv=model.value_dim) * _copies(model, per)
+    per_head = attention_flops(n, int(model.head_dim), causal=causal, dv=int(model.value_dim))
+    return per_head * _copies(model, per)
 
 
 # --- the roofline -------------------------------------------------------------------------------------------------
@@ -260,8 +265,7 @@ def time_bounds(flops, nbytes, gpu="lesson-gpu") -> TimeBounds:
     takes 0.92 s, 176 TFLOP take 0.35 s -- memory-bound, the tensor cores wait.
     """
     gpu = as_gpu(gpu)
-    for what, value in (("flops", flops), ("nbytes", nbytes)):
-        check_positive(what, value)
+    flops, nbytes = as_positive("flops", flops), as_positive("nbytes", nbytes)
     return TimeBounds(
         flops=flops,
         nbytes=nbytes,
@@ -299,6 +303,8 @@ class PrefillCost:
 def prefill_cost(n: int, model="lesson-70b", gpu="lesson-gpu", dtype_bytes=2, causal: bool = False) -> PrefillCost:
     """The whole lesson for one prompt: score-matrix memory, naive and flash traffic, FLOPs and both rooflines."""
     model, gpu_ = as_model(model), as_gpu(gpu)
+    n = as_positive_int("n (sequence length)", n)
+    dtype_bytes = _dtype_bytes(dtype_bytes)
     naive = model_naive_traffic(n, model, dtype_bytes)
     flash = model_flash_traffic(n, model, dtype_bytes)
     flops = model_attention_flops(n, model, causal=causal)
@@ -320,6 +326,10 @@ def prefill_cost(n: int, model="lesson-70b", gpu="lesson-gpu", dtype_bytes=2, ca
 
 # --- decode: the KV cache -----------------------------------------------------------------------------------------
 
+# The lesson's long request, "128K" tokens: 128,000 in decimal, as the lesson counts it (327,680 B x 128,000 =
+# 41.9 GB on lesson-70b), not 128 x 1,024 = 131,072. Notebooks 06 and 07 size their long request with it.
+LONG_REQUEST_TOKENS = 128_000
+
 
 def kv_cache_bytes_per_token(model, dtype_bytes=2) -> int:
     """Bytes of KV cache one token adds, over all layers.
@@ -329,14 +339,15 @@ def kv_cache_bytes_per_token(model, dtype_bytes=2) -> int:
     4-bit cache).
     """
     model = as_model(model)
-    _check_dtype_bytes(dtype_bytes)
-    return _as_size(model.kv_elements_per_token * dtype_bytes)
+    dtype_bytes = _dtype_bytes(dtype_bytes)
+    return _as_size(int(model.kv_elements_per_token) * dtype_bytes)
 
 
 def kv_cache_bytes(model, context: int, dtype_bytes=2, batch: int = 1) -> int:
-    """Bytes of KV cache for ``batch`` requests of ``context`` tokens: 41.9 GB for lesson-70b at 128,000 tokens."""
-    check_positive_int("context (tokens in the KV cache)", context)
-    check_positive_int("batch (requests)", batch)
+    """Bytes of KV cache for ``batch`` requests of ``context`` tokens: 41.9 GB for lesson-70b at the lesson's
+    128,000-token request (``LONG_REQUEST_TOKENS``); 336 GB for the same shape with one KV head per query head."""
+    context = as_positive_int("context (tokens in the KV cache)", context)
+    batch = as_positive_int("batch (requests)", batch)
     return _as_size(kv_cache_bytes_per_token(model, dtype_bytes) * context * batch)
 
 
@@ -347,10 +358,10 @@ def decode_read_time(model, context: int, gpus: int = 1, gpu="lesson-gpu", dtype
     ``gpu``'s HBM bandwidth). The lesson's case, lesson-70b at 128,000 tokens over 8 GPUs at 3.3 TB/s each:
     41.9 GB / 26.4 TB/s = 1.6 ms per token.
     """
-    check_positive_int("gpus (number of GPUs sharing the cache)", gpus)
+    gpus = as_positive_int("gpus (number of GPUs sharing the cache)", gpus)
     if bandwidth is None:
         bandwidth = as_gpu(gpu).hbm_bandwidth
-    check_positive("bandwidth (bytes/s per GPU)", bandwidth)
+    bandwidth = as_positive("bandwidth (bytes/s per GPU)", bandwidth)
     return kv_cache_bytes(model, context, dtype_bytes, batch) / (gpus * bandwidth)
 
 
@@ -359,11 +370,10 @@ def decode_read_time(model, context: int, gpus: int = 1, gpu="lesson-gpu", dtype
 
 def end_to_end_speedup(attention_share, kernel_speedup) -> float:
     """Amdahl's law: the step speedup when a fraction ``attention_share`` of the step gets ``kernel_speedup``x
-    faster. 30 % at 2x: 1 / (0.7 + 0.3 / 2) = 1.18x, not 2x."""
-    check_positive("attention_share", attention_share)
-    if attention_share > 1:
-        raise ValueError(f"attention_share is a fraction of the step time, 0 < share <= 1; got {attention_share}")
-    check_positive("kernel_speedup", kernel_speedup)
+    faster. 30 % at 2x: 1 / (0.7 + 0.3 / 2) = 1.18x, not 2x. ``attention_share`` is a fraction in [0, 1]: at 0
+    nothing got faster (1.0x), at 1 the whole step did (``kernel_speedup``)."""
+    attention_share = as_fraction("attention_share", attention_share)
+    kernel_speedup = float(as_positive("kernel_speedup", kernel_speedup))
     return 1.0 / ((1.0 - attention_share) + attention_share / kernel_speedup)
 
 
@@ -375,10 +385,11 @@ def tile_sram_bytes(block_m: int, block_n: int, d: int, dtype_bytes=2, acc_bytes
     "160 KB", with 1 KB = 1,024 B). ``include_output=True`` adds the block_m x d fp32 output accumulator, which
     real kernels keep in registers.
     """
-    for what, value in (("block_m", block_m), ("block_n", block_n), ("d (head dim)", d)):
-        check_positive_int(what, value)
-    _check_dtype_bytes(dtype_bytes)
-    check_positive("acc_bytes (bytes per accumulator element, 4 for fp32)", acc_bytes)
+    block_m = as_positive_int("block_m", block_m)
+    block_n = as_positive_int("block_n", block_n)
+    d = as_positive_int("d (head dim)", d)
+    dtype_bytes = _dtype_bytes(dtype_bytes)
+    acc_bytes = as_positive("acc_bytes (bytes per accumulator element, 4 for fp32)", acc_bytes)
     nbytes = (block_m + 2 * block_n) * d * dtype_bytes + block_m * block_n * acc_bytes
     if include_output:
         nbytes += block_m * d * acc_bytes
@@ -389,11 +400,23 @@ def tile_sram_bytes(block_m: int, block_n: int, d: int, dtype_bytes=2, acc_bytes
 
 
 def _format(value, digits: int, units) -> str:
-    """``units`` is [(scale, name, threshold)]: use the last unit whose threshold the value reaches."""
+    """``units`` is [(scale, name, threshold)]: use the last unit whose threshold the value reaches.
+
+    The value is rounded to ``digits`` significant figures first; a rounding that reaches the next unit's threshold
+    moves up to that unit (999,999 B is "1.00 MB", not "1000 kB").
+    """
+    digits = as_positive_int("digits (significant figures)", digits)
+    value = float(value)
     if value == 0:
         return f"0 {units[0][1]}"
-    scale, unit, _ = next((u for u in reversed(units) if abs(value) >= u[2]), units[0])
-    x = value / scale
+    i = max((k for k, u in enumerate(units) if abs(value) >= u[2]), default=0)
+    while True:
+        scale, unit, _ = units[i]
+        x = float(f"{value / scale:.{digits}g}")  # rounded to `digits` significant figures
+        if i + 1 < len(units) and abs(x) * scale >= units[i + 1][2]:
+            i += 1  # the rounding carried into the next unit
+            continue
+        break
     decimals = max(0, digits - 1 - int(math.floor(math.log10(abs(x)))))
     return f"{x:.{decimals}f} {unit}"
 

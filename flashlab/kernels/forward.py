@@ -18,7 +18,10 @@ The key tiles a query tile visits are split into three stages by the mask band (
     stage 1: tiles every row of the query tile sees    (no mask: the fast inner loop)
     stage 2: tiles cut by the diagonal / right edge, or by the end of the keys (element mask)
 
-Tiles outside the band are never loaded: the loop bounds come from the band, not from a per-tile test.
+Tiles outside the band are never loaded: the loop bounds come from the band, not from a per-tile test. In the two
+masked stages a hidden key gets p = 0 and adds nothing to a row's output, even if its V row holds inf or NaN
+(``softmax_step.accumulate_pv``; a plain ``tl.dot`` would make 0 * inf = NaN for every row of the tile); a row that
+does see such a value comes out NaN. Stage 1 keeps the plain dot, since every row sees every key there.
 
 Loads: plain pointer loads with masks (``tl.load``) everywhere; on Hopper at head dims <= 64 the tiles are moved
 by the tensor-memory accelerator instead (``desc.load``, TMA: one instruction per tile, out-of-bounds rows and
@@ -35,11 +38,13 @@ GPU and without the user setting ``TRITON_INTERPRET``.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import triton
 import triton.language as tl
 
+from flashlab.core.checks import as_real
 from flashlab.core.integers import cdiv, next_power_of_2
 from flashlab.core.masking import visible_band
 from flashlab.core.shapes import attention_shape
@@ -61,6 +66,8 @@ from flashlab.kernels.runtime import (
     smem_limit,
 )
 from flashlab.kernels.softmax_step import LN_2
+
+MAX_FLOAT32 = 3.4028234663852886e38  # the largest finite float32: qk_scale = scale * log2(e) must stay below it
 
 # ----------------------------------------------------------------------------------------------------------------
 # The kernel
@@ -197,7 +204,10 @@ def _attn_fwd(
             # -- rescale the output and accumulate this tile's P V: 2 * BLOCK_M * BLOCK_N * D FLOPs
             acc = acc * alpha[:, None]
             p = p.to(O.dtype.element_ty)  # P enters the second dot in the input dtype, as in FlashAttention
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            if stage == 1:
+                acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            else:  # hidden keys (p = 0) add nothing, even where their V rows hold inf or NaN
+                acc = softmax_step.accumulate_pv(acc, p.to(v.dtype), v, DOT_PRECISION)
             m_i = m_new
 
     # -- epilogue: normalise, write O (BLOCK_M * D * bytes) and lse (BLOCK_M * 4 bytes) once per query tile
@@ -336,12 +346,16 @@ def check_inputs(q, k, v, causal, window, scale):
         )
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False; got {causal!r}")
-    band = visible_band(shape.nq, shape.nk, causal, window)  # ValueError for a malformed window
+    band = visible_band(shape.nq, shape.nk, causal, window)  # ValueError for a malformed window; any int side
     if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"scale must be a number or None; got {type(scale).__name__}")
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite; got {scale}")
+        scale = as_real("scale", scale)  # ValueError for NaN, inf, or an int too large for a float (10**400)
+        if abs(scale) * LOG2_E > MAX_FLOAT32:
+            raise ValueError(
+                f"scale {scale:g} is outside float32's range: the kernels multiply scores by scale * log2(e) in "
+                f"float32, so |scale| must be at most {MAX_FLOAT32 / LOG2_E:.4g}"
+            )
     return shape, band
 
 
@@ -405,14 +419,13 @@ def kernel_args(q, k, v, causal, window, scale):
     ``max(s) * scale = max(s * scale)``; an unbounded side of the band becomes a distance wider than the matrix."""
     nq, nk, d = q.shape[2], k.shape[2], q.shape[3]
     offset, left, right = visible_band(nq, nk, causal, window)
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
+    scale = 1.0 / math.sqrt(d) if scale is None else as_real("scale", scale)  # a Python float (np.float32 too)
     if scale < 0:
         q, scale = -q, -scale
     big = nq + nk + 1  # "unbounded" side of the band: wider than any distance in the score matrix
-    win_left = big if left == float("inf") else int(left)
-    win_right = big if right == float("inf") else int(right)
-    return q, offset, win_left, win_right, float(scale) * LOG2_E
+    win_left = big if left == float("inf") else min(int(left), big)  # never past int32 in the kernel
+    win_right = big if right == float("inf") else min(int(right), big)
+    return q, offset, win_left, win_right, scale * LOG2_E
 
 
 def forward(q, k, v, causal, window, scale, num_splits=None, config=None, reverse_m=None, use_tma=None):

@@ -42,3 +42,21 @@ def online_softmax_step(s, m_i, l_i):
     alpha = tl.math.exp2(m_i - m_safe)
     l_new = l_i * alpha + tl.sum(p, 1)
     return p, m_new, alpha, l_new
+
+
+@triton.jit
+def accumulate_pv(acc, p, v, DOT_PRECISION: tl.constexpr):
+    """``acc + p @ v`` for a tile with an element mask, where a key with ``p == 0`` (hidden from that row) adds
+    nothing even if its V row holds inf or NaN -- inside a plain ``tl.dot`` 0 * inf is NaN and would reach every
+    row of the tile.
+
+    The dot takes V with its non-finite entries set to 0; a row that gives weight (p > 0) to a key whose V row
+    holds inf or NaN is then set to NaN as a whole, so it still shows that it saw one. (The float64 reference,
+    ``flashlab.reference.attention``, follows IEEE arithmetic column by column; both agree on which rows are not
+    finite.) Unmasked tiles, where every row sees every key, keep the plain dot.
+    """
+    finite = tl.abs(v) < float("inf")  # (BLOCK_N, BLOCK_D) False for +-inf and NaN
+    acc = tl.dot(p, tl.where(finite, v, 0.0), acc, input_precision=DOT_PRECISION)
+    key_bad = tl.max(tl.where(finite, 0, 1), 1)  # (BLOCK_N,) 1 where the key's V row holds inf or NaN
+    row_bad = tl.max(tl.where(p > 0, key_bad[None, :], 0), 1)  # (BLOCK_M,) 1 where a row weighs such a key
+    return tl.where(row_bad[:, None] > 0, float("nan"), acc)

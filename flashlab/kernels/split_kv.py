@@ -131,7 +131,7 @@ def _split_kv_partial(
             v = v.to(tl.float32)
         acc = acc * alpha[:, None]
         p = p.to(Q.dtype.element_ty)  # P enters the second dot in the input dtype, as in the prefill kernel
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        acc = softmax_step.accumulate_pv(acc, p.to(v.dtype), v, DOT_PRECISION)  # hidden keys add nothing
         m_i = m_new
 
     # -- this chunk's partial result: normalised output (fp32) and log-sum-exp (log2 units; -inf: saw no key)

@@ -11,8 +11,10 @@ Each key tile: S = Q_tile K_tile^T * scale (one block_m x block_n tile, the only
 the online-softmax update -- new max, rescale factor alpha = exp(m_old - m_new), l = alpha*l + rowsum(P),
 acc = alpha*acc + P V_tile. After the last tile: O = acc / l and lse = m + log(l).
 
-Tiles that the causal or window mask hides entirely are skipped without being loaded. Heads (and batch) run in
-parallel, as the kernel's grid does; here they are the leading axis of every array.
+Tiles that the causal or window mask hides entirely are skipped without being loaded. Inside a partly hidden
+tile the hidden keys have p = 0 and add nothing, even if their V rows hold inf or NaN
+(``flashlab.reference.attention.weighted_values``). Heads (and batch) run in parallel, as the kernel's grid does;
+here they are the leading axis of every array.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 
 from flashlab.core.integers import cdiv
 from flashlab.core.masking import FULL, PARTIAL, SKIPPED, TileMap, tile_state, visible_band
-from flashlab.reference.attention import as_heads, default_scale, reshape_out
+from flashlab.reference.attention import as_heads, default_scale, reshape_out, weighted_values
 
 
 def tiled_attention(
@@ -84,7 +86,7 @@ def tiled_attention(
             p = np.exp(s - m_safe[..., None])  # (BH, bm, bn)
             l = alpha * l + p.sum(axis=-1)
             # -- rescale the output and accumulate this tile's P @ V
-            acc = alpha[..., None] * acc + p @ v_tile  # (BH, bm, Dv)
+            acc = alpha[..., None] * acc + weighted_values(p, v_tile)  # (BH, bm, Dv); p = 0: hidden, adds nothing
             m = m_new
         # -- epilogue: normalise and write O and lse once per query tile
         seen = l > 0
