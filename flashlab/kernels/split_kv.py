@@ -110,6 +110,10 @@ def _split_kv_partial(
     hi = tl.minimum(tl.minimum(split_lo + keys_per_split, NK), qi_hi + offset + win_right + 1)
     lo = tl.maximum(lo, 0) // BLOCK_N * BLOCK_N
     diag = qi + offset  # (BLOCK_M,) key on each row's diagonal
+    # keys every row of the block sees: a tile inside [full_lo, full_hi) hides no key from any row, so its P V is a
+    # plain dot; only the band's edge tiles pay for ignoring non-finite V rows that a row cannot see
+    full_lo = qi_hi + offset - win_left
+    full_hi = tl.minimum(qi_lo + offset + win_right + 1, hi)
 
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -131,7 +135,10 @@ def _split_kv_partial(
             v = v.to(tl.float32)
         acc = acc * alpha[:, None]
         p = p.to(Q.dtype.element_ty)  # P enters the second dot in the input dtype, as in the prefill kernel
-        acc = softmax_step.accumulate_pv(acc, p.to(v.dtype), v, DOT_PRECISION)  # hidden keys add nothing
+        if (start_n >= full_lo) & (start_n + BLOCK_N <= full_hi):
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        else:
+            acc = softmax_step.accumulate_pv(acc, p.to(v.dtype), v, DOT_PRECISION)  # hidden keys add nothing
         m_i = m_new
 
     # -- this chunk's partial result: normalised output (fp32) and log-sum-exp (log2 units; -inf: saw no key)
