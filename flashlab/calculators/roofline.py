@@ -487,8 +487,8 @@ def eager_naive_attention_kernels(n: int, d: int, dtype_bytes=2, causal: bool = 
     n = 8,192, d = 128 in bf16 that is 6 passes over S (805 MB) plus 8.4 MB of Q, K, V and O, 814 MB a head,
     against the lesson's 4 passes (537 MB).
     """
-    check_positive_int("n (sequence length)", n)
-    check_positive_int("d (head dim)", d)
+    n = as_positive_int("n (sequence length)", n)
+    d = as_positive_int("d (head dim)", d)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False; got {causal!r}")
     s = score_matrix_bytes(n, dtype_bytes)  # one n x n matrix, S or P
@@ -544,9 +544,9 @@ def naive_attention_backward_traffic(n: int, d: int, dtype_bytes=2, passes: int 
     kernel for the scale, for the mask); fewer is possible only by fusing, which is what FlashAttention does.
     ``include_qkvo=True`` adds reading Q, K, V and dO and writing dQ, dK and dV once each (7 n d elements).
     """
-    check_positive_int("n (sequence length)", n)
-    check_positive_int("d (head dim)", d)
-    check_positive_int("passes (passes over n x n tensors)", passes)
+    n = as_positive_int("n (sequence length)", n)
+    d = as_positive_int("d (head dim)", d)
+    passes = as_positive_int("passes (passes over n x n tensors)", passes)
     if not isinstance(include_qkvo, bool):
         raise TypeError(f"include_qkvo must be True or False; got {include_qkvo!r}")
     traffic = passes * score_matrix_bytes(n, dtype_bytes)
@@ -565,10 +565,10 @@ def flash_attention_backward_traffic(n: int, d: int, dtype_bytes=2, stat_bytes=4
     16.9 MB at 8K, d = 128 in fp16. As with ``flash_attention_traffic``, real kernels re-read some tiles (the
     dK/dV pass walks Q and dO once per key tile) and rely on the L2 cache to keep that cheap.
     """
-    check_positive_int("n (sequence length)", n)
-    check_positive_int("d (head dim)", d)
-    _check_dtype_bytes(dtype_bytes)
-    check_positive("stat_bytes (bytes per lse / delta number, 4 for fp32)", stat_bytes)
+    n = as_positive_int("n (sequence length)", n)
+    d = as_positive_int("d (head dim)", d)
+    dtype_bytes = _dtype_bytes(dtype_bytes)
+    stat_bytes = as_positive("stat_bytes (bytes per lse / delta number, 4 for fp32)", stat_bytes)
     return _as_size(8 * n * d * dtype_bytes + 3 * n * stat_bytes)
 
 
@@ -579,9 +579,9 @@ def naive_saved_for_backward_bytes(n: int, d: int, dtype_bytes=2) -> int:
     dQ and dP. At 8K in fp16 that is 134 MB of P per head, per layer, for the whole step: training memory that
     grows as n^2.
     """
-    check_positive_int("n (sequence length)", n)
-    check_positive_int("d (head dim)", d)
-    _check_dtype_bytes(dtype_bytes)
+    n = as_positive_int("n (sequence length)", n)
+    d = as_positive_int("d (head dim)", d)
+    dtype_bytes = _dtype_bytes(dtype_bytes)
     return _as_size((n * n + 3 * n * d) * dtype_bytes)
 
 
@@ -592,10 +592,10 @@ def flash_saved_for_backward_bytes(n: int, d: int, dtype_bytes=2, stat_bytes=4) 
     by tile. Grows as n, not n^2: 8.4 MB at 8K, d = 128 in fp16. (O would usually be kept anyway: the next layer
     reads it.)
     """
-    check_positive_int("n (sequence length)", n)
-    check_positive_int("d (head dim)", d)
-    _check_dtype_bytes(dtype_bytes)
-    check_positive("stat_bytes (bytes per lse number, 4 for fp32)", stat_bytes)
+    n = as_positive_int("n (sequence length)", n)
+    d = as_positive_int("d (head dim)", d)
+    dtype_bytes = _dtype_bytes(dtype_bytes)
+    stat_bytes = as_positive("stat_bytes (bytes per lse number, 4 for fp32)", stat_bytes)
     return _as_size(4 * n * d * dtype_bytes + n * stat_bytes)
 
 
