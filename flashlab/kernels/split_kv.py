@@ -9,7 +9,7 @@ head that shares it. This path fixes both:
    of the query heads that share that K/V head (``GROUP * Nq`` rows), so each K/V tile is read from memory once,
    and the keys are cut into ``num_splits`` chunks that run side by side. Each program runs the same online
    softmax as the prefill kernel over its chunk and writes a partial output and its log-sum-exp.
-2. ``_split_kv_merge``: one program per query row combines the chunks' partial outputs, weighted by
+2. ``split_kv_merge``: one program per query row combines the chunks' partial outputs, weighted by
    ``exp(lse_chunk - lse_total)``: the log-sum-exp merge of ``flashlab.reference.merge_partials``, which is the
    float64 reference for this step (notebook 06 does it by hand).
 
@@ -146,7 +146,7 @@ def _split_kv_partial(
 
 
 @triton.jit
-def _split_kv_merge(
+def split_kv_merge(
     O_PART, LSE_PART, O, LSE,  # the chunks' partial outputs and log-sum-exps; the merged output and lse
     stride_ob, stride_oh, stride_om,
     HQ, NQ, NUM_SPLITS,
@@ -199,7 +199,7 @@ def _config(bn, warps, stages):
     return triton.Config({"BLOCK_N": bn}, num_warps=warps, num_stages=stages)
 
 
-def _prune_configs(configs, named_args, **kwargs):
+def prune_configs(configs, named_args, **kwargs):
     """This dtype's configs whose Q tile and pipelined K/V tiles fit the chip's shared memory."""
     meta = {**named_args, **kwargs}
     q, bm, bd = meta["Q"], meta["BLOCK_M"], meta["BLOCK_D"]
@@ -210,10 +210,15 @@ def _prune_configs(configs, named_args, **kwargs):
     return fits or [_config(32, 4, 1)]
 
 
+def tuning_configs():
+    """Every config a split-KV partial kernel is autotuned over (``prune_configs`` keeps those for the dtype)."""
+    return [_config(*c) for c in sorted(set(TUNING_SPACE) | set(FP32_TUNING_SPACE) | {(32, 4, 1)})]
+
+
 _split_kv_partial_tuned = triton.autotune(
-    configs=[_config(*c) for c in sorted(set(TUNING_SPACE) | set(FP32_TUNING_SPACE) | {(32, 4, 1)})],
+    configs=tuning_configs(),
     key=["TUNE_KEY_N", "TUNE_KEY_UNITS", "HEAD_DIM", "BLOCK_M", "DOT_PRECISION"],
-    prune_configs_by={"early_config_prune": _prune_configs},
+    prune_configs_by={"early_config_prune": prune_configs},
 )(_split_kv_partial)
 
 
@@ -234,6 +239,33 @@ def choose_splits(units: int, band_keys: int, sm_count: int) -> int:
     return max(1, min(wanted, most, MAX_SPLITS))
 
 
+def packed_block_m(rows: int) -> int:
+    """Packed query rows per program for ``rows = GROUP * Nq`` packed rows: a power of two in [16, 64]."""
+    return min(64, max(16, next_power_of_2(rows)))
+
+
+def split_keys(nk: int, num_splits: int) -> tuple[int, int]:
+    """``(keys_per_split, num_splits)``: chunks of ``nk`` keys starting at multiples of ``KEY_ALIGN``, with the
+    chunks that would start past the last key dropped."""
+    keys_per_split = cdiv(cdiv(nk, num_splits), KEY_ALIGN) * KEY_ALIGN
+    return keys_per_split, cdiv(nk, keys_per_split)
+
+
+def merge(o_part, lse_part, o, lse, num_splits: int) -> None:
+    """Launch ``split_kv_merge``: combine the partial outputs ``o_part`` (B*Hq*Nq*num_splits*D floats) and
+    log-sum-exps ``lse_part`` (log2 units) into ``o`` (B, Hq, Nq, D) and ``lse`` (B, Hq, Nq), natural log."""
+    b, hq, nq, d = o.shape
+    bd = block_d(d)
+    args = (o_part, lse_part, o, lse, o.stride(0), o.stride(1), o.stride(2), hq, nq, num_splits)
+    meta = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_S=max(2, next_power_of_2(num_splits)), CHUNK_S=8)
+    if o.is_cuda:
+        with torch.cuda.device(o.device):
+            split_kv_merge[(b * hq * nq,)](*args, **meta)
+    else:
+        with interpreted_language(softmax_step):
+            interpreted(split_kv_merge)[(b * hq * nq,)](*args, **meta)
+
+
 def launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits=None):
     """Run the split-KV path on checked inputs (``flashlab.kernels.forward.forward`` prepares them): writes ``o``
     and ``lse``. ``num_splits=None`` picks the number of chunks with ``choose_splits``."""
@@ -242,15 +274,14 @@ def launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits=No
     group = hq // hk
     bd = block_d(d)
     rows = group * nq
-    block_m = min(64, max(16, next_power_of_2(rows)))
+    block_m = packed_block_m(rows)
     row_blocks = cdiv(rows, block_m)
     # keys any query can see: the band of query 0's left edge to query nq-1's right edge, within [0, nk)
     band_keys = max(0, min(nk, nq - 1 + offset + win_right + 1) - max(0, offset - win_left))
     if num_splits is None:
         sms = sm_count(device_index(q)) if q.is_cuda else CPU_SM_COUNT
         num_splits = choose_splits(b * hk * row_blocks, max(band_keys, 1), sms)
-    keys_per_split = cdiv(cdiv(nk, num_splits), KEY_ALIGN) * KEY_ALIGN
-    num_splits = cdiv(nk, keys_per_split)  # drop chunks that would start past the last key
+    keys_per_split, num_splits = split_keys(nk, num_splits)
 
     # one workspace: partial outputs (b, hq, nq, num_splits, d) then their log-sum-exps (b, hq, nq, num_splits)
     parts = b * hq * nq * num_splits
@@ -279,12 +310,25 @@ def launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits=No
             else:
                 _split_kv_partial_tuned[grid](*args, *tune, **meta)
                 _BEST_CONFIG[key] = _split_kv_partial_tuned.best_config.all_kwargs()
-            _split_kv_merge[(b * hq * nq,)](*merge_args, **merge_meta)
+            split_kv_merge[(b * hq * nq,)](*merge_args, **merge_meta)
     else:
         with interpreted_language(softmax_step):
             interpreted(_split_kv_partial)[grid](*args, *tune, **meta, BLOCK_N=CPU_CONFIG["BLOCK_N"])
-            interpreted(_split_kv_merge)[(b * hq * nq,)](*merge_args, **merge_meta)
+            interpreted(split_kv_merge)[(b * hq * nq,)](*merge_args, **merge_meta)
     return num_splits
 
 
-__all__ = ["choose_splits", "launch", "MAX_SPLIT_QUERY_ROWS", "MIN_KEYS_PER_SPLIT", "MAX_SPLITS"]
+__all__ = [
+    "KEY_ALIGN",
+    "MAX_SPLIT_QUERY_ROWS",
+    "MAX_SPLITS",
+    "MIN_KEYS_PER_SPLIT",
+    "choose_splits",
+    "launch",
+    "merge",
+    "packed_block_m",
+    "prune_configs",
+    "split_keys",
+    "split_kv_merge",
+    "tuning_configs",
+]
