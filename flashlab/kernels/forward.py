@@ -415,6 +415,10 @@ def kernel_args(q, k, v, causal, window, scale):
     return q, offset, win_left, win_right, float(scale) * LOG2_E
 
 
+# Set by flashlab.kernels.op: ``forward``'s stand-in while torch.compile traces it (the registered operator).
+TRACED_FORWARD = None
+
+
 def forward(q, k, v, causal, window, scale, num_splits=None, config=None, reverse_m=None, use_tma=None):
     """Run the forward pass on checked inputs; returns ``(o, lse)``.
 
@@ -423,6 +427,9 @@ def forward(q, k, v, causal, window, scale, num_splits=None, config=None, revers
     num_stages) bypasses the autotuner, ``reverse_m`` overrides the causal tile order, ``use_tma`` forces TMA
     loads on or off where they can be used. None leaves each to the kernel's own choice.
     """
+    if TRACED_FORWARD is not None and config is None and reverse_m is None and use_tma is None:
+        if torch.compiler.is_compiling():  # torch.compile: the launch is one opaque operator (flashlab.kernels.op)
+            return TRACED_FORWARD(q, k, v, causal, window, scale, num_splits)
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     # the kernel assumes unit stride along D (16-byte vector loads); other strides are passed through untouched

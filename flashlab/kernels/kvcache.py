@@ -192,7 +192,8 @@ def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal
     Every bad argument is a TypeError or ValueError naming it.
 
     The values of ``cache_seqlens`` and of the block table's used entries are checked too (on a GPU with one
-    synchronisation), except while a CUDA graph is being captured, where the host cannot read device memory.
+    synchronisation), except while a CUDA graph is being captured or torch.compile traces the call, where the host
+    cannot read device memory (the compiled operator checks them when it runs).
     """
     _check_tensor("q", q, 4)
     _check_tensor("k_cache", k_cache, 4)
@@ -261,7 +262,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal
             raise TypeError(f"scale must be a number or None; got {type(scale).__name__}")
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite; got {scale}")
-    if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not (torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
         _check_values(cache_seqlens, block_table, capacity, pages, page_size)
     return capacity
 
@@ -294,6 +295,10 @@ def _check_values(cache_seqlens, block_table, capacity, pages, page_size):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+# Set by flashlab.kernels.op: the registered operator, called instead of the launch while torch.compile traces.
+TRACED_KVCACHE = None
+
+
 def flash_attention_with_kvcache(
     q, k_cache, v_cache, cache_seqlens, block_table=None, causal=False, window=None, scale=None, return_lse=False
 ):
@@ -314,6 +319,9 @@ def flash_attention_with_kvcache(
     Returns ``o`` like q, or ``(o, lse)`` with lse ``(B, Hq, Nq)`` float32 natural log-sum-exps.
     """
     capacity = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+    if TRACED_KVCACHE is not None and torch.compiler.is_compiling():  # one opaque operator (flashlab.kernels.op)
+        o, lse = TRACED_KVCACHE(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+        return (o, lse) if return_lse else o
     o, lse = kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, capacity)
     return (o, lse) if return_lse else o
 
