@@ -56,9 +56,11 @@ CPU_SM_COUNT = 4  # what the CPU path pretends to have: long caches still get se
 @triton.jit
 def _split_kv_partial(
     Q, K, V, O_PART, LSE_PART,  # q, k, v; the partial outputs (fp32) and log-sum-exps (log2 units) per chunk
+    O, LSE,  # the output and its lse: written here, without a merge, when there is one chunk (DIRECT)
     stride_qb, stride_qh, stride_qm,  # strides (elements) of q over batch, head, row; D has stride 1
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
     HQ, HK, GROUP, NQ, NK,  # query heads, K/V heads, query heads per K/V head, query and key lengths
     offset, win_left, win_right,  # the band: query i sees keys [i + offset - win_left, i + offset + win_right]
     keys_per_split, NUM_SPLITS,  # each chunk's keys: [split * keys_per_split, (split + 1) * keys_per_split)
@@ -70,6 +72,7 @@ def _split_kv_partial(
     BLOCK_N: tl.constexpr,  # keys per inner-loop step
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
     DOT_UPCAST: tl.constexpr,  # interpreter: feed 16-bit tiles to the dots as fp32
+    DIRECT: tl.constexpr,  # one chunk: normalise and write O and LSE here (one kernel instead of two)
 ):
     # fmt: on
     pid_s = tl.program_id(0)  # which chunk of keys
@@ -138,11 +141,16 @@ def _split_kv_partial(
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     lse2 = tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))
-    part = ((off_b * HQ + off_h) * NQ + qi).to(tl.int64) * NUM_SPLITS + pid_s  # (BLOCK_M,) row in the workspace
-    tl.store(LSE_PART + part, lse2, mask=row_ok)
-    tl.store(
-        O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None], mask=row_ok[:, None] & d_ok[None, :]
-    )
+    if DIRECT:  # the only chunk: this is the answer (natural-log lse, output in the input dtype)
+        out = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + qi.to(tl.int64) * stride_om
+        tl.store(LSE + (off_b * HQ + off_h) * NQ + qi, lse2 * LN_2, mask=row_ok)
+        o = acc / l_safe[:, None]
+        tl.store(out[:, None] + offs_d[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        part = ((off_b * HQ + off_h) * NQ + qi).to(tl.int64) * NUM_SPLITS + pid_s  # (BLOCK_M,) row in the workspace
+        tl.store(LSE_PART + part, lse2, mask=row_ok)
+        o_ptrs = O_PART + part[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(o_ptrs, acc / l_safe[:, None], mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -217,7 +225,7 @@ def tuning_configs():
 
 _split_kv_partial_tuned = triton.autotune(
     configs=tuning_configs(),
-    key=["TUNE_KEY_N", "TUNE_KEY_UNITS", "HEAD_DIM", "BLOCK_M", "DOT_PRECISION"],
+    key=["TUNE_KEY_N", "TUNE_KEY_UNITS", "HEAD_DIM", "BLOCK_M", "DOT_PRECISION", "DIRECT"],
     prune_configs_by={"early_config_prune": prune_configs},
 )(_split_kv_partial)
 
@@ -266,60 +274,114 @@ def merge(o_part, lse_part, o, lse, num_splits: int) -> None:
             interpreted(split_kv_merge)[(b * hq * nq,)](*args, **meta)
 
 
+class LaunchPlan:
+    """Everything ``launch`` decides for one call signature, worked out once and reused: the chunks, the grids,
+    the scalar arguments and constexprs of both kernels, and (on a GPU, after the first call) the autotuner's pick.
+    A decode step then costs a workspace allocation and one or two kernel launches."""
+
+    __slots__ = ("num_splits", "direct", "parts", "d", "grid", "scalars", "tune", "meta", "merge_grid", "merge_args")
+    __slots__ += ("merge_meta",)
+
+    def __init__(self, q, k, v, o, offset, win_left, win_right, qk_scale, num_splits):
+        b, hq, nq, d = q.shape
+        hk, nk = k.shape[1], k.shape[2]
+        group = hq // hk
+        rows = group * nq
+        block_m = packed_block_m(rows)
+        row_blocks = cdiv(rows, block_m)
+        # keys any query can see: the band of query 0's left edge to query nq-1's right edge, within [0, nk)
+        band_keys = max(0, min(nk, nq - 1 + offset + win_right + 1) - max(0, offset - win_left))
+        if num_splits is None:
+            sms = sm_count(device_index(q)) if q.is_cuda else CPU_SM_COUNT
+            num_splits = choose_splits(b * hk * row_blocks, max(band_keys, 1), sms)
+        keys_per_split, num_splits = split_keys(nk, num_splits)
+        self.num_splits, self.direct, self.d = num_splits, num_splits == 1, d
+        # one workspace: partial outputs (b, hq, nq, num_splits, d) then their log-sum-exps (b, hq, nq, num_splits)
+        self.parts = b * hq * nq * num_splits
+        self.grid = (num_splits, b * hk, row_blocks)
+        self.scalars = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+        self.scalars += (v.stride(0), v.stride(1), v.stride(2))
+        self.scalars += (o.stride(0), o.stride(1), o.stride(2))
+        self.scalars += (hq, hk, group, nq, nk, offset, win_left, win_right, keys_per_split, num_splits, qk_scale)
+        self.tune = (next_power_of_2(nk), next_power_of_2(b * hk * row_blocks * num_splits))
+        self.meta = dict(
+            HEAD_DIM=d,
+            BLOCK_D=block_d(d),
+            BLOCK_M=block_m,
+            DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
+            DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
+            DIRECT=self.direct,
+        )
+        self.merge_grid = (b * hq * nq,)
+        self.merge_args = (o.stride(0), o.stride(1), o.stride(2), hq, nq, num_splits)
+        self.merge_meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_S=max(2, next_power_of_2(num_splits)), CHUNK_S=8)
+
+
+_PLANS: dict = {}  # call signature -> LaunchPlan
+MAX_PLANS = 4096  # a decode loop over a growing contiguous cache meets a new length every step: bound the cache
+
+
+def plan_launch(q, k, v, o, offset, win_left, win_right, qk_scale, num_splits=None) -> LaunchPlan:
+    """The ``LaunchPlan`` of this call signature: from the cache, or made (and cached) now."""
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device)
+    key += (offset, win_left, win_right, qk_scale, num_splits)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = LaunchPlan(q, k, v, o, offset, win_left, win_right, qk_scale, num_splits)
+    return plan
+
+
 def launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits=None):
     """Run the split-KV path on checked inputs (``flashlab.kernels.forward.forward`` prepares them): writes ``o``
-    and ``lse``. ``num_splits=None`` picks the number of chunks with ``choose_splits``."""
-    b, hq, nq, d = q.shape
-    hk, nk = k.shape[1], k.shape[2]
-    group = hq // hk
-    bd = block_d(d)
-    rows = group * nq
-    block_m = packed_block_m(rows)
-    row_blocks = cdiv(rows, block_m)
-    # keys any query can see: the band of query 0's left edge to query nq-1's right edge, within [0, nk)
-    band_keys = max(0, min(nk, nq - 1 + offset + win_right + 1) - max(0, offset - win_left))
-    if num_splits is None:
-        sms = sm_count(device_index(q)) if q.is_cuda else CPU_SM_COUNT
-        num_splits = choose_splits(b * hk * row_blocks, max(band_keys, 1), sms)
-    keys_per_split, num_splits = split_keys(nk, num_splits)
+    and ``lse``; returns the number of chunks. ``num_splits=None`` picks it with ``choose_splits``. With one chunk
+    the partial kernel writes ``o`` and ``lse`` itself and the merge is skipped."""
+    plan = plan_launch(q, k, v, o, offset, win_left, win_right, qk_scale, num_splits)
+    run(plan, q, k, v, o, lse)
+    return plan.num_splits
 
-    # one workspace: partial outputs (b, hq, nq, num_splits, d) then their log-sum-exps (b, hq, nq, num_splits)
-    parts = b * hq * nq * num_splits
-    work = torch.empty(parts * (d + 1), dtype=torch.float32, device=q.device)
-    o_part, lse_part = work[: parts * d], work[parts * d :]
-    args = (q, k, v, o_part, lse_part)
-    args += (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
-    args += (v.stride(0), v.stride(1), v.stride(2))
-    args += (hq, hk, group, nq, nk, offset, win_left, win_right, keys_per_split, num_splits, qk_scale)
-    tune = (next_power_of_2(nk), next_power_of_2(b * hk * row_blocks * num_splits))
-    meta = dict(
-        HEAD_DIM=d,
-        BLOCK_D=bd,
-        BLOCK_M=block_m,
-        DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
-        DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
-    )
-    grid = (num_splits, b * hk, row_blocks)
-    merge_args = (o_part, lse_part, o, lse, o.stride(0), o.stride(1), o.stride(2), hq, nq, num_splits)
-    merge_meta = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_S=max(2, next_power_of_2(num_splits)), CHUNK_S=8)
+
+def run(plan: LaunchPlan, q, k, v, o, lse) -> None:
+    """Launch a planned split-KV call on tensors of the plan's signature."""
+    if plan.direct:
+        o_part = lse_part = lse  # not written
+    else:
+        work = torch.empty(plan.parts * (plan.d + 1), dtype=torch.float32, device=q.device)
+        o_part, lse_part = work[: plan.parts * plan.d], work[plan.parts * plan.d :]
+    args = (q, k, v, o_part, lse_part, o, lse, *plan.scalars, *plan.tune)
     if q.is_cuda:
-        key = (q.device, q.dtype, tune, *meta.values())
-        with torch.cuda.device(q.device):
-            if key in _BEST_CONFIG:  # Python launch overhead is most of a short decode step: skip the autotuner
-                _split_kv_partial[grid](*args, *tune, **meta, **_BEST_CONFIG[key])
-            else:
-                _split_kv_partial_tuned[grid](*args, *tune, **meta)
-                _BEST_CONFIG[key] = _split_kv_partial_tuned.best_config.all_kwargs()
-            split_kv_merge[(b * hq * nq,)](*merge_args, **merge_meta)
+        if q.device.index is not None and q.device.index != torch.cuda.current_device():
+            with torch.cuda.device(q.device):
+                _launch_cuda(plan, args, o_part, lse_part, o, lse)
+        else:
+            _launch_cuda(plan, args, o_part, lse_part, o, lse)
     else:
         with interpreted_language(softmax_step):
-            interpreted(_split_kv_partial)[grid](*args, *tune, **meta, BLOCK_N=CPU_CONFIG["BLOCK_N"])
-            interpreted(split_kv_merge)[(b * hq * nq,)](*merge_args, **merge_meta)
-    return num_splits
+            interpreted(_split_kv_partial)[plan.grid](*args, **plan.meta, BLOCK_N=CPU_CONFIG["BLOCK_N"])
+            if not plan.direct:
+                merge_args = (o_part, lse_part, o, lse, *plan.merge_args)
+                interpreted(split_kv_merge)[plan.merge_grid](*merge_args, **plan.merge_meta)
+
+
+def _launch_cuda(plan, args, o_part, lse_part, o, lse):
+    if "num_warps" in plan.meta:  # the autotuner's pick for this signature, found on an earlier call
+        _split_kv_partial[plan.grid](*args, **plan.meta)
+    else:
+        key = (o.device, o.dtype, plan.tune, *plan.meta.values())
+        if key not in _BEST_CONFIG:
+            _split_kv_partial_tuned[plan.grid](*args, **plan.meta)
+            _BEST_CONFIG[key] = _split_kv_partial_tuned.best_config.all_kwargs()
+        else:
+            _split_kv_partial[plan.grid](*args, **plan.meta, **_BEST_CONFIG[key])
+        plan.meta = {**plan.meta, **_BEST_CONFIG[key]}
+    if not plan.direct:
+        split_kv_merge[plan.merge_grid](o_part, lse_part, o, lse, *plan.merge_args, **plan.merge_meta)
 
 
 __all__ = [
     "KEY_ALIGN",
+    "LaunchPlan",
     "MAX_SPLIT_QUERY_ROWS",
     "MAX_SPLITS",
     "MIN_KEYS_PER_SPLIT",
@@ -327,7 +389,9 @@ __all__ = [
     "launch",
     "merge",
     "packed_block_m",
+    "plan_launch",
     "prune_configs",
+    "run",
     "split_keys",
     "split_kv_merge",
     "tuning_configs",

@@ -1,0 +1,66 @@
+"""The host side of a call: decisions made once per call signature and reused, without weakening the checks.
+
+``flash_attention`` remembers, per signature (shapes, strides, dtypes, devices, mask, scale), that the inputs passed
+its checks and what the launch needs (``forward.ForwardPlan``, ``split_kv.LaunchPlan``); these tests make sure a
+remembered signature gives the same answer, that a different signature is planned afresh, and that arguments
+which only compare equal to a checked one (``True == 1``) are still refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernel import check_against_reference, make_qkv
+
+from flashlab import flash_attention
+from flashlab.kernels import forward, split_kv
+
+
+def count_plans(monkeypatch):
+    made = []
+    real = forward.ForwardPlan.__init__
+
+    def counting(self, *args):
+        made.append(args)
+        real(self, *args)
+
+    monkeypatch.setattr(forward.ForwardPlan, "__init__", counting)
+    return made
+
+
+@pytest.mark.parametrize("nq", [1, 20], ids=["decode", "prefill"])
+def test_a_signature_is_planned_once(monkeypatch, nq):
+    made = count_plans(monkeypatch)
+    q, k, v = make_qkv(1, 4, 2, nq, 45, 16, torch.float32, seed=nq)
+    first = flash_attention(q, k, v, causal=True, scale=0.3)
+    q2, k2, v2 = make_qkv(1, 4, 2, nq, 45, 16, torch.float32, seed=nq + 100)  # same signature, new values
+    second = flash_attention(q2, k2, v2, causal=True, scale=0.3)
+    assert len(made) <= 1  # planned on the first call (or already, by an earlier test), not again
+    check_against_reference(q2, k2, v2, causal=True, scale=0.3)
+    assert not torch.equal(first, second)
+    flash_attention(q, k, v, causal=False, scale=0.3)  # another mask: another plan
+    assert len(made) >= 1 and made[-1][3] is False
+
+
+def test_single_chunk_decode_writes_the_output_directly():
+    q, k, v = make_qkv(2, 4, 2, 1, 100, 16, torch.float32, seed=3)
+    o, lse = forward.forward(q, k, v, False, None, None)
+    plan = next(p for p in forward._PLANS.values() if p.split is not None and p.o_shape == (2, 4, 1, 16))
+    assert plan.split.direct and plan.split.num_splits == 1  # 100 keys: one chunk, no merge kernel
+    check_against_reference(q, k, v)
+    o3 = forward.forward(q, k, v, False, None, None, num_splits=split_kv.MAX_SPLITS)  # many chunks, merged
+    torch.testing.assert_close(o3[0], o, rtol=1e-5, atol=1e-5)
+
+
+def test_remembered_signatures_still_refuse_bad_arguments():
+    q, k, v = make_qkv(1, 2, 1, 1, 20, 16, torch.float32, seed=4)
+    flash_attention(q, k, v, causal=True, scale=1)
+    with pytest.raises(TypeError, match="scale must be a number"):
+        flash_attention(q, k, v, causal=True, scale=True)  # True == 1, but it is not a scale
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        flash_attention(q, k, v, causal=1, scale=1)
+    flash_attention(q, k, v, window=(3, None))
+    with pytest.raises(ValueError, match="window left"):
+        flash_attention(q, k, v, window=(True, None))
+    with pytest.raises(TypeError, match="same dtype"):
+        flash_attention(q, k.half(), v)
