@@ -67,6 +67,21 @@ def time_ms(fn: Callable, device: str, warmup: float, rep: float) -> float:
     return statistics.median(times)
 
 
+def host_us(fn: Callable, device: str, calls: int = 50) -> float:
+    """Host microseconds per eager call: a loop of ``calls`` calls started with the GPU idle, its wall time before
+    the final synchronise, per call (the launch queue is deep, so the host never waits on the GPU); NaN on the CPU,
+    where the interpreter runs the kernel on the host."""
+    if device != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
 def peak_extra_bytes(fn: Callable, device: str) -> float:
     """Peak memory one call allocates beyond what was allocated before it (inputs); NaN on the CPU (n/a)."""
     if device != "cuda":
@@ -114,6 +129,7 @@ def bench_cell(cell: Cell, backends: Sequence[Backend], config: BenchConfig, met
             tflops=float("nan"),
             bandwidth_gbps=float("nan"),
             peak_extra_mb=float("nan"),
+            host_us=float("nan"),
             flops=cell.flops,
             io_bytes=cell.io_bytes,
         )
@@ -163,6 +179,7 @@ def bench_cell(cell: Cell, backends: Sequence[Backend], config: BenchConfig, met
             # 2. peak extra memory of one call, then 3. time
             row["peak_extra_mb"] = peak_extra_bytes(fn, device) / 1e6
             ms = time_ms(fn, device, config.warmup, config.rep)
+            row["host_us"] = host_us(fn, device)
         except Exception as e:  # noqa: BLE001 -- one failing backend must not end the sweep
             if _is_oom(e):
                 row.update(status="oom", reason=_one_line(f"out of memory: {e}"))

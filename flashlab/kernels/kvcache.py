@@ -396,4 +396,32 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, causal, win
     return o, lse
 
 
-__all__ = ["BLOCK_SIZE_MULTIPLE", "check_kvcache_inputs", "flash_attention_with_kvcache", "kvcache_forward"]
+def paged_kv_cache(k, v, block_size: int, lengths=None, seed: int = 0):
+    """The keys and values of contiguous ``k``, ``v`` ``(B, Hk, N, D)`` copied into a paged pool, blocks shuffled:
+    ``(k_cache, v_cache, block_table, cache_seqlens)`` with the pool ``(B * ceil(N / block_size), block_size, Hk,
+    D)``, the block table ``(B, ceil(N / block_size))`` int32 (a random permutation of the pool's blocks) and the
+    lengths ``(B,)`` int32 (``lengths``, default N for every sequence). For benchmarks and demonstrations; a
+    serving engine writes its pool one token at a time instead."""
+    b, hk, n, d = k.shape
+    max_blocks = cdiv(n, block_size)
+    perm = torch.randperm(b * max_blocks, generator=torch.Generator().manual_seed(seed)).to(k.device)
+    table = perm.view(b, max_blocks).to(torch.int32)
+
+    def pool(x):  # block i of sequence b goes to pool[table[b, i]]
+        x = torch.nn.functional.pad(x, (0, 0, 0, max_blocks * block_size - n))  # (B, Hk, max_blocks * bs, D)
+        x = x.permute(0, 2, 1, 3).reshape(b * max_blocks, block_size, hk, d)
+        out = torch.empty_like(x)
+        out[perm] = x
+        return out
+
+    lengths = [n] * b if lengths is None else list(lengths)
+    return pool(k), pool(v), table, torch.tensor(lengths, dtype=torch.int32, device=k.device)
+
+
+__all__ = [
+    "BLOCK_SIZE_MULTIPLE",
+    "check_kvcache_inputs",
+    "flash_attention_with_kvcache",
+    "kvcache_forward",
+    "paged_kv_cache",
+]
