@@ -64,3 +64,51 @@ def test_remembered_signatures_still_refuse_bad_arguments():
         flash_attention(q, k, v, window=(True, None))
     with pytest.raises(TypeError, match="same dtype"):
         flash_attention(q, k.half(), v)
+
+
+def test_fast_launch_fills_the_tensor_slots_of_tritons_own_binding(monkeypatch):
+    # Triton's binder gives every parameter's value in signature order; a FastLaunch keeps those and swaps in the
+    # new call's tensors where the named tensor parameters sit, then calls the kernel's launcher the way
+    # JITFunction.run does. A stand-in kernel records what the launcher receives.
+    from types import SimpleNamespace
+
+    from flashlab.kernels import runtime
+
+    def binder(Q, n, O, BLOCK: int = 16, num_warps=4):  # noqa: N803 -- kernel parameter names
+        return {"Q": Q, "n": n, "O": O, "BLOCK": BLOCK}, None, None
+
+    calls = []
+    jit = SimpleNamespace(device_caches={0: (None, None, binder)})
+    kernel = SimpleNamespace(run=lambda *a: calls.append(a), function="fn", packed_metadata="meta")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(runtime, "FAST_LAUNCH", True)
+    first_q, first_o = torch.zeros(1), torch.zeros(1)
+    meta = {"BLOCK": 32, "num_warps": 8}
+    fast = runtime.FastLaunch.build(jit, kernel, (3, 2), (first_q, 7, first_o), meta, ("Q", "O"))
+    assert fast is not None and fast.values == [None, 7, None, 32]  # no reference kept to the first call's tensors
+    q, o = torch.ones(2), torch.ones(3)
+    fast("stream", q, o)
+    (args,) = calls
+    assert args[:9] == (3, 2, 1, "stream", "fn", "meta", None, None, None)
+    assert args[9] is q and args[10] == 7 and args[11] is o and args[12] == 32
+    monkeypatch.setattr(runtime, "FAST_LAUNCH", False)
+    assert runtime.FastLaunch.build(jit, kernel, (3,), (q, 7, o), {}, ("Q", "O")) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nk", [1024, 32768])
+def test_decode_relaunches_directly_and_stays_exact_on_gpu(nk):
+    from flashlab.reference.torch_float64 import attention_float64
+
+    g = torch.Generator(device="cuda").manual_seed(nk)
+    plan = None
+    for step in range(6):  # autotune, JIT launch (FastLaunch built), checked against the JIT once, then direct
+        q = torch.randn(2, 64, 1, 128, device="cuda", generator=g).bfloat16()
+        k, v = (torch.randn(2, 8, nk, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+        o, lse = forward.forward(q, k, v, False, None, None)
+        ro, rlse = attention_float64(q, k, v)
+        err = float((o.double() - ro).norm() / ro.norm())
+        assert err < 1.5e-2, (step, err)
+        torch.testing.assert_close(lse.double(), rlse, rtol=1e-3, atol=1e-3)
+        plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[2] == k.shape)
+    assert plan.split.fast_state == "checked", plan.split.fast_state  # the direct launches are in use

@@ -27,7 +27,9 @@ from flashlab.core.integers import cdiv, next_power_of_2
 from flashlab.kernels import softmax_step
 from flashlab.kernels.runtime import (
     CPU_CONFIG,
+    FastLaunch,
     block_d,
+    current_stream,
     device_index,
     dot_precision,
     dot_upcast,
@@ -280,7 +282,7 @@ class LaunchPlan:
     A decode step then costs a workspace allocation and one or two kernel launches."""
 
     __slots__ = ("num_splits", "direct", "parts", "d", "grid", "scalars", "tune", "meta", "merge_grid", "merge_args")
-    __slots__ += ("merge_meta",)
+    __slots__ += ("merge_meta", "fast", "fast_state")
 
     def __init__(self, q, k, v, o, offset, win_left, win_right, qk_scale, num_splits):
         b, hq, nq, d = q.shape
@@ -315,6 +317,9 @@ class LaunchPlan:
         self.merge_grid = (b * hq * nq,)
         self.merge_args = (o.stride(0), o.stride(1), o.stride(2), hq, nq, num_splits)
         self.merge_meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_S=max(2, next_power_of_2(num_splits)), CHUNK_S=8)
+        # direct launches (runtime.FastLaunch): "untried" -> "built" -> "checked" (bit-equal to a JIT launch once)
+        # or "off"
+        self.fast, self.fast_state = None, "untried"
 
 
 _PLANS: dict = {}  # call signature -> LaunchPlan
@@ -364,19 +369,60 @@ def run(plan: LaunchPlan, q, k, v, o, lse) -> None:
                 interpreted(split_kv_merge)[plan.merge_grid](*merge_args, **plan.merge_meta)
 
 
+PARTIAL_TENSORS = ("Q", "K", "V", "O_PART", "LSE_PART", "O", "LSE")
+MERGE_TENSORS = ("O_PART", "LSE_PART", "O", "LSE")
+
+
 def _launch_cuda(plan, args, o_part, lse_part, o, lse):
+    tensors = (*args[:3], o_part, lse_part, o, lse)
+    if plan.fast_state == "checked":  # the launcher directly: no binding, no specialisation, no cache lookup
+        _launch_fast(plan, tensors)
+        return
+    kernel = None
     if "num_warps" in plan.meta:  # the autotuner's pick for this signature, found on an earlier call
-        _split_kv_partial[plan.grid](*args, **plan.meta)
+        kernel = _split_kv_partial[plan.grid](*args, **plan.meta)
     else:
         key = (o.device, o.dtype, plan.tune, *plan.meta.values())
         if key not in _BEST_CONFIG:
             _split_kv_partial_tuned[plan.grid](*args, **plan.meta)
             _BEST_CONFIG[key] = _split_kv_partial_tuned.best_config.all_kwargs()
         else:
-            _split_kv_partial[plan.grid](*args, **plan.meta, **_BEST_CONFIG[key])
+            kernel = _split_kv_partial[plan.grid](*args, **plan.meta, **_BEST_CONFIG[key])
         plan.meta = {**plan.meta, **_BEST_CONFIG[key]}
+    merge_kernel = None
     if not plan.direct:
-        split_kv_merge[plan.merge_grid](o_part, lse_part, o, lse, *plan.merge_args, **plan.merge_meta)
+        merge_args = (o_part, lse_part, o, lse, *plan.merge_args)
+        merge_kernel = split_kv_merge[plan.merge_grid](*merge_args, **plan.merge_meta)
+    if plan.fast_state == "untried" and kernel is not None:
+        partial = FastLaunch.build(_split_kv_partial, kernel, plan.grid, args, plan.meta, PARTIAL_TENSORS)
+        merge = None
+        if not plan.direct:
+            merge = FastLaunch.build(split_kv_merge, merge_kernel, plan.merge_grid, merge_args, plan.merge_meta,
+                                     MERGE_TENSORS)  # fmt: skip
+        ok = partial is not None and (plan.direct or merge is not None)
+        plan.fast, plan.fast_state = (partial, merge), ("built" if ok else "off")
+    elif plan.fast_state == "built" and not torch.cuda.is_current_stream_capturing():
+        # once: the direct launches, into fresh outputs, must reproduce the JIT launches bit for bit
+        o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
+        if plan.direct:
+            parts = (lse2, lse2)
+        else:
+            work = torch.empty(plan.parts * (plan.d + 1), dtype=torch.float32, device=o.device)
+            parts = (work[: plan.parts * plan.d], work[plan.parts * plan.d :])
+        try:
+            _launch_fast(plan, (*args[:3], *parts, o2, lse2))
+            same = torch.equal(o2, o) and torch.equal(lse2, lse)
+        except Exception:  # noqa: BLE001 -- a launcher that does not take these arguments: keep the JIT
+            same = False
+        plan.fast_state = "checked" if same else "off"
+
+
+def _launch_fast(plan, tensors):
+    stream = current_stream(tensors[0].device.index)
+    partial, merge = plan.fast
+    partial(stream, *tensors)
+    if merge is not None:
+        merge(stream, *tensors[3:])
 
 
 __all__ = [
