@@ -112,3 +112,19 @@ def test_decode_relaunches_directly_and_stays_exact_on_gpu(nk):
         torch.testing.assert_close(lse.double(), rlse, rtol=1e-3, atol=1e-3)
         plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[2] == k.shape)
     assert plan.split.fast_state == "checked", plan.split.fast_state  # the direct launches are in use
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, causal", [(128, True), (128, False)])
+def test_prefill_relaunches_directly_and_stays_exact_on_gpu(d, causal):
+    from flashlab.reference.torch_float64 import attention_float64
+
+    g = torch.Generator(device="cuda").manual_seed(d)
+    for step in range(5):
+        q, k, v = (torch.randn(1, 16, 700, d, device="cuda", generator=g).bfloat16() for _ in range(3))
+        o = forward.forward(q, k, v, causal, None, None)[0]
+        ro, _ = attention_float64(q, k, v, causal=causal)
+        err = float((o.double() - ro).norm() / ro.norm())
+        assert err < 1.5e-2, (step, err)
+    plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[8] is causal)
+    assert plan.fast_state == "checked", plan.fast_state
