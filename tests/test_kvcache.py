@@ -205,3 +205,41 @@ def test_paged_kv_cache_holds_the_same_keys():
     assert sorted(table.flatten().tolist()) == list(range(6))
     for b in range(2):
         assert torch.equal(gather(kc, table[b], 40)[0], k[b]) and torch.equal(gather(vc, table[b], 40)[0], v[b])
+
+
+def test_unchecked_values_never_leave_the_pool():
+    # check_values=False: no host read of the table. An entry outside the pool is never followed (its keys are
+    # left out) and a length past the capacity is clamped to it.
+    q, kc, vc, seqlens, table = paged_case(12, b=2, hq=2, hk=1, nq=1, d=16, bs=16, dtype=torch.float32, max_len=48,
+                                           lengths=[40, 48])  # fmt: skip
+    good = flash_attention_with_kvcache(q, kc, vc, seqlens, table)
+    bad = table.clone()
+    bad[0, 1] = 10**6  # sequence 0's keys 16..31 point outside the pool
+    o = flash_attention_with_kvcache(q, kc, vc, seqlens, bad, check_values=False)
+    torch.testing.assert_close(o[1], good[1], rtol=0, atol=0)
+    keep = torch.cat([torch.arange(16), torch.arange(32, 40)])  # the keys sequence 0 still has
+    k0, v0 = gather(kc, table[0], 40)[:, :, keep], gather(vc, table[0], 40)[:, :, keep]
+    ref, _ = attention_float64(q[:1], k0, v0)
+    torch.testing.assert_close(o[:1].double(), ref, rtol=1e-5, atol=1e-5)
+    long = torch.tensor([40, 10**6], dtype=torch.int32)
+    o = flash_attention_with_kvcache(q, kc, vc, long, table, check_values=False)
+    torch.testing.assert_close(o, good, rtol=0, atol=0)  # 10**6 keys clamped to the 48 the table holds
+    with pytest.raises(TypeError, match="check_values"):
+        flash_attention_with_kvcache(q, kc, vc, seqlens, table, check_values=0)
+
+
+@pytest.mark.parametrize("block_size, block_n", [(16, 32), (16, 64), (48, 32)])
+def test_key_tiles_that_span_several_blocks(monkeypatch, block_size, block_n):
+    # On a GPU key tiles are 64-128 keys, so a 16-token block is a quarter of a tile: each key finds its own block.
+    # The CPU's 16-key tiles never span blocks; wider tiles here take that path on the interpreter.
+    from flashlab.kernels import kvcache
+
+    monkeypatch.setattr(kvcache, "CPU_CONFIG", {**kvcache.CPU_CONFIG, "BLOCK_N": block_n})
+    q, kc, vc, seqlens, table = paged_case(
+        13, b=3, hq=4, hk=2, nq=2, d=16, bs=block_size, dtype=torch.float16, max_len=150
+    )
+    check(q, kc, vc, seqlens, table, causal=True)
+    bad = table.clone()
+    bad[0, 1] = -5  # unchecked: the keys of that block are left out, nothing else changes
+    o = flash_attention_with_kvcache(q, kc, vc, seqlens, bad, causal=True, check_values=False)
+    torch.testing.assert_close(o[1:], flash_attention_with_kvcache(q, kc, vc, seqlens, table, causal=True)[1:])

@@ -102,7 +102,8 @@ def _flashlab_run(q, k, v, causal):
 
 def _paged_backend(block_size: int) -> Backend:
     """flashlab's paged-cache kernel on the cell's K/V copied into a shuffled pool of ``block_size``-token blocks
-    (copied once per cell, not timed). Decode cells only."""
+    (copied once per cell, not timed), as a decode loop calls it: ``check_values=False`` (no host read of the
+    table per step). Decode cells only."""
     made = {}  # the pool of the K/V tensors last seen
 
     def run(q, k, v, causal):
@@ -112,7 +113,7 @@ def _paged_backend(block_size: int) -> Backend:
             made.clear()
             made.update(k=weakref.ref(k), v=weakref.ref(v), cache=paged_kv_cache(k, v, block_size, seed=block_size))
         kc, vc, table, seqlens = made["cache"]
-        return flash_attention_with_kvcache(q, kc, vc, seqlens, table, causal=causal)
+        return flash_attention_with_kvcache(q, kc, vc, seqlens, table, causal=causal, check_values=False)
 
     return Backend(
         f"paged{block_size}",

@@ -65,6 +65,7 @@ def _kvcache_partial(
     stride_tb,  # block table row stride
     stride_ob, stride_oh, stride_om,  # the output, written only with DIRECT
     HQ, HK, GROUP, NQ,  # query heads, K/V heads, query heads per K/V head, query length
+    NUM_PAGES, CAPACITY,  # blocks in the pool, keys a sequence can hold: a bad table entry or length never faults
     win_left, win_right,  # the band: query i sees keys [i + offset - win_left, i + offset + win_right]
     keys_per_split, NUM_SPLITS,  # each chunk's keys: [split * keys_per_split, (split + 1) * keys_per_split)
     qk_scale,  # softmax scale * log2(e)
@@ -84,7 +85,7 @@ def _kvcache_partial(
     pid_m = tl.program_id(2)  # which block of packed rows
     off_b = pid_bk // HK
     off_hk = pid_bk % HK
-    nk = tl.load(SEQLENS + off_b)  # this sequence's length
+    nk = tl.minimum(tl.maximum(tl.load(SEQLENS + off_b), 0), CAPACITY)  # this sequence's length
     offset = nk - NQ  # masks are aligned to the sequence's own end
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -132,18 +133,25 @@ def _kvcache_partial(
         else:  # the tile spans several blocks: one table entry per key
             page = tl.load(table + cols // PAGE_SIZE, mask=cols < hi, other=0).to(tl.int64)
             slot = cols % PAGE_SIZE
+        # a table entry outside the pool is never followed (checked on the host unless check_values=False)
+        if PAGE_SIZE == 0:
+            key_ok = cols < hi
+        elif PAGE_SIZE % BLOCK_N == 0:  # one entry for the tile: a bad one hides the whole tile
+            key_ok = cols < tl.where((page >= 0) & (page < NUM_PAGES), hi, 0)
+        else:
+            key_ok = (cols < hi) & (page >= 0) & (page < NUM_PAGES)
         k_off = page * stride_kp + slot * stride_ks  # (BLOCK_N,) or broadcast scalar page
         v_off = page * stride_vp + slot * stride_vs
         # -- K tile: BLOCK_N * D * bytes(dtype), read once for all GROUP query heads
-        k = tl.load(k_head + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & (cols[None, :] < hi), other=0.0)
+        k = tl.load(k_head + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & key_ok[None, :], other=0.0)
         if DOT_UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
-        visible = softmax_step.band_mask(diag, cols, win_left, win_right, hi)
+        visible = softmax_step.band_mask(diag, cols, win_left, win_right, hi) & key_ok[None, :]
         s = tl.where(visible, s * qk_scale, float("-inf"))
         p, m_new, alpha, l_i = softmax_step.online_softmax_step(s, m_i, l_i)
         # -- V tile: BLOCK_N * D * bytes(dtype)
-        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=(cols[:, None] < hi) & d_ok[None, :], other=0.0)
+        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_UPCAST:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None]
@@ -187,13 +195,13 @@ def _check_tensor(name, x, ndim):
         raise ValueError(f"{name} must have {ndim} dims; got shape {tuple(x.shape)}")
 
 
-def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale):
+def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, check_values=True):
     """Validate a ``flash_attention_with_kvcache`` call; returns ``capacity``, the most keys a sequence can hold.
     Every bad argument is a TypeError or ValueError naming it.
 
-    The values of ``cache_seqlens`` and of the block table's used entries are checked too (on a GPU with one
-    synchronisation), except while a CUDA graph is being captured or torch.compile traces the call, where the host
-    cannot read device memory (the compiled operator checks them when it runs).
+    With ``check_values`` the values of ``cache_seqlens`` and of the block table's used entries are checked too (on
+    a GPU with one synchronisation), except while a CUDA graph is being captured or torch.compile traces the call,
+    where the host cannot read device memory (the compiled operator checks them when it runs).
     """
     _check_tensor("q", q, 4)
     _check_tensor("k_cache", k_cache, 4)
@@ -262,7 +270,9 @@ def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal
             raise TypeError(f"scale must be a number or None; got {type(scale).__name__}")
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite; got {scale}")
-    if not (torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+    if not isinstance(check_values, bool):
+        raise TypeError(f"check_values must be True or False; got {check_values!r}")
+    if check_values and not (torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
         _check_values(cache_seqlens, block_table, capacity, pages, page_size)
     return capacity
 
@@ -300,7 +310,17 @@ TRACED_KVCACHE = None
 
 
 def flash_attention_with_kvcache(
-    q, k_cache, v_cache, cache_seqlens, block_table=None, causal=False, window=None, scale=None, return_lse=False
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    block_table=None,
+    causal=False,
+    window=None,
+    scale=None,
+    return_lse=False,
+    *,
+    check_values=True,
 ):
     """Attention of new queries against a KV cache with per-sequence lengths, paged or not.
 
@@ -317,10 +337,16 @@ def flash_attention_with_kvcache(
     ``window`` follow ``flashlab.core.masking``, aligned to each sequence's own end: query i sees key j when
     ``seqlen_b - Nq + i - left <= j <= seqlen_b - Nq + i + right``. A sequence of length 0 gives zeros (lse -inf).
     Returns ``o`` like q, or ``(o, lse)`` with lse ``(B, Hq, Nq)`` float32 natural log-sum-exps.
+
+    ``check_values`` reads the lengths and the block table's entries on the host to check them (a length outside
+    ``[0, capacity]`` or an entry outside the pool is a ValueError); on a GPU that costs one synchronisation per
+    call, which stalls a decode loop. A loop whose tables are known good passes False: the kernel itself never
+    follows an entry outside the pool (those keys are left out) and clamps a length to ``[0, capacity]``.
     """
-    capacity = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+    args = (q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+    capacity = check_kvcache_inputs(*args, check_values=check_values)
     if TRACED_KVCACHE is not None and torch.compiler.is_compiling():  # one opaque operator (flashlab.kernels.op)
-        o, lse = TRACED_KVCACHE(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+        o, lse = TRACED_KVCACHE(*args, check_values)
         return (o, lse) if return_lse else o
     o, lse = kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, capacity)
     return (o, lse) if return_lse else o
@@ -368,7 +394,7 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, causal, win
     args += (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     args += (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     args += (table.stride(0), o.stride(0), o.stride(1), o.stride(2))
-    args += (hq, hk, group, nq, win_left, win_right, keys_per_split, num_splits, qk_scale)
+    args += (hq, hk, group, nq, k_cache.shape[0], capacity, win_left, win_right, keys_per_split, num_splits, qk_scale)
     tune = (next_power_of_2(capacity), next_power_of_2(b * hk * row_blocks * num_splits))
     meta = dict(
         HEAD_DIM=d,

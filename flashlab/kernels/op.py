@@ -13,7 +13,7 @@ run Triton's interpreter inside the node, so the same compiled model runs in CI.
   (``torch.compiler.is_compiling()``); in eager mode it launches directly, because the dispatcher's work for a
   custom operator would add to every call's host time.
 - ``flashlab::attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, window_left,
-  window_right, scale) -> (o, lse)``: ``flashlab.kernels.kvcache``'s paged-cache attention, likewise.
+  window_right, scale, check_values) -> (o, lse)``: ``flashlab.kernels.kvcache``'s paged-cache attention, likewise.
 
 The backward pass. When ``flashlab.kernels.backward`` exists (``attention_backward(do, q, k, v, o, lse, causal,
 window, scale) -> (dq, dk, dv)``), ``register_attention_backward`` registers it as the forward operator's autograd
@@ -102,23 +102,26 @@ def attention_with_kvcache(
     window_left: int,
     window_right: int,
     scale: float | None,
+    check_values: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = ints_to_window(window_left, window_right)
-    capacity = kvcache.check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+    checked = (q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+    capacity = kvcache.check_kvcache_inputs(*checked, check_values=check_values)
     return kvcache.kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, capacity)
 
 
 @attention_with_kvcache.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, block_table, causal, window_left, window_right, scale):
+def _(q, k_cache, v_cache, cache_seqlens, block_table, causal, window_left, window_right, scale, check_values):
     b, hq, nq, d = q.shape
     return q.new_empty((b, hq, nq, d)), q.new_empty((b, hq, nq), dtype=torch.float32)
 
 
-def traced_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale):
+def traced_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, check_values=True):
     """What ``flash_attention_with_kvcache`` calls while it is being compiled. The checks run inside the node, at
     run time: the values of the lengths and the block table cannot be read while tracing."""
     left, right = window_to_ints(window)
-    return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, left, right, scale)
+    tensors = (q, k_cache, v_cache, cache_seqlens, block_table)
+    return attention_with_kvcache(*tensors, causal, left, right, scale, check_values)
 
 
 kvcache.TRACED_KVCACHE = traced_kvcache
