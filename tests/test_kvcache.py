@@ -243,3 +243,14 @@ def test_key_tiles_that_span_several_blocks(monkeypatch, block_size, block_n):
     bad[0, 1] = -5  # unchecked: the keys of that block are left out, nothing else changes
     o = flash_attention_with_kvcache(q, kc, vc, seqlens, bad, causal=True, check_values=False)
     torch.testing.assert_close(o[1:], flash_attention_with_kvcache(q, kc, vc, seqlens, table, causal=True)[1:])
+
+
+def test_remembered_signatures_still_check_values_and_arguments():
+    q, kc, vc, seqlens, table = paged_case(14, b=2, hq=2, hk=1, nq=1, d=16, bs=16, dtype=torch.float32, max_len=40)
+    flash_attention_with_kvcache(q, kc, vc, seqlens, table, causal=True)  # this signature is now remembered
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 49 is outside \[0, 48\]"):
+        flash_attention_with_kvcache(q, kc, vc, torch.tensor([49, 0], dtype=torch.int32), table, causal=True)
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        flash_attention_with_kvcache(q, kc, vc, seqlens, table, causal=1)
+    with pytest.raises(TypeError, match="scale must be a number"):
+        flash_attention_with_kvcache(q, kc, vc, seqlens, table, scale=True)

@@ -66,3 +66,18 @@ def test_decode_step_captured_in_a_cuda_graph():
     torch.cuda.synchronize()
     torch.testing.assert_close(out, flash_attention_with_kvcache(q, kc, vc, seqlens, table), rtol=0, atol=0)
     assert not torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_decode_loop_relaunches_directly_and_stays_exact(block_size):
+    from flashlab.kernels import kvcache
+
+    case = on_gpu(*paged_case(6, b=4, hq=64, hk=8, nq=1, d=128, bs=block_size, dtype=torch.bfloat16,
+                              max_len=20000, lengths=[20000, 15000, 9001, 3000]))  # fmt: skip
+    q, kc, vc, seqlens, table = case
+    for _ in range(6):  # autotune, JIT launch (FastLaunch built), checked against the JIT once, then direct
+        q = torch.randn_like(q)
+        seqlens.sub_(1)
+        check(q, kc, vc, seqlens, table, causal=True)
+    key = kvcache.call_signature(q, kc, vc, seqlens, table, True, None, None)
+    assert kvcache._PLANS[key].fast_state == "checked", kvcache._PLANS[key].fast_state

@@ -40,7 +40,9 @@ from flashlab.kernels.runtime import (
     LOG2_E,
     MAX_HEAD_DIM,
     MIN_HEAD_DIM,
+    FastLaunch,
     block_d,
+    current_stream,
     device_index,
     dot_precision,
     dot_upcast,
@@ -202,7 +204,30 @@ def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal
     With ``check_values`` the values of ``cache_seqlens`` and of the block table's used entries are checked too (on
     a GPU with one synchronisation), except while a CUDA graph is being captured or torch.compile traces the call,
     where the host cannot read device memory (the compiled operator checks them when it runs).
+
+    Everything else depends only on the shapes, strides, dtypes and devices and on the other arguments, so a call
+    signature that passed once is remembered (``call_signature``) and not checked again.
     """
+    if not isinstance(check_values, bool):
+        raise TypeError(f"check_values must be True or False; got {check_values!r}")
+    key = call_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+    checked = _CHECKED.get(key) if key is not None else None
+    if checked is None:
+        checked = _check_shapes(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+        if key is not None and not torch.compiler.is_compiling():
+            if len(_CHECKED) >= MAX_PLANS:
+                _CHECKED.clear()
+            _CHECKED[key] = checked
+    capacity, pages, page_size = checked
+    if check_values and not (torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+        _check_values(cache_seqlens, block_table, capacity, pages, page_size)
+    return capacity
+
+
+_CHECKED: dict = {}  # call signature -> (capacity, pages, page_size) of a call whose shapes passed
+
+
+def _check_shapes(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale):
     _check_tensor("q", q, 4)
     _check_tensor("k_cache", k_cache, 4)
     _check_tensor("v_cache", v_cache, 4)
@@ -270,11 +295,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal
             raise TypeError(f"scale must be a number or None; got {type(scale).__name__}")
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite; got {scale}")
-    if not isinstance(check_values, bool):
-        raise TypeError(f"check_values must be True or False; got {check_values!r}")
-    if check_values and not (torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
-        _check_values(cache_seqlens, block_table, capacity, pages, page_size)
-    return capacity
+    return capacity, pages, page_size
 
 
 def _check_values(cache_seqlens, block_table, capacity, pages, page_size):
@@ -352,74 +373,173 @@ def flash_attention_with_kvcache(
     return (o, lse) if return_lse else o
 
 
+def call_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale):
+    """What the checks and the plan of a call depend on (shapes, strides, dtypes, devices, mask, scale), hashable;
+    None where it cannot be hashed exactly (then nothing is remembered for the call)."""
+    if type(causal) is not bool or not (scale is None or type(scale) is float or type(scale) is int):
+        return None
+    if window is not None:
+        if type(window) not in (tuple, list) or not all(w is None or type(w) is int for w in window):
+            return None
+        window = tuple(window)
+    tensors = (q, k_cache, v_cache, cache_seqlens) if block_table is None else (q, k_cache, v_cache, cache_seqlens,
+                                                                                 block_table)  # fmt: skip
+    if not all(type(t) is torch.Tensor for t in tensors):
+        return None
+    return (causal, window, scale, type(scale), *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+
+
+class KVCachePlan:
+    """What ``kvcache_forward`` decides for one call signature, once: the chunks, the grid, the scalar arguments
+    and constexprs, the autotuner's pick, and the direct launches (``runtime.FastLaunch``, after one check against
+    a JIT launch), as ``flashlab.kernels.split_kv.LaunchPlan`` does for contiguous decode."""
+
+    __slots__ = ("negate", "o_shape", "lse_shape", "direct", "num_splits", "parts", "d", "grid", "scalars", "tune")
+    __slots__ += ("meta", "merge_grid", "merge_args", "merge_meta", "fast", "fast_state")
+
+    def __init__(self, q, k_cache, v_cache, table, capacity, causal, window, scale):
+        b, hq, nq, d = q.shape
+        hk = k_cache.shape[2]
+        group = hq // hk
+        if scale is None:
+            scale = 1.0 / math.sqrt(d)
+        self.negate = scale < 0  # the running max assumes max(s) * scale = max(s * scale): run -q with -scale
+        _, left, right = visible_band(nq, capacity, causal, window)
+        big = nq + capacity + 1  # "unbounded": wider than any distance in the score matrix
+        win_left = big if left == float("inf") else int(left)
+        win_right = big if right == float("inf") else int(right)
+        qk_scale = abs(float(scale)) * LOG2_E
+        rows = group * nq
+        block_m = split_kv.packed_block_m(rows)
+        row_blocks = cdiv(rows, block_m)
+        # Chunks cover the capacity, chosen without reading the lengths (no synchronisation, so a decode step can
+        # be captured in a CUDA graph); a chunk past a sequence's end, or outside its window, exits at once.
+        sms = sm_count(device_index(q)) if q.is_cuda else split_kv.CPU_SM_COUNT
+        num_splits = split_kv.choose_splits(b * hk * row_blocks, capacity, sms)
+        keys_per_split, num_splits = split_kv.split_keys(capacity, num_splits)
+        self.o_shape, self.lse_shape, self.d = (b, hq, nq, d), (b, hq, nq), d
+        self.direct, self.num_splits = num_splits == 1, num_splits
+        self.parts = b * hq * nq * num_splits
+        strides_o = (hq * nq * d, nq * d, d)  # o is allocated contiguous
+        q_strides = q.stride() if q.stride(-1) == 1 else (hq * nq * d, nq * d, d, 1)  # a copy when D is strided
+        self.scalars = (q_strides[0], q_strides[1], q_strides[2])
+        self.scalars += (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        self.scalars += (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+        self.scalars += (table.stride(0), *strides_o)
+        self.scalars += (hq, hk, group, nq, k_cache.shape[0], capacity, win_left, win_right, keys_per_split)
+        self.scalars += (num_splits, qk_scale)
+        self.tune = (next_power_of_2(capacity), next_power_of_2(b * hk * row_blocks * num_splits))
+        self.meta = dict(
+            HEAD_DIM=d,
+            BLOCK_D=block_d(d),
+            BLOCK_M=block_m,
+            PAGE_SIZE=k_cache.shape[1] if table is not None and table.ndim == 2 else 0,
+            DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
+            DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
+            DIRECT=self.direct,
+        )
+        self.grid = (num_splits, b * hk, row_blocks)
+        self.merge_grid = (b * hq * nq,)
+        self.merge_args = (*strides_o, hq, nq, num_splits)
+        self.merge_meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_S=max(2, next_power_of_2(num_splits)), CHUNK_S=8)
+        self.fast, self.fast_state = None, "untried"
+
+
+_PLANS: dict = {}  # call signature -> KVCachePlan
+MAX_PLANS = 4096
+PARTIAL_TENSORS = ("Q", "K", "V", "BLOCK_TABLE", "SEQLENS", "O_PART", "LSE_PART", "O", "LSE")
+
+
 def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, capacity):
-    """Run the kernel on checked inputs; returns ``(o, lse)``."""
-    b, hq, nq, d = q.shape
-    hk = k_cache.shape[2]
-    group = hq // hk
+    """Run the kernel on checked inputs; returns ``(o, lse)``. Its decisions are planned once per call signature
+    (``KVCachePlan``), so a decode loop pays little more than its launches."""
+    key = call_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+    plan = _PLANS.get(key) if key is not None else None
+    table = block_table if block_table is not None else cache_seqlens  # never read without a table
+    if plan is None:
+        plan = KVCachePlan(q, k_cache, v_cache, table, capacity, causal, window, scale)
+        if key is not None:
+            if len(_PLANS) >= MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    if scale < 0:  # the running max assumes max(s) * scale = max(s * scale)
-        q, scale = -q, -scale
-    _, left, right = visible_band(nq, capacity, causal, window)
-    big = nq + capacity + 1  # "unbounded": wider than any distance in the score matrix
-    win_left = big if left == float("inf") else int(left)
-    win_right = big if right == float("inf") else int(right)
-    qk_scale = float(scale) * LOG2_E
-
-    rows = group * nq
-    block_m = split_kv.packed_block_m(rows)
-    row_blocks = cdiv(rows, block_m)
-    # Chunks cover the capacity, chosen without reading the lengths (no synchronisation, so a decode step can be
-    # captured in a CUDA graph); a chunk past a sequence's end, or outside its window, exits at once.
-    sms = sm_count(device_index(q)) if q.is_cuda else split_kv.CPU_SM_COUNT
-    num_splits = split_kv.choose_splits(b * hk * row_blocks, capacity, sms)
-    keys_per_split, num_splits = split_kv.split_keys(capacity, num_splits)
-
-    o = torch.empty((b, hq, nq, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
-    direct = num_splits == 1
-    if direct:
-        o_part = lse_part = o  # unused
+    if plan.negate:
+        q = -q
+    o = torch.empty(plan.o_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+    if plan.direct:
+        o_part = lse_part = lse  # not written
     else:
-        parts = b * hq * nq * num_splits
-        work = torch.empty(parts * (d + 1), dtype=torch.float32, device=q.device)
-        o_part, lse_part = work[: parts * d], work[parts * d :]
-    paged = block_table is not None
-    table = block_table if paged else cache_seqlens  # never read without a table
-    args = (q, k_cache, v_cache, table, cache_seqlens, o_part, lse_part, o, lse)
-    args += (q.stride(0), q.stride(1), q.stride(2))
-    args += (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-    args += (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
-    args += (table.stride(0), o.stride(0), o.stride(1), o.stride(2))
-    args += (hq, hk, group, nq, k_cache.shape[0], capacity, win_left, win_right, keys_per_split, num_splits, qk_scale)
-    tune = (next_power_of_2(capacity), next_power_of_2(b * hk * row_blocks * num_splits))
-    meta = dict(
-        HEAD_DIM=d,
-        BLOCK_D=block_d(d),
-        BLOCK_M=block_m,
-        PAGE_SIZE=k_cache.shape[1] if paged else 0,
-        DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
-        DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
-        DIRECT=direct,
-    )
-    grid = (num_splits, b * hk, row_blocks)
-    if q.is_cuda:
-        key = (q.device, q.dtype, tune, *meta.values())
-        with torch.cuda.device(q.device):
-            if key in _BEST_CONFIG:
-                _kvcache_partial[grid](*args, *tune, **meta, **_BEST_CONFIG[key])
-            else:
-                _kvcache_partial_tuned[grid](*args, *tune, **meta)
-                _BEST_CONFIG[key] = _kvcache_partial_tuned.best_config.all_kwargs()
-    else:
+        work = torch.empty(plan.parts * (plan.d + 1), dtype=torch.float32, device=q.device)
+        o_part, lse_part = work[: plan.parts * plan.d], work[plan.parts * plan.d :]
+    tensors = (q, k_cache, v_cache, table, cache_seqlens, o_part, lse_part, o, lse)
+    if not q.is_cuda:
         with interpreted_language(softmax_step):
-            interpreted(_kvcache_partial)[grid](*args, *tune, **meta, BLOCK_N=CPU_CONFIG["BLOCK_N"])
-    if not direct:
-        split_kv.merge(o_part, lse_part, o, lse, num_splits)
+            args = (*tensors, *plan.scalars, *plan.tune)
+            interpreted(_kvcache_partial)[plan.grid](*args, **plan.meta, BLOCK_N=CPU_CONFIG["BLOCK_N"])
+        if not plan.direct:
+            split_kv.merge(o_part, lse_part, o, lse, plan.num_splits)
+        return o, lse
+    if q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):
+            _launch_cuda(plan, tensors)
+    else:
+        _launch_cuda(plan, tensors)
     return o, lse
+
+
+def _launch_cuda(plan, tensors):
+    if plan.fast_state == "checked":  # the launchers directly: no binding, no specialisation, no cache lookup
+        _launch_fast(plan, tensors)
+        return
+    args = (*tensors, *plan.scalars, *plan.tune)
+    kernel = None
+    if "num_warps" in plan.meta:
+        kernel = _kvcache_partial[plan.grid](*args, **plan.meta)
+    else:
+        o = tensors[-2]
+        key = (o.device, o.dtype, plan.tune, *plan.meta.values())
+        if key not in _BEST_CONFIG:
+            _kvcache_partial_tuned[plan.grid](*args, **plan.meta)
+            _BEST_CONFIG[key] = _kvcache_partial_tuned.best_config.all_kwargs()
+        else:
+            kernel = _kvcache_partial[plan.grid](*args, **plan.meta, **_BEST_CONFIG[key])
+        plan.meta = {**plan.meta, **_BEST_CONFIG[key]}
+    merge_kernel = merge_args = None
+    if not plan.direct:
+        merge_args = (*tensors[5:], *plan.merge_args)
+        merge_kernel = split_kv.split_kv_merge[plan.merge_grid](*merge_args, **plan.merge_meta)
+    if plan.fast_state == "untried" and kernel is not None:
+        partial = FastLaunch.build(_kvcache_partial, kernel, plan.grid, args, plan.meta, PARTIAL_TENSORS)
+        merge = None
+        if not plan.direct:
+            merge = FastLaunch.build(split_kv.split_kv_merge, merge_kernel, plan.merge_grid, merge_args,
+                                     plan.merge_meta, split_kv.MERGE_TENSORS)  # fmt: skip
+        ok = partial is not None and (plan.direct or merge is not None)
+        plan.fast, plan.fast_state = (partial, merge), ("built" if ok else "off")
+    elif plan.fast_state == "built" and not torch.cuda.is_current_stream_capturing():
+        o, lse = tensors[-2:]  # once: the direct launches must reproduce the JIT's, bit for bit
+        o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
+        if plan.direct:
+            parts = (lse2, lse2)
+        else:
+            work = torch.empty(plan.parts * (plan.d + 1), dtype=torch.float32, device=o.device)
+            parts = (work[: plan.parts * plan.d], work[plan.parts * plan.d :])
+        try:
+            _launch_fast(plan, (*tensors[:5], *parts, o2, lse2))
+            same = torch.equal(o2, o) and torch.equal(lse2, lse)
+        except Exception:  # noqa: BLE001 -- a launcher that does not take these arguments: keep the JIT
+            same = False
+        plan.fast_state = "checked" if same else "off"
+
+
+def _launch_fast(plan, tensors):
+    stream = current_stream(tensors[0].device.index)
+    partial, merge = plan.fast
+    partial(stream, *tensors)
+    if merge is not None:
+        merge(stream, *tensors[5:])
 
 
 def paged_kv_cache(k, v, block_size: int, lengths=None, seed: int = 0):
@@ -448,6 +568,8 @@ __all__ = [
     "BLOCK_SIZE_MULTIPLE",
     "check_kvcache_inputs",
     "flash_attention_with_kvcache",
+    "KVCachePlan",
+    "call_signature",
     "kvcache_forward",
     "paged_kv_cache",
 ]
