@@ -169,6 +169,9 @@ def main():
 
             tail = f"{ratio('flashlab', 'sdpa_cudnn'):>9s} {ratio('paged16', 'flashlab'):>11s}"
             print(f"{n:7d} {batch:2d} " + " ".join(cols) + f"  {tail} {ratio('paged256', 'flashlab'):>12s}")
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"{r['backend']} N={r['seq_len']} B={r['batch']}: {r['status']}")
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / "decode_host_time.json"
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
