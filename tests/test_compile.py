@@ -57,6 +57,21 @@ def test_fullgraph_compile_equals_eager(nq, nk, causal, window):
     torch.testing.assert_close(compiled(q, k, v), block(q, k, v), rtol=0, atol=0)
 
 
+def test_new_values_reuse_the_compiled_graph():
+    from torch._dynamo.utils import counters
+
+    def block(q, k, v):
+        return flash_attention(q, k, v, causal=True) + 1.0
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(block, backend=CPU_BACKEND, fullgraph=True)
+    for seed in range(3):  # same shapes, new values: one graph, no recompilation
+        q, k, v = qkv(1, 4, 2, 3, 40, 16, seed=seed)
+        torch.testing.assert_close(compiled(q, k, v), block(q, k, v), rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_the_kernel_is_one_operator_in_the_graph():
     q, k, v = qkv(2, 2, 1, 5, 40, 16)
     out, targets = graph_targets(lambda q, k, v: flash_attention(q, k, v, return_lse=True), q, k, v)

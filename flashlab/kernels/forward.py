@@ -319,7 +319,8 @@ def check_inputs(q, k, v, causal, window, scale):
     Everything checked is a function of the tensors' shapes, dtypes and devices and of the other arguments, so a
     signature that passed once passes again: it is remembered (plain tensors and exactly-typed arguments only)."""
     key = None
-    if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:
+    plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+    if plain and not torch.compiler.is_compiling():  # torch.compile traces the checks themselves
         key = _plan_key(q, k, v, causal, window, scale, None)
         if key is not None:
             key = (*key, k.dtype, v.dtype, k.device, v.device)
@@ -327,7 +328,7 @@ def check_inputs(q, k, v, causal, window, scale):
             if hit is not None:
                 return hit
     result = _check_inputs(q, k, v, causal, window, scale)
-    if key is not None and not torch.compiler.is_compiling():
+    if key is not None:
         if len(_CHECKED) >= MAX_CHECKED:
             _CHECKED.clear()
         _CHECKED[key] = result

@@ -210,16 +210,17 @@ def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal
     """
     if not isinstance(check_values, bool):
         raise TypeError(f"check_values must be True or False; got {check_values!r}")
-    key = call_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+    compiling = torch.compiler.is_compiling()  # torch.compile traces the checks themselves
+    key = None if compiling else call_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
     checked = _CHECKED.get(key) if key is not None else None
     if checked is None:
         checked = _check_shapes(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
-        if key is not None and not torch.compiler.is_compiling():
+        if key is not None:
             if len(_CHECKED) >= MAX_PLANS:
                 _CHECKED.clear()
             _CHECKED[key] = checked
     capacity, pages, page_size = checked
-    if check_values and not (torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+    if check_values and not (compiling or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
         _check_values(cache_seqlens, block_table, capacity, pages, page_size)
     return capacity
 
