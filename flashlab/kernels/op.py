@@ -26,6 +26,7 @@ take TMA descriptors as arguments, and run Triton's interpreter on CPU tensors; 
 """
 
 import importlib.util  # no `from __future__ import annotations`: custom_op reads the annotations as types
+from typing import Optional  # noqa: UP035 -- Optional[...] is what every torch.library version's schema parser reads
 
 import torch
 
@@ -63,8 +64,8 @@ def attention_forward(
     causal: bool,
     window_left: int,
     window_right: int,
-    scale: float | None,
-    num_splits: int | None,
+    scale: Optional[float],  # noqa: UP045
+    num_splits: Optional[int],  # noqa: UP045
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = ints_to_window(window_left, window_right)
     forward_module.check_inputs(q, k, v, causal, window, scale)
@@ -97,11 +98,11 @@ def attention_with_kvcache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor,
-    block_table: torch.Tensor | None,
+    block_table: Optional[torch.Tensor],  # noqa: UP045
     causal: bool,
     window_left: int,
     window_right: int,
-    scale: float | None,
+    scale: Optional[float],  # noqa: UP045
     check_values: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = ints_to_window(window_left, window_right)
