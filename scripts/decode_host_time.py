@@ -26,21 +26,25 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-import triton
-import triton.testing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, without installing flashlab
 
-from flashlab import flash_attention, flash_attention_with_kvcache
-from flashlab.core.numerics import tolerance
-from flashlab.kernels.kvcache import paged_kv_cache
-from flashlab.reference.torch_float64 import attention_float64
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+from flashlab import flash_attention, flash_attention_with_kvcache  # noqa: E402
+from flashlab.core.numerics import tolerance  # noqa: E402
+from flashlab.kernels.kvcache import paged_kv_cache  # noqa: E402
+from flashlab.reference.torch_float64 import attention_float64  # noqa: E402
 
 HQ, HK, D = 64, 8, 128
 DTYPE = torch.bfloat16
+WARMUP_MS, REP_MS = 10, 40  # do_bench warm-up and measuring ms per timing, kept short (a grid in well under 2 minutes)
 
 
 def sdpa(member):
@@ -77,7 +81,7 @@ def graph_ms(fn):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return float(triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median"))
+    return float(triton.testing.do_bench(graph.replay, warmup=WARMUP_MS, rep=REP_MS, return_mode="median"))
 
 
 def check(o, q, k, v, lengths, name):
@@ -110,6 +114,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-lens", default="1024,4096,32768,131072")
     p.add_argument("--batches", default="1,8")
+    p.add_argument("--budget-s", type=float, default=80.0, help="skip the cells left once this many seconds passed")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -119,14 +124,19 @@ def main():
     g = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(1, HQ, 1, D, device=dev, generator=g).to(DTYPE)
     k, v = (torch.randn(1, HK, 1024, D, device=dev, generator=g).to(DTYPE) for _ in range(2))
+    start = time.perf_counter()
     host = {name: host_us(fn) for name, (fn, _) in backends(q, k, v, 1, 1024).items()}
-    prefill = [torch.randn(1, 16, 256, D, device=dev, generator=g).to(DTYPE) for _ in range(3)]
-    host["flashlab prefill N=256"] = host_us(lambda: flash_attention(*prefill, causal=True))
     kc, vc, table, seqlens = paged_kv_cache(k, v, 16)
     host["paged16 check_values=True"] = host_us(lambda: flash_attention_with_kvcache(q, kc, vc, seqlens, table))
+    print(
+        "host us per eager call (B=1, N=1K decode): " + ", ".join(f"{x} {us:.1f}" for x, us in host.items()), flush=True
+    )
     # -- bandwidth over the grid
     for n in (int(x) for x in args.seq_lens.split(",")):
         for batch in (int(x) for x in args.batches.split(",")):
+            if time.perf_counter() - start > args.budget_s:
+                print(f"N={n} B={batch}: skipped, past the {args.budget_s:g} s budget", flush=True)
+                continue
             q = torch.randn(batch, HQ, 1, D, device=dev, generator=g).to(DTYPE)
             k, v = (torch.randn(batch, HK, n, D, device=dev, generator=g).to(DTYPE) for _ in range(2))
             for name, (fn, lengths) in backends(q, k, v, batch, n).items():
@@ -134,7 +144,7 @@ def main():
                 try:
                     check(fn(), q, k, v, lengths, name)
                     kv_bytes = 2 * sum(lengths) * HK * D * DTYPE.itemsize
-                    ms = float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+                    ms = float(triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median"))
                     row.update(time_ms=ms, tbps=kv_bytes / (ms * 1e-3) / 1e12)
                     if name.startswith(("flashlab", "paged")):
                         gms = graph_ms(fn)
@@ -143,11 +153,19 @@ def main():
                     row.update(status=f"{type(e).__name__}: {e}"[:200])
                 rows.append(row)
                 del fn
+                line = f"{row['tbps']:.2f} TB/s" if row["status"] == "ok" else row["status"]
+                if "graph_tbps" in row:
+                    line += f" (graph replay {row['graph_tbps']:.2f})"
+                print(f"[{time.perf_counter() - start:5.1f} s] N={n} B={batch} {name}: {line}", flush=True)
             torch.cuda.empty_cache()
+    if time.perf_counter() - start < args.budget_s:  # prefill's first call autotunes (compiles) its kernel
+        prefill = [torch.randn(1, 16, 256, D, device=dev, generator=g).to(DTYPE) for _ in range(3)]
+        host["flashlab prefill N=256"] = host_us(lambda: flash_attention(*prefill, causal=True))
+        print(f"host us per eager call, prefill N=256 causal: {host['flashlab prefill N=256']:.1f}")
     # -- the table
     names = list(dict.fromkeys(r["backend"] for r in rows))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    print("host us per eager call (B=1, N=1K decode): " + ", ".join(f"{k} {v:.1f}" for k, v in host.items()))
+    print("host us per eager call (B=1, N=1K decode): " + ", ".join(f"{x} {us:.1f}" for x, us in host.items()))
     print("KV-read TB/s, eager (CUDA-graph replay in brackets); paged: shuffled blocks, ragged lengths")
     print(f"{'N':>7s} {'B':>2s} " + " ".join(f"{x:>15s}" for x in names) + "  fl/cuDNN  paged16/fl  paged256/fl")
     for n in dict.fromkeys(r["seq_len"] for r in rows):

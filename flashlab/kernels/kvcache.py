@@ -176,8 +176,15 @@ def _kvcache_partial(
         tl.store(o_ptrs, acc / l_safe[:, None], mask=row_ok[:, None] & d_ok[None, :])
 
 
+# (BLOCK_N, num_warps, num_stages): a subset of split_kv's space (its pruning applies), small enough that a decode
+# grid's first calls do not spend a minute compiling; fp32 inputs take split_kv's fp32 configs.
+TUNING_SPACE = [(64, 4, 3), (128, 4, 3), (128, 8, 3)]
+
 _kvcache_partial_tuned = triton.autotune(
-    configs=split_kv.tuning_configs(),
+    configs=[
+        triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+        for bn, w, st in TUNING_SPACE + split_kv.FP32_TUNING_SPACE + [(32, 4, 1)]
+    ],
     key=["TUNE_KEY_N", "TUNE_KEY_UNITS", "HEAD_DIM", "BLOCK_M", "PAGE_SIZE", "DOT_PRECISION", "DIRECT"],
     prune_configs_by={"early_config_prune": split_kv.prune_configs},
 )(_kvcache_partial)
@@ -567,6 +574,7 @@ def paged_kv_cache(k, v, block_size: int, lengths=None, seed: int = 0):
 
 __all__ = [
     "BLOCK_SIZE_MULTIPLE",
+    "TUNING_SPACE",
     "check_kvcache_inputs",
     "flash_attention_with_kvcache",
     "KVCachePlan",
