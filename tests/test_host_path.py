@@ -96,7 +96,7 @@ def test_fast_launch_fills_the_tensor_slots_of_tritons_own_binding(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("nk", [1024, 32768])
+@pytest.mark.parametrize("nk", [200, 1024, 32768])  # 200 keys: one chunk, the partial kernel writes o itself
 def test_decode_relaunches_directly_and_stays_exact_on_gpu(nk):
     from flashlab.reference.torch_float64 import attention_float64
 
@@ -112,6 +112,7 @@ def test_decode_relaunches_directly_and_stays_exact_on_gpu(nk):
         torch.testing.assert_close(lse.double(), rlse, rtol=1e-3, atol=1e-3)
         plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[2] == k.shape)
     assert plan.split.fast_state == "checked", plan.split.fast_state  # the direct launches are in use
+    assert plan.split.direct == (nk == 200)
 
 
 @pytest.mark.gpu
