@@ -105,6 +105,12 @@ def test_operator_registration_passes_opcheck():
     )
 
 
+def test_paged_operator_registration_passes_opcheck():
+    q, kc, vc, seqlens, table = paged_case(2, b=2, hq=2, hk=1, nq=1, d=16, bs=16, dtype=torch.float32, max_len=30)
+    args = (q, kc, vc, seqlens, table, True, -1, -1, None, True)
+    torch.library.opcheck(op.attention_with_kvcache, args, test_utils=("test_schema", "test_faketensor"))
+
+
 def test_window_encoding_round_trips():
     for window in [None, (3, None), (None, 4), (0, 0), (5, 7)]:
         assert op.ints_to_window(*op.window_to_ints(window)) == window
