@@ -398,3 +398,16 @@ def test_quick_sweep_on_gpu(tmp_path):
     for name in ("naive", "flashlab", "sdpa_flash", "sdpa_math"):
         assert rows[(name, True)]["status"] == "ok", rows[(name, True)]
         assert rows[(name, True)]["peak_extra_mb"] > 0
+
+
+def test_paged_cache_backends():
+    cfg = BenchConfig(mode="decode", device="cpu", seq_lens=(70,), head_dims=(16,), batches=(2,))
+    cfg = replace(cfg, q_heads=4, kv_heads=2, backends=("flashlab", "paged16", "paged256"), **FAST)
+    results = run_sweep(cfg, progress=False)
+    for r in results.rows:
+        assert r["status"] == "ok" and r["rel_err"] < 1e-5, r
+        assert math.isnan(r["host_us"])  # measured on GPUs only
+    assert "paged16 vs flashlab (contiguous): geo-mean" in bench.summary_table(results)
+    prefill = run_sweep(tiny_config(backends=("paged16",)), progress=False)
+    assert {r["status"] for r in prefill.rows} == {"skipped"}
+    assert "decode cells" in prefill.rows[0]["reason"]

@@ -4,6 +4,7 @@ pinned explicitly; and the float64 reference rows every backend is checked again
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -11,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from flashlab.bench.grid import DTYPES, Cell
-from flashlab.kernels import flash_attention
+from flashlab.kernels import flash_attention, flash_attention_with_kvcache
 from flashlab.kernels.forward import check_inputs, forward
+from flashlab.kernels.kvcache import paged_kv_cache
 from flashlab.reference.torch_float64 import attention_float64
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -117,12 +119,36 @@ def flashlab_variant(kernel_config=None, tile_order=None, tma=None) -> Backend:
     return Backend("flashlab", f"flashlab.flash_attention's prefill kernel with {what}", run)
 
 
+def _paged_backend(block_size: int) -> Backend:
+    """flashlab's paged-cache kernel on the cell's K/V copied into a shuffled pool of ``block_size``-token blocks
+    (copied once per cell, not timed), as a decode loop calls it: ``check_values=False`` (no host read of the
+    table per step). Decode cells only."""
+    made = {}  # the pool of the K/V tensors last seen
+
+    def run(q, k, v, causal):
+        if q.shape[2] == k.shape[2] and q.shape[2] > 1:
+            raise ValueError("the paged-cache backend runs decode cells (one query token against a cache)")
+        if made.get("k") is None or made["k"]() is not k or made["v"]() is not v:
+            made.clear()
+            made.update(k=weakref.ref(k), v=weakref.ref(v), cache=paged_kv_cache(k, v, block_size, seed=block_size))
+        kc, vc, table, seqlens = made["cache"]
+        return flash_attention_with_kvcache(q, kc, vc, seqlens, table, causal=causal, check_values=False)
+
+    return Backend(
+        f"paged{block_size}",
+        f"flashlab.flash_attention_with_kvcache, the cache in shuffled {block_size}-token blocks (decode only)",
+        run,
+    )
+
+
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
         Backend("naive", "torch matmul -> softmax -> matmul, score matrix materialised", naive_attention,
                 materialises=True),
         Backend("flashlab", "flashlab.flash_attention (Triton; the interpreter on CPU)", _flashlab_run),
+        _paged_backend(16),
+        _paged_backend(256),
         _sdpa_backend("FLASH_ATTENTION", "FlashAttention-2 inside PyTorch", cuda_only=False),
         _sdpa_backend("CUDNN_ATTENTION", "cuDNN's fused attention", cuda_only=True),
         _sdpa_backend("EFFICIENT_ATTENTION", "xformers' memory-efficient kernel", cuda_only=True),

@@ -67,6 +67,21 @@ def time_ms(fn: Callable, device: str, warmup: float, rep: float) -> float:
     return statistics.median(times)
 
 
+def host_us(fn: Callable, device: str, calls: int = 50) -> float:
+    """Host microseconds per eager call: a loop of ``calls`` calls started with the GPU idle, its wall time before
+    the final synchronise, per call (the launch queue is deep, so the host never waits on the GPU); NaN on the CPU,
+    where the interpreter runs the kernel on the host."""
+    if device != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
 def peak_extra_bytes(fn: Callable, device: str) -> float:
     """Peak memory one call allocates beyond what was allocated before it (inputs); NaN on the CPU (n/a)."""
     if device != "cuda":
@@ -106,7 +121,7 @@ def empty_row(cell: Cell, backend: Backend, meta: dict) -> dict:
         backend=backend.name, dtype=cell.dtype, head_dim=cell.head_dim, seq_len=cell.seq_len, causal=cell.causal,
         batch=cell.batch, heads=cell.heads, kv_heads=cell.hk, q_len=cell.nq, status="ok", reason="",
         rel_err=nan, max_abs_err=nan, tol=TOLERANCE[cell.dtype], time_ms=nan, tflops=nan, bandwidth_gbps=nan,
-        peak_extra_mb=nan, flops=cell.flops, io_bytes=cell.io_bytes,
+        peak_extra_mb=nan, host_us=nan, flops=cell.flops, io_bytes=cell.io_bytes,
     )  # fmt: skip
     row.update({col: meta[col] for col in STAMP_COLUMNS})
     return row
@@ -175,6 +190,8 @@ def bench_cell(cell: Cell, backends: Sequence[Backend], config: BenchConfig, met
                 raise NotTimed("wrong", f"relative error {rel_err:.3g} > tolerance {row['tol']:g}; not timed")
             row["peak_extra_mb"] = peak_extra_bytes(fn, device) / 1e6
             ms = time_ms(fn, device, config.warmup, config.rep)
+            if cell.nq != cell.seq_len:  # decode: the host's launch work is a large part of a short step
+                row["host_us"] = host_us(fn, device)
         except NotTimed as e:
             row.update(status=e.status, reason=e.reason)
         except Exception as e:  # noqa: BLE001 -- one failing backend must not end the sweep

@@ -19,6 +19,7 @@ from flashlab.bench.grid import STAMP_COLUMNS
 ROW_COLUMNS = (
     "backend", "dtype", "head_dim", "seq_len", "causal", "batch", "heads", "kv_heads", "q_len", "status", "reason",
     "rel_err", "max_abs_err", "tol", "time_ms", "tflops", "bandwidth_gbps", "peak_extra_mb", "flops", "io_bytes",
+    "host_us",
 ) + STAMP_COLUMNS  # fmt: skip
 
 
@@ -103,6 +104,9 @@ def summary_table(results: BenchResults) -> str:
     vs_fa2 = speedups(results, "flashlab", "sdpa_flash")
     vs_cudnn = speedups(results, "flashlab", "sdpa_cudnn")
     head = ["dtype", "D", "mask", "N", "B"] + names + ["fl/FA2", "fl/cuDNN"]
+    hosts = [n for n in names if decode and any(not _is_nan(r.get("host_us", float("nan"))) for r in results.rows
+                                                if r["backend"] == n and r["status"] == "ok")]  # fmt: skip
+    head += [f"{n} host us" for n in hosts]
     lines = []
     for c in cells:
         line = [c[0], str(c[1]), "decode" if decode else "causal" if c[2] else "full", str(c[3]), str(c[4])]
@@ -113,6 +117,9 @@ def summary_table(results: BenchResults) -> str:
             else:
                 line.append(f"{r['bandwidth_gbps'] / 1e3:.3g}" if decode else f"{r['tflops']:.3g}")
         line += [f"{vs_fa2[c]:.2f}" if c in vs_fa2 else "-", f"{vs_cudnn[c]:.2f}" if c in vs_cudnn else "-"]
+        for name in hosts:  # host time per eager call (decode: the launch cost the GPU work must hide)
+            r = status.get(c + (name,))
+            line.append(f"{r['host_us']:.0f}" if r is not None and r["status"] == "ok" else "-")
         lines.append(line)
     widths = [max(len(x) for x in col) for col in zip(head, *lines, strict=True)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
@@ -128,6 +135,14 @@ def summary_table(results: BenchResults) -> str:
             )
         else:
             out.append(f"flashlab vs {name}: no cell where both ran")
+    for paged in (n for n in names if n.startswith("paged")):  # the paged cache against the contiguous one
+        ratios = speedups(results, paged, "flashlab")
+        if ratios:
+            out.append(
+                f"{paged} vs flashlab (contiguous): geo-mean {geomean(ratios.values()):.2f}x, "
+                f"min {min(ratios.values()):.2f}x; "
+                + ", ".join(f"N={c[3]} B={c[4]} {x:.2f}x" for c, x in ratios.items())
+            )
     ceil = results.ceilings
     if ceil.get("copy_tbps"):
         out.append(

@@ -4,8 +4,12 @@
 - ``softmax_step`` -- the device functions they share: the band's element mask and one online-softmax step.
 - ``forward`` -- the FlashAttention forward pass (prefill), and ``flash_attention``, the entry point.
 - ``split_kv`` -- the decode path (Flash-Decoding): key chunks in parallel, merged by their log-sum-exps.
+- ``kvcache`` -- the same path against a serving engine's KV cache: ragged lengths, paged blocks, a block table.
+- ``op`` -- both registered as PyTorch custom operators, so ``torch.compile(fullgraph=True)`` traces them.
 """
 
+from flashlab.kernels import op  # noqa: F401  (registers the operators that torch.compile traces)
 from flashlab.kernels.forward import flash_attention
+from flashlab.kernels.kvcache import flash_attention_with_kvcache
 
-__all__ = ["flash_attention"]
+__all__ = ["flash_attention", "flash_attention_with_kvcache"]

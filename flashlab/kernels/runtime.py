@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import threading
 
 import numpy as np
@@ -74,6 +75,77 @@ def sm_count(device_index: int) -> int:
 
 def device_index(x: torch.Tensor) -> int:
     return x.device.index if x.device.index is not None else torch.cuda.current_device()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launching a compiled kernel again, without the JIT's per-call work
+# ----------------------------------------------------------------------------------------------------------------
+
+# FLASHLAB_FAST_LAUNCH=0 turns the direct launches off (every launch then goes through Triton's JIT as usual).
+FAST_LAUNCH = os.environ.get("FLASHLAB_FAST_LAUNCH", "1") != "0"
+
+
+class FastLaunch:
+    """A compiled Triton kernel relaunched directly through its launcher.
+
+    Every ``kernel[grid](*args)`` call binds ~30 arguments to the kernel's signature, computes their
+    specialisation (dtype, 16-byte alignment, value 1) and a cache key from it, looks the compiled kernel up, and
+    only then calls the driver -- tens of microseconds of Python for a decode step whose GPU work is a few. When
+    the same call signature comes back (a decode loop), everything but the tensors is the same, so this keeps
+    the compiled kernel's launcher, its bound argument values (from Triton's own binder, in the order Triton's
+    own launch passes them), and the slots where tensors go; a launch fills the slots and calls the launcher, as
+    ``JITFunction.run`` does at its end. Built only when no launch hooks are set (profilers use them). Callers
+    check a new FastLaunch against an ordinary launch once before relying on it.
+    """
+
+    __slots__ = ("launcher", "function", "metadata", "grid", "values", "slots")
+
+    def __init__(self, launcher, function, metadata, grid, values, slots):
+        self.launcher, self.function, self.metadata = launcher, function, metadata
+        self.grid, self.values, self.slots = grid, values, slots
+
+    @classmethod
+    def build(cls, jit_function, kernel, grid, args, kwargs, tensor_names):
+        """From the CompiledKernel ``kernel`` that ``jit_function[grid](*args, **kwargs)`` just returned; None
+        where this Triton does not look as expected (then the caller keeps launching through the JIT)."""
+        if not FAST_LAUNCH or kernel is None:
+            return None
+        try:
+            from triton import knobs
+
+            for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+                if hook is not None and getattr(hook, "calls", None) != []:  # None, or a HookChain with no calls
+                    return None
+            binder = jit_function.device_caches[torch.cuda.current_device()][-1]
+            bound, _, _ = binder(*args, **kwargs)
+            names = list(bound)
+            slots = tuple(names.index(n) for n in tensor_names)
+            grid = tuple(grid) + (1,) * (3 - len(grid))
+            values = list(bound.values())
+            for slot in slots:  # hold no reference to this call's tensors (a KV cache may be gigabytes)
+                values[slot] = None
+            return cls(kernel.run, kernel.function, kernel.packed_metadata, grid, values, slots)
+        except Exception:  # noqa: BLE001 -- any surprise: launch through the JIT instead
+            return None
+
+    def __call__(self, stream, *tensors):
+        values = self.values.copy()
+        for slot, t in zip(self.slots, tensors, strict=True):
+            values[slot] = t
+        g0, g1, g2 = self.grid
+        self.launcher(g0, g1, g2, stream, self.function, self.metadata, None, None, None, *values)
+
+
+@functools.cache
+def _stream_getter():
+    from triton.runtime import driver
+
+    return driver.active.get_current_stream
+
+
+def current_stream(device_index: int) -> int:
+    """The raw handle of the current CUDA stream on that device: the one Triton's own launches use."""
+    return _stream_getter()(device_index)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -173,12 +245,15 @@ def restore_language_state(state):
 __all__ = [
     "CPU_CONFIG",
     "DTYPES",
+    "FAST_LAUNCH",
+    "FastLaunch",
     "HEAD_DIM_MULTIPLE",
     "LOG2_E",
     "MAX_HEAD_DIM",
     "MIN_HEAD_DIM",
     "block_d",
     "cdiv",
+    "current_stream",
     "device_index",
     "dot_precision",
     "dot_upcast",

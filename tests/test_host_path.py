@@ -1,0 +1,131 @@
+"""The host side of a call: decisions made once per call signature and reused, without weakening the checks.
+
+``flash_attention`` remembers, per signature (shapes, strides, dtypes, devices, mask, scale), that the inputs passed
+its checks and what the launch needs (``forward.ForwardPlan``, ``split_kv.LaunchPlan``); these tests make sure a
+remembered signature gives the same answer, that a different signature is planned afresh, and that arguments
+which only compare equal to a checked one (``True == 1``) are still refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernel import check_against_reference, make_qkv
+
+from flashlab import flash_attention
+from flashlab.kernels import forward, split_kv
+
+
+def count_plans(monkeypatch):
+    made = []
+    real = forward.ForwardPlan.__init__
+
+    def counting(self, *args):
+        made.append(args)
+        real(self, *args)
+
+    monkeypatch.setattr(forward.ForwardPlan, "__init__", counting)
+    return made
+
+
+@pytest.mark.parametrize("nq", [1, 20], ids=["decode", "prefill"])
+def test_a_signature_is_planned_once(monkeypatch, nq):
+    made = count_plans(monkeypatch)
+    q, k, v = make_qkv(1, 4, 2, nq, 45, 16, torch.float32, seed=nq)
+    first = flash_attention(q, k, v, causal=True, scale=0.3)
+    q2, k2, v2 = make_qkv(1, 4, 2, nq, 45, 16, torch.float32, seed=nq + 100)  # same signature, new values
+    second = flash_attention(q2, k2, v2, causal=True, scale=0.3)
+    assert len(made) <= 1  # planned on the first call (or already, by an earlier test), not again
+    check_against_reference(q2, k2, v2, causal=True, scale=0.3)
+    assert not torch.equal(first, second)
+    flash_attention(q, k, v, causal=False, scale=0.3)  # another mask: another plan
+    assert len(made) >= 1 and made[-1][3] is False
+
+
+def test_single_chunk_decode_writes_the_output_directly():
+    q, k, v = make_qkv(2, 4, 2, 1, 100, 16, torch.float32, seed=3)
+    o, lse = forward.forward(q, k, v, False, None, None)
+    plan = next(p for p in forward._PLANS.values() if p.split is not None and p.o_shape == (2, 4, 1, 16))
+    assert plan.split.direct and plan.split.num_splits == 1  # 100 keys: one chunk, no merge kernel
+    check_against_reference(q, k, v)
+    o3 = forward.forward(q, k, v, False, None, None, num_splits=split_kv.MAX_SPLITS)  # many chunks, merged
+    torch.testing.assert_close(o3[0], o, rtol=1e-5, atol=1e-5)
+
+
+def test_remembered_signatures_still_refuse_bad_arguments():
+    q, k, v = make_qkv(1, 2, 1, 1, 20, 16, torch.float32, seed=4)
+    flash_attention(q, k, v, causal=True, scale=1)
+    with pytest.raises(TypeError, match="scale must be a number"):
+        flash_attention(q, k, v, causal=True, scale=True)  # True == 1, but it is not a scale
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        flash_attention(q, k, v, causal=1, scale=1)
+    flash_attention(q, k, v, window=(3, None))
+    with pytest.raises(ValueError, match="window left"):
+        flash_attention(q, k, v, window=(True, None))
+    with pytest.raises(TypeError, match="same dtype"):
+        flash_attention(q, k.half(), v)
+
+
+def test_fast_launch_fills_the_tensor_slots_of_tritons_own_binding(monkeypatch):
+    # Triton's binder gives every parameter's value in signature order; a FastLaunch keeps those and swaps in the
+    # new call's tensors where the named tensor parameters sit, then calls the kernel's launcher the way
+    # JITFunction.run does. A stand-in kernel records what the launcher receives.
+    from types import SimpleNamespace
+
+    from flashlab.kernels import runtime
+
+    def binder(Q, n, O, BLOCK: int = 16, num_warps=4):  # noqa: N803 -- kernel parameter names
+        return {"Q": Q, "n": n, "O": O, "BLOCK": BLOCK}, None, None
+
+    calls = []
+    jit = SimpleNamespace(device_caches={0: (None, None, binder)})
+    kernel = SimpleNamespace(run=lambda *a: calls.append(a), function="fn", packed_metadata="meta")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(runtime, "FAST_LAUNCH", True)
+    first_q, first_o = torch.zeros(1), torch.zeros(1)
+    meta = {"BLOCK": 32, "num_warps": 8}
+    fast = runtime.FastLaunch.build(jit, kernel, (3, 2), (first_q, 7, first_o), meta, ("Q", "O"))
+    assert fast is not None and fast.values == [None, 7, None, 32]  # no reference kept to the first call's tensors
+    q, o = torch.ones(2), torch.ones(3)
+    fast("stream", q, o)
+    (args,) = calls
+    assert args[:9] == (3, 2, 1, "stream", "fn", "meta", None, None, None)
+    assert args[9] is q and args[10] == 7 and args[11] is o and args[12] == 32
+    monkeypatch.setattr(runtime, "FAST_LAUNCH", False)
+    assert runtime.FastLaunch.build(jit, kernel, (3,), (q, 7, o), {}, ("Q", "O")) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nk", [200, 1024, 32768])  # 200 keys: one chunk, the partial kernel writes o itself
+def test_decode_relaunches_directly_and_stays_exact_on_gpu(nk):
+    from flashlab.reference.torch_float64 import attention_float64
+
+    g = torch.Generator(device="cuda").manual_seed(nk)
+    plan = None
+    for step in range(6):  # autotune, JIT launch (FastLaunch built), checked against the JIT once, then direct
+        q = torch.randn(2, 64, 1, 128, device="cuda", generator=g).bfloat16()
+        k, v = (torch.randn(2, 8, nk, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+        o, lse = forward.forward(q, k, v, False, None, None)
+        ro, rlse = attention_float64(q, k, v)
+        err = float((o.double() - ro).norm() / ro.norm())
+        assert err < 1.5e-2, (step, err)
+        torch.testing.assert_close(lse.double(), rlse, rtol=1e-3, atol=1e-3)
+        plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[2] == k.shape)
+    assert plan.split.fast_state == "checked", plan.split.fast_state  # the direct launches are in use
+    assert plan.split.direct == (nk == 200)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, causal", [(128, True), (128, False)])
+def test_prefill_relaunches_directly_and_stays_exact_on_gpu(d, causal):
+    from flashlab.reference.torch_float64 import attention_float64
+
+    g = torch.Generator(device="cuda").manual_seed(d)
+    for step in range(5):
+        q, k, v = (torch.randn(1, 16, 700, d, device="cuda", generator=g).bfloat16() for _ in range(3))
+        o = forward.forward(q, k, v, causal, None, None)[0]
+        ro, _ = attention_float64(q, k, v, causal=causal)
+        err = float((o.double() - ro).norm() / ro.norm())
+        assert err < 1.5e-2, (step, err)
+    plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[8] is causal)
+    assert plan.fast_state == "checked", plan.fast_state

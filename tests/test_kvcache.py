@@ -1,0 +1,256 @@
+"""``flash_attention_with_kvcache`` on the CPU (Triton's interpreter) against the float64 reference.
+
+Each case builds a paged cache the way a serving engine holds one: a pool of blocks, a block table per sequence
+with its blocks in random order (some shared between sequences), ragged lengths including 0. The reference gathers
+each sequence's keys and values into contiguous tensors and runs ``attention_float64`` on them, one sequence at a
+time, with the masks aligned to that sequence's own length.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flashlab import flash_attention_with_kvcache
+from flashlab.core.numerics import tolerance
+from flashlab.reference.torch_float64 import attention_float64
+
+LSE_TOL = 1e-4
+
+
+def gather(cache, table_row, seqlen):
+    """(1, Hk, seqlen, D): one sequence's keys (or values) gathered from a paged cache (num_blocks, bs, Hk, D)."""
+    bs = cache.shape[1]
+    blocks = table_row[: -(-seqlen // bs)].long()
+    return cache[blocks].reshape(-1, *cache.shape[2:])[:seqlen].permute(1, 0, 2)[None]  # (1, Hk, seqlen, D)
+
+
+def reference(q, k_cache, v_cache, seqlens, table, causal, window, scale=None):
+    """float64 (o, lse) per sequence; ``table`` None means the cache is (B, Nk_max, Hk, D)."""
+    b, hq, nq, d = q.shape
+    o = torch.zeros(b, hq, nq, d, dtype=torch.float64, device=q.device)
+    lse = torch.full((b, hq, nq), float("-inf"), dtype=torch.float64, device=q.device)
+    for i in range(b):
+        n = int(seqlens[i])
+        if n == 0:
+            continue
+        if table is None:
+            k, v = (c[i : i + 1, :n].permute(0, 2, 1, 3) for c in (k_cache, v_cache))
+        else:
+            k, v = gather(k_cache, table[i], n), gather(v_cache, table[i], n)
+        o[i : i + 1], lse[i : i + 1] = attention_float64(q[i : i + 1], k, v, causal=causal, window=window, scale=scale)
+    return o, lse
+
+
+def paged_case(seed, b, hq, hk, nq, d, bs, dtype, max_len, shared=True, zero=True, lengths=None):
+    """A random pool, block tables in shuffled order (sequence 0's first block shared by sequence 1), lengths
+    (random in [nq, max_len], the last one 0 with ``zero``; or ``lengths``)."""
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    if lengths is None:
+        lengths = rng.integers(nq, max_len + 1, size=b)
+        if zero and b > 1:
+            lengths[-1] = 0
+    lengths = np.asarray(lengths)
+    max_blocks = -(-max_len // bs)
+    blocks_needed = [-(-int(n) // bs) for n in lengths]
+    pool = sum(blocks_needed) + 3  # a few blocks nobody uses
+    order = rng.permutation(pool)
+    table = torch.full((b, max_blocks), -1, dtype=torch.int32)  # unused entries hold -1, as engines pad them
+    used = 0
+    for i, need in enumerate(blocks_needed):
+        table[i, :need] = torch.as_tensor(order[used : used + need], dtype=torch.int32)
+        used += need
+    if shared and b > 1 and blocks_needed[0] and blocks_needed[1]:
+        table[1, 0] = table[0, 0]  # a shared prompt prefix: the same physical block in two tables
+    k_cache = torch.randn(pool, bs, hk, d, generator=g).to(dtype)
+    v_cache = torch.randn(pool, bs, hk, d, generator=g).to(dtype)
+    q = torch.randn(b, hq, nq, d, generator=g).to(dtype)
+    return q, k_cache, v_cache, torch.as_tensor(lengths, dtype=torch.int32), table
+
+
+def check(q, k_cache, v_cache, seqlens, table, causal=False, window=None, scale=None):
+    o, lse = flash_attention_with_kvcache(
+        q, k_cache, v_cache, seqlens, table, causal=causal, window=window, scale=scale, return_lse=True
+    )
+    ro, rlse = reference(q, k_cache, v_cache, seqlens, table, causal, window, scale)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == q.shape[:-1] and lse.dtype == torch.float32
+    o, lse = o.double(), lse.double()
+    assert torch.isfinite(o).all()
+    err = float((o - ro).norm() / max(float(ro.norm()), 1e-300))
+    assert err < tolerance(q.dtype), f"relative error {err:.2e} for {q.dtype}"
+    empty = torch.isneginf(rlse)
+    assert torch.equal(torch.isneginf(lse), empty), "lse must be -inf exactly on rows that see no key"
+    assert (o[empty] == 0).all()
+    if (~empty).any():
+        gap = (lse[~empty] - rlse[~empty]).abs() / rlse[~empty].abs().clamp(min=1.0)
+        assert float(gap.max()) < LSE_TOL
+    return err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_decode_through_shuffled_shared_blocks_every_dtype(dtype):
+    q, kc, vc, seqlens, table = paged_case(1, b=3, hq=4, hk=2, nq=1, d=32, bs=16, dtype=dtype, max_len=90)
+    check(q, kc, vc, seqlens, table)
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (20, None)), (False, (10, 5))], ids=str)
+def test_masks_follow_each_sequence_end(causal, window):
+    # Nq = 5 new tokens per sequence (a small chunk of prefill, or speculative decoding's drafts); GQA group 3
+    q, kc, vc, seqlens, table = paged_case(2, b=3, hq=6, hk=2, nq=5, d=16, bs=32, dtype=torch.float32, max_len=70)
+    check(q, kc, vc, seqlens, table, causal=causal, window=window)
+
+
+def test_chunked_prefill_longer_than_a_row_block():
+    # 40 query rows x group 2 = 80 packed rows: two row blocks; one sequence shorter than Nq (causal: rows see none)
+    q, kc, vc, seqlens, table = paged_case(
+        3, b=2, hq=2, hk=1, nq=40, d=16, bs=16, dtype=torch.float32, max_len=60, lengths=[57, 30]
+    )
+    check(q, kc, vc, seqlens, table, causal=True)
+    check(q, kc, vc, seqlens, table)
+
+
+def test_block_size_that_is_not_a_power_of_two():
+    q, kc, vc, seqlens, table = paged_case(4, b=2, hq=2, hk=2, nq=2, d=16, bs=48, dtype=torch.float16, max_len=100)
+    check(q, kc, vc, seqlens, table, causal=True)
+
+
+def test_many_chunks_merged():
+    # a long cache cuts into several chunks (CPU pretends to have 4 SMs); lengths end mid-chunk and mid-block
+    q, kc, vc, seqlens, table = paged_case(
+        5, b=2, hq=2, hk=1, nq=1, d=16, bs=16, dtype=torch.bfloat16, max_len=700, lengths=[700, 333]
+    )
+    check(q, kc, vc, seqlens, table)
+    check(q, kc, vc, seqlens, table, causal=True, window=(150, None))
+
+
+def test_contiguous_cache_without_block_table():
+    g = torch.Generator().manual_seed(6)
+    kc, vc = torch.randn(2, 2, 50, 2, 24, generator=g).unbind(0)  # (B, Nk_max, Hk, D)
+    q = torch.randn(2, 4, 3, 24, generator=g)
+    seqlens = torch.tensor([50, 17], dtype=torch.int32)
+    check(q, kc, vc, seqlens, None, causal=True)
+
+
+def test_paged_equals_flash_attention_on_the_same_keys():
+    from flashlab import flash_attention
+
+    q, kc, vc, seqlens, table = paged_case(7, b=1, hq=4, hk=2, nq=1, d=32, bs=16, dtype=torch.float32, max_len=80)
+    n = int(seqlens[0])
+    k, v = gather(kc, table[0], n), gather(vc, table[0], n)
+    torch.testing.assert_close(
+        flash_attention_with_kvcache(q, kc, vc, seqlens, table), flash_attention(q, k, v), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_length_zero_gives_zeros_and_minus_inf():
+    q, kc, vc, seqlens, table = paged_case(8, b=2, hq=2, hk=1, nq=1, d=16, bs=16, dtype=torch.float32, max_len=40)
+    seqlens[:] = 0
+    o, lse = flash_attention_with_kvcache(q, kc, vc, seqlens, table, return_lse=True)
+    assert (o == 0).all() and torch.isneginf(lse).all()
+
+
+def test_unused_blocks_are_never_read():
+    q, kc, vc, seqlens, table = paged_case(9, b=2, hq=2, hk=1, nq=1, d=16, bs=16, dtype=torch.float32, max_len=64)
+    ref = flash_attention_with_kvcache(q, kc, vc, seqlens, table)
+    used = {int(x) for i in range(2) for x in table[i, : -(-int(seqlens[i]) // 16)]}
+    for blk in set(range(kc.shape[0])) - used:
+        kc[blk], vc[blk] = float("nan"), float("nan")
+    for i in range(2):  # the slots past each sequence's end in its last block
+        n = int(seqlens[i])
+        if n % 16:
+            kc[table[i, n // 16], n % 16 :] = float("nan")
+    torch.testing.assert_close(flash_attention_with_kvcache(q, kc, vc, seqlens, table), ref, rtol=0, atol=0)
+
+
+def test_bad_inputs_raise_clear_errors():
+    q, kc, vc, seqlens, table = paged_case(10, b=2, hq=2, hk=1, nq=1, d=16, bs=16, dtype=torch.float32, max_len=40)
+    f = flash_attention_with_kvcache
+    with pytest.raises(TypeError, match="cache_seqlens must be int32"):
+        f(q, kc, vc, seqlens.long(), table)
+    with pytest.raises(TypeError, match="block_table must be int32"):
+        f(q, kc, vc, seqlens, table.long())
+    with pytest.raises(TypeError, match="same dtype"):
+        f(q.half(), kc, vc, seqlens, table)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        f(q, kc[:, :8], vc[:, :8], seqlens, table)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 99 is outside \[0, 48\]"):
+        f(q, kc, vc, torch.tensor([3, 99], dtype=torch.int32), table)
+    bad = table.clone()
+    bad[0, 0] = kc.shape[0]
+    with pytest.raises(ValueError, match=r"block_table\[0, 0\] = .* is not a block"):
+        f(q, kc, vc, seqlens, bad)
+    with pytest.raises(ValueError, match="one length per sequence"):
+        f(q, kc, vc, seqlens[:1], table)
+    with pytest.raises(ValueError, match=r"block_table must be \(B=2, max_blocks"):
+        f(q, kc, vc, seqlens, table[:1])
+    with pytest.raises(ValueError, match="multiple of the cache's key/value heads"):
+        f(q, kc.expand(-1, -1, 3, -1).contiguous(), vc.expand(-1, -1, 3, -1).contiguous(), seqlens, table)
+    with pytest.raises(ValueError, match=r"\(B, Nk_max, Hk, D\)"):
+        f(q, kc, vc, seqlens, None)
+    with pytest.raises(ValueError, match="head dim"):
+        f(q, kc[..., :8], vc[..., :8], seqlens, table)
+    with pytest.raises(ValueError, match="window"):
+        f(q, kc, vc, seqlens, table, window=(-1, None))
+
+
+def test_paged_kv_cache_holds_the_same_keys():
+    from flashlab.kernels.kvcache import paged_kv_cache
+
+    g = torch.Generator().manual_seed(11)
+    k, v = torch.randn(2, 2, 3, 40, 16, generator=g).unbind(0)  # (B=2, Hk=3, N=40, D=16)
+    kc, vc, table, seqlens = paged_kv_cache(k, v, 16, lengths=[40, 33])
+    assert kc.shape == (6, 16, 3, 16) and table.shape == (2, 3) and seqlens.tolist() == [40, 33]
+    assert sorted(table.flatten().tolist()) == list(range(6))
+    for b in range(2):
+        assert torch.equal(gather(kc, table[b], 40)[0], k[b]) and torch.equal(gather(vc, table[b], 40)[0], v[b])
+
+
+def test_unchecked_values_never_leave_the_pool():
+    # check_values=False: no host read of the table. An entry outside the pool is never followed (its keys are
+    # left out) and a length past the capacity is clamped to it.
+    q, kc, vc, seqlens, table = paged_case(12, b=2, hq=2, hk=1, nq=1, d=16, bs=16, dtype=torch.float32, max_len=48,
+                                           lengths=[40, 48])  # fmt: skip
+    good = flash_attention_with_kvcache(q, kc, vc, seqlens, table)
+    bad = table.clone()
+    bad[0, 1] = 10**6  # sequence 0's keys 16..31 point outside the pool
+    o = flash_attention_with_kvcache(q, kc, vc, seqlens, bad, check_values=False)
+    torch.testing.assert_close(o[1], good[1], rtol=0, atol=0)
+    keep = torch.cat([torch.arange(16), torch.arange(32, 40)])  # the keys sequence 0 still has
+    k0, v0 = gather(kc, table[0], 40)[:, :, keep], gather(vc, table[0], 40)[:, :, keep]
+    ref, _ = attention_float64(q[:1], k0, v0)
+    torch.testing.assert_close(o[:1].double(), ref, rtol=1e-5, atol=1e-5)
+    long = torch.tensor([40, 10**6], dtype=torch.int32)
+    o = flash_attention_with_kvcache(q, kc, vc, long, table, check_values=False)
+    torch.testing.assert_close(o, good, rtol=0, atol=0)  # 10**6 keys clamped to the 48 the table holds
+    with pytest.raises(TypeError, match="check_values"):
+        flash_attention_with_kvcache(q, kc, vc, seqlens, table, check_values=0)
+
+
+@pytest.mark.parametrize("block_size, block_n", [(16, 32), (16, 64), (48, 32)])
+def test_key_tiles_that_span_several_blocks(monkeypatch, block_size, block_n):
+    # On a GPU key tiles are 64-128 keys, so a 16-token block is a quarter of a tile: each key finds its own block.
+    # The CPU's 16-key tiles never span blocks; wider tiles here take that path on the interpreter.
+    from flashlab.kernels import kvcache
+
+    monkeypatch.setattr(kvcache, "CPU_CONFIG", {**kvcache.CPU_CONFIG, "BLOCK_N": block_n})
+    q, kc, vc, seqlens, table = paged_case(
+        13, b=3, hq=4, hk=2, nq=2, d=16, bs=block_size, dtype=torch.float16, max_len=150
+    )
+    check(q, kc, vc, seqlens, table, causal=True)
+    bad = table.clone()
+    bad[0, 1] = -5  # unchecked: the keys of that block are left out, nothing else changes
+    o = flash_attention_with_kvcache(q, kc, vc, seqlens, bad, causal=True, check_values=False)
+    torch.testing.assert_close(o[1:], flash_attention_with_kvcache(q, kc, vc, seqlens, table, causal=True)[1:])
+
+
+def test_remembered_signatures_still_check_values_and_arguments():
+    q, kc, vc, seqlens, table = paged_case(14, b=2, hq=2, hk=1, nq=1, d=16, bs=16, dtype=torch.float32, max_len=40)
+    flash_attention_with_kvcache(q, kc, vc, seqlens, table, causal=True)  # this signature is now remembered
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 49 is outside \[0, 48\]"):
+        flash_attention_with_kvcache(q, kc, vc, torch.tensor([49, 0], dtype=torch.int32), table, causal=True)
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        flash_attention_with_kvcache(q, kc, vc, seqlens, table, causal=1)
+    with pytest.raises(TypeError, match="scale must be a number"):
+        flash_attention_with_kvcache(q, kc, vc, seqlens, table, scale=True)

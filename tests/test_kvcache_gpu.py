@@ -1,0 +1,83 @@
+"""``flash_attention_with_kvcache`` compiled on a CUDA GPU, at serving sizes, against float64 (skipped without CUDA).
+
+Run on the H200 with: ``python -m pytest tests/test_kvcache_gpu.py -q``. The cases are those of
+``tests/test_kvcache.py`` scaled up: long ragged caches in shuffled, shared blocks of 16 and 256 tokens, 64 query /
+8 KV heads at D = 128, chunked prefill against a long cache, and the captured-in-a-CUDA-graph decode step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kvcache import check, gather, paged_case
+
+from flashlab import flash_attention, flash_attention_with_kvcache
+
+pytestmark = pytest.mark.gpu
+
+
+def on_gpu(*xs):
+    return [x.cuda() for x in xs]
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_decode_long_ragged_paged(block_size, dtype):
+    case = paged_case(1, b=4, hq=64, hk=8, nq=1, d=128, bs=block_size, dtype=dtype, max_len=8192)
+    check(*on_gpu(*case))
+    check(*on_gpu(*case), causal=True, window=(1000, None))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_chunked_prefill_against_a_long_cache(causal):
+    case = paged_case(2, b=2, hq=32, hk=8, nq=300, d=128, bs=16, dtype=torch.bfloat16, max_len=6000, zero=False)
+    check(*on_gpu(*case), causal=causal)
+
+
+def test_contiguous_cache_and_odd_head_dim():
+    g = torch.Generator(device="cuda").manual_seed(3)
+    kc, vc = torch.randn(2, 3, 5000, 2, 80, device="cuda", generator=g).to(torch.float16).unbind(0)
+    q = torch.randn(3, 8, 4, 80, device="cuda", generator=g).to(torch.float16)
+    seqlens = torch.tensor([5000, 1, 2345], dtype=torch.int32, device="cuda")
+    check(q, kc, vc, seqlens, None, causal=True)
+
+
+def test_paged_equals_contiguous_flash_attention():
+    q, kc, vc, seqlens, table = on_gpu(
+        *paged_case(4, b=1, hq=64, hk=8, nq=1, d=128, bs=16, dtype=torch.bfloat16, max_len=32768, zero=False)
+    )
+    n = int(seqlens[0])
+    k, v = gather(kc, table[0], n), gather(vc, table[0], n)
+    o_paged = flash_attention_with_kvcache(q, kc, vc, seqlens, table)
+    torch.testing.assert_close(o_paged, flash_attention(q, k, v), rtol=2e-2, atol=2e-2)
+
+
+def test_decode_step_captured_in_a_cuda_graph():
+    q, kc, vc, seqlens, table = on_gpu(
+        *paged_case(5, b=8, hq=64, hk=8, nq=1, d=128, bs=16, dtype=torch.bfloat16, max_len=4096, zero=False)
+    )
+    expected = flash_attention_with_kvcache(q, kc, vc, seqlens, table)  # also picks and caches the config
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attention_with_kvcache(q, kc, vc, seqlens, table)
+    q.copy_(torch.randn_like(q))  # a new step: new queries, one more token per sequence
+    seqlens.sub_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, flash_attention_with_kvcache(q, kc, vc, seqlens, table), rtol=0, atol=0)
+    assert not torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_decode_loop_relaunches_directly_and_stays_exact(block_size):
+    from flashlab.kernels import kvcache
+
+    case = on_gpu(*paged_case(6, b=4, hq=64, hk=8, nq=1, d=128, bs=block_size, dtype=torch.bfloat16,
+                              max_len=20000, lengths=[20000, 15000, 9001, 3000]))  # fmt: skip
+    q, kc, vc, seqlens, table = case
+    for _ in range(6):  # autotune, JIT launch (FastLaunch built), checked against the JIT once, then direct
+        q = torch.randn_like(q)
+        seqlens.sub_(1)
+        check(q, kc, vc, seqlens, table, causal=True)
+    key = kvcache.call_signature(q, kc, vc, seqlens, table, True, None, None)
+    assert kvcache._PLANS[key].fast_state == "checked", kvcache._PLANS[key].fast_state
