@@ -81,12 +81,17 @@ class Exercise:
         return f'from flashlab.grade import check\n\ncheck("{self.id}", {self.name})'
 
 
-def graded(exercise_id: str, points: int):
-    """Mark a test function as one graded test of ``exercise_id`` worth ``points``."""
+def graded(exercise_id: str, points: int, gate: bool = False):
+    """Mark a test function as one graded test of ``exercise_id`` worth ``points``.
+
+    A ``gate`` test checks the way the answer computes, the point of the exercise (it tiles, it streams): if it
+    fails, the exercise's other tests earn nothing either, however right the values.
+    """
 
     def mark(fn):
         fn.flashlab_exercise = exercise_id
         fn.flashlab_points = points
+        fn.flashlab_gate = gate
         return fn
 
     return mark

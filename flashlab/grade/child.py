@@ -2,9 +2,10 @@
 
 It is untrusted once the learner's code has run, so it decides nothing: it receives inputs, calls the learner's
 function, turns what came back into plain data (``wire.to_plain``) and sends it. Every check and every score is
-computed by the grader (``flashlab.grade.session``). Started by the grader as
-``python -I -S <runtime>/gradechild/child.py`` in an empty temporary folder, with a clean environment and an import
-path without flashlab; it reads requests from one pipe and writes replies to another.
+computed by the grader (``flashlab.grade.session``). The grader copies this module, ``wire`` and ``sandbox`` into a
+package ``gradechild`` in a temporary folder and starts ``python -I -S -c "...; gradechild.child.main(IN, OUT)"``
+there, with a clean environment and an import path without flashlab; it reads requests from the pipe IN and writes
+replies to OUT.
 
 Start-up (trusted: no learner code has run yet): set the import path, import what the exercise needs, apply the
 sandbox (``sandbox.restrict_filesystem``, ``sandbox.forbid_new_processes``), then run the cell. The grader then
@@ -52,6 +53,30 @@ def describe(exc: BaseException) -> dict:
         "message": message[:MAX_MESSAGE_CHARS],
         "line": _learner_line(exc.__traceback__),
     }
+
+
+class CappedLog:
+    """``sys.stdout`` / ``sys.stderr`` for the learner's prints: the log file starts over when it reaches ``cap``
+    bytes, so printing any amount is allowed and the last output (a traceback) is still there to report."""
+
+    def __init__(self, stream, cap: int = 1 << 20):
+        self.stream, self.cap, self.written = stream, cap, 0
+
+    def write(self, text: str) -> int:
+        data = str(text)[-self.cap :]
+        if self.written + len(data) > self.cap:
+            self.stream.flush()
+            self.stream.seek(0)
+            self.stream.truncate()
+            self.written = 0
+        self.written += len(data)
+        return self.stream.write(data)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
 
 
 class _Blocks:
@@ -139,6 +164,8 @@ def main(in_fd: int, out_fd: int) -> int:
     from . import sandbox, wire  # the runtime's own package, copied beside this file
 
     fds = (in_fd, out_fd)
+    log = open(1, "w", encoding="utf-8", errors="replace", closefd=False)  # the log file the grader opened
+    sys.stdout = sys.stderr = CappedLog(log)
     boot = wire.receive(in_fd)
     sys.path[:] = [p for p in boot["path"]]
     os.chdir(boot["cwd"])

@@ -26,6 +26,7 @@ class Outcome(enum.Enum):
     FOREIGN = "foreign"  # the exercise belongs to another notebook
     GRADER_ERROR = "grader error"  # the grader's own failure
     NOT_GRADED = "not graded"  # grading was interrupted before this exercise ran
+    VOIDED = "voided"  # right values, but the exercise's gate test (how it computes) failed
 
 
 class Status(enum.Enum):
@@ -45,6 +46,7 @@ class Status(enum.Enum):
     FOREIGN = "foreign"
     GRADER_ERROR = "grader error"
     NOT_GRADED = "not graded"
+    WRONG_METHOD = "wrong method"
 
 
 # outcomes that, on any test, name the whole exercise's status (first match wins)
@@ -109,6 +111,8 @@ class ExerciseResult:
         for outcome, status in _DECISIVE:
             if outcome in outcomes:
                 return status
+        if Outcome.VOIDED in outcomes:
+            return Status.WRONG_METHOD
         if outcomes == {Outcome.NOT_IMPLEMENTED}:
             return Status.NOT_IMPLEMENTED
         if self.score == self.max_score:

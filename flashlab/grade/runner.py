@@ -157,7 +157,22 @@ def run_exercise(
             session.kill()
     if _STOP.is_set() and any(r.outcome in (Outcome.CRASHED, Outcome.TIMEOUT) for r in records):
         raise Interrupted()
-    return ExerciseResult(ex.id, records, time.monotonic() - start, walls)
+    return ExerciseResult(ex.id, _apply_gates(tests, records), time.monotonic() - start, walls)
+
+
+def _apply_gates(tests, records: list[TestRecord]) -> list[TestRecord]:
+    """If a gate test failed, the others' passes are voided: right values computed the wrong way earn nothing."""
+    failed = [r for fn, r in zip(tests, records, strict=True) if fn.flashlab_gate and r.outcome is not Outcome.PASSED]
+    if not failed or all(r.outcome is Outcome.NOT_IMPLEMENTED for r in records):
+        return records
+    why = (
+        f"voided: the test of how this exercise computes failed ({failed[0].name}), so right values earn nothing; "
+        f"see that test's message"
+    )
+    return [
+        TestRecord(r.test, r.name, r.max_score, Outcome.VOIDED, why) if r.outcome is Outcome.PASSED else r
+        for r in records
+    ]
 
 
 # -- many submissions --------------------------------------------------------------------------------------------
