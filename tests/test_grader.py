@@ -251,7 +251,7 @@ def streaming_attention(blocks):
         SOLUTIONS["01.streaming_attention"].replace(
             "alpha = np.exp(m - m_new) if m > -np.inf else 0.0", "alpha = 1.0 if m > -np.inf else 0.0"
         ),
-        "partial",
+        0,  # every test has a new max after the first block
     ),
     "stream_no_max": (
         "01",

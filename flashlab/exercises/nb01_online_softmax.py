@@ -205,6 +205,7 @@ def test_stream_random_vectors(answer):
     for _ in range(3):
         n, dv = int(rng.integers(9, 50)), int(rng.integers(2, 7))
         s, v = rng.normal(0, 2, n), rng.normal(0, 1, (n, dv))
+        s[int(rng.integers(n // 2, n))] = s.max() + 0.5  # a new max in the second half
         sizes = _random_sizes(rng, n)
         _stream(answer, _blocks(s, v, sizes), f"{n} keys with values ({n}, {dv}) in blocks of {sizes}")
 
@@ -215,6 +216,7 @@ def test_stream_block_sizes(answer):
     rng = np.random.default_rng()
     n = int(rng.integers(5, 20))
     s, v = rng.normal(0, 2, n), rng.normal(0, 1, n)
+    s[-1] = s.max() + 1.0  # the max arrives last, so every earlier term needs the rescale
     _stream(answer, _blocks(s, v, [1] * n), f"{n} keys, one at a time")
     _stream(answer, _blocks(s, v, [n]), f"{n} keys in one block")
 
@@ -224,4 +226,5 @@ def test_stream_huge_scores(answer):
     """scores near 1e4 must not overflow: the running sum is relative to the running max"""
     rng = np.random.default_rng()
     s, v = 1e4 + rng.normal(0, 4, 17), rng.normal(0, 1, (17, 3))
+    s[-1] = s.max() + 2.0  # a new max in the last block
     _stream(answer, _blocks(s, v, [4, 4, 4, 4, 1]), "scores near 1e4")

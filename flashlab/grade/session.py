@@ -288,7 +288,10 @@ class Session:
 
     def _send(self, message) -> None:
         try:
-            wire.send(self.to_child, message)
+            wire.send(self.to_child, message, deadline=self.deadline)
+        except wire.Late:
+            self.kill()
+            raise Timeout() from None
         except (BrokenPipeError, OSError):
             self._died()
 
@@ -414,7 +417,13 @@ class Answer:
         )
         if "loaded" not in reply:
             return self._reply(reply), 0
-        base = s.reset_peak()
+        try:
+            base = s.reset_peak()
+        except OSError as e:
+            s.kill()
+            raise AssertionError(
+                f"this test reads the call's peak memory from Linux's /proc, unavailable here: {e}"
+            ) from None
         reply = s.request("go")
         if "computed" not in reply:
             return self._reply(reply), max(0, s.peak_rss_bytes() - base)

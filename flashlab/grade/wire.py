@@ -135,11 +135,18 @@ def decode(body: bytes):
         raise WireError(f"unreadable message: {type(e).__name__}: {str(e)[:200]}") from None
 
 
-def send(fd: int, message) -> None:
-    """Write one frame to the file descriptor ``fd``."""
+def send(fd: int, message, deadline: float | None = None) -> None:
+    """Write one frame to ``fd``; with a ``deadline`` (``time.monotonic()``), wait for room only until then."""
+    import select
+    import time
+
     data = memoryview(encode(message))
     while data:
-        n = os.write(fd, data)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [fd], [], left)[1]:
+                raise Late("the other side stopped reading")
+        n = os.write(fd, data[: select.PIPE_BUF] if deadline is not None else data)  # fits once select says so
         data = data[n:]
 
 
