@@ -117,6 +117,22 @@ def kv_cache_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes=2, latent_d
 """,
         0,
     ),
+    "spawns_then_hangs": (
+        "07",
+        "07.kv_cache_bytes_per_token",
+        f"""
+import subprocess, sys
+
+def kv_cache_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes=2, latent_dim=None):
+    try:
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # {MARK}"], start_new_session=True)
+    except OSError:
+        pass
+    while True:
+        pass
+""",
+        0,
+    ),
     "big_allocation": (
         "07",
         "07.kv_cache_bytes_per_token",

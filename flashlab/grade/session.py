@@ -128,8 +128,11 @@ def child_path(runtime: Path) -> list[str]:
 
 def readable_paths(runtime: Path) -> list[str]:
     """What the child may read once walled in: the Python installation, third-party packages, system libraries."""
+    site_dirs = _site_dirs()
     base = [sys.base_prefix, sys.exec_prefix] if not _inside(sys.base_prefix, FLASHLAB_ROOT.parent) else []
-    dirs = [*base, *_stdlib_dirs(), *_readable_site_entries(_site_dirs())]
+    # a folder above site-packages (a venv's lib/pythonX.Y) would open all of it, flashlab's entries included
+    above_site = {d for d in [*base, *_stdlib_dirs()] if any(_inside(s, d) for s in site_dirs)}
+    dirs = [d for d in [*base, *_stdlib_dirs()] if d not in above_site] + _readable_site_entries(site_dirs)
     dirs += ["/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/local/lib", "/usr/share/zoneinfo", "/dev/null"]
     dirs += ["/dev/urandom", "/proc/self", "/sys/devices/system/cpu", "/etc/ld.so.cache"]
     dirs += [str(runtime)]
