@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import numpy as np
@@ -110,13 +111,28 @@ def test_the_sandbox_holds(tmp_path):
     assert (tmp_path / "ok").read_text() == "mine" and not (ROOT / "stray.txt").exists()
 
 
-def test_limits_are_applied_before_exec():
-    code = "import resource as r; print(r.getrlimit(r.RLIMIT_AS)[0], r.getrlimit(r.RLIMIT_NOFILE)[0])"
-    limits = sandbox.Limits(memory_bytes=512 * 2**20, cpu_seconds=10, tasks=10_000, open_files=64)
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, preexec_fn=lambda: sandbox.set_limits(limits)
+def test_the_learners_process_runs_under_its_limits_in_a_session_of_its_own():
+    import time
+
+    from flashlab import exercises
+    from flashlab.grade.session import Answer, Session
+
+    code = (
+        "import os, resource as r\n\ndef kv_cache_bytes_per_token(*args, **kwargs):\n"
+        "    return [r.getrlimit(x)[0] for x in (r.RLIMIT_AS, r.RLIMIT_NOFILE, r.RLIMIT_FSIZE, r.RLIMIT_CPU)] + "
+        "[os.getsid(0) == os.getpid(), os.getcwd(), sorted(os.environ)]\n"
     )
-    assert out.stdout.split() == [str(512 * 2**20), "64"], out.stderr
+    ex = exercises.get("07.kv_cache_bytes_per_token")
+    s = Session(ex, code, code, ex.name, time.monotonic() + 30, memory_mib=700)
+    try:
+        assert s.start().get("ready") is True
+        got = Answer(s)(1, 2, 3)
+    finally:
+        s.kill()
+    address, files, size, cpu, own_session, cwd, env = got
+    assert (address, files, size) == (700 * 2**20, 256, 16 * 2**20) and 0 < cpu <= 33
+    assert own_session and cwd.startswith(tempfile.gettempdir()) and "flashlab-answer-" in cwd
+    assert not {"PYTHONPATH", "VIRTUAL_ENV", "PWD"} & set(env), env
 
 
 # -- the cell reader ---------------------------------------------------------------------------------------------

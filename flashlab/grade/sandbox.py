@@ -1,7 +1,7 @@
 """The walls around a submission's process: resource limits, and (on Linux) what it may read and start.
 
-- ``set_limits(limits)`` -- run in the forked child before it execs Python (``preexec_fn``): address space,
-  CPU seconds, tasks, file size and open files, through ``resource.setrlimit``.
+- ``set_limits(limits)`` -- the first thing the child's interpreter does, before it imports anything else or reads
+  the learner's code: address space, CPU seconds, tasks, file size and open files, through ``resource.setrlimit``.
 - ``restrict_filesystem(readable, writable)`` -- Landlock (Linux 5.13+): from then on the process can read only
   beneath ``readable`` and write only beneath ``writable``; with a recent enough kernel it can also open no TCP
   connection and send no signal to a process outside its own sandbox.
@@ -34,7 +34,7 @@ class Limits:
 
 
 def set_limits(limits: Limits) -> None:
-    """Apply ``limits`` to the calling process (a forked child, before exec)."""
+    """Apply ``limits`` to the calling process (the child, before any learner code exists in it)."""
     for which, value in (
         (resource.RLIMIT_AS, limits.memory_bytes),
         (resource.RLIMIT_CPU, limits.cpu_seconds),

@@ -220,8 +220,12 @@ class Session:
         from_parent, to_child = os.pipe()  # (read end, write end)
         from_child, to_parent = os.pipe()
         limits = self._limits()
+        # The limits are set first thing in the new interpreter, before it imports anything or reads a byte of the
+        # learner's code. Not in preexec_fn: that runs the interpreter's fork handlers in a grader with many
+        # threads, which can deadlock it.
         bootstrap = (
-            f"import sys; sys.path[:] = {child_path(runtime)!r}; from {PACKAGE}.child import main; "
+            f"import sys; sys.path[:] = {child_path(runtime)!r}; from {PACKAGE} import sandbox; "
+            f"sandbox.set_limits(sandbox.{limits!r}); from {PACKAGE}.child import main; "
             f"sys.exit(main({from_parent}, {to_parent}))"
         )
         log = open(self.tmp / "log.txt", "wb")
@@ -234,7 +238,6 @@ class Session:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 pass_fds=(from_parent, to_parent),
-                preexec_fn=lambda: sandbox.set_limits(limits),
                 start_new_session=True,  # its own session and process group: one killpg reaches all of it
                 close_fds=True,
             )
