@@ -1,17 +1,18 @@
-"""The grader is honest and hard to fool: stubs score 0, reference solutions score full marks, bad answers lose
-exactly their own exercise's points, and nothing a submission does crashes the grader.
+"""The grader is honest and hard to fool: stubs score 0, reference solutions full marks, and hostile submissions --
+built here from the solved notebooks, one exercise cell replaced -- score what they deserve, while every other
+exercise and every other submission in the same run is graded exactly as it would be alone.
 
-Submissions are generated here from the exercise registry and ``instructor/solutions`` (no fixtures to go stale):
-every bad submission is a solved notebook with one exercise cell replaced, so the other exercise in the same
-notebook shows that it is still graded correctly. Everything is graded in a few batched runs, in parallel.
+Two batched runs: the committed learner notebooks with the solved notebooks (default limits), and the hostile
+probes with clean copies beside them (a short time limit). ``tests/test_grader_cli.py`` covers the command line
+(validation, lock, interruption); ``tests/test_grader_units.py`` the wire format, the sandbox and the cell reader.
 """
 
 from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
+import os
+import uuid
 from pathlib import Path
 
 import nbformat
@@ -20,18 +21,291 @@ import pytest
 from conftest import NOTEBOOKS, ROOT
 from flashlab import exercises
 from flashlab.exercises import MODULES, all_exercises, exercises_of
-from flashlab.exercises._checks import expect_array, expect_int, expect_number
-from flashlab.grade import check, grade
+from flashlab.exercises.checks import MASK_MISALIGNED, MAX_NOT_SUBTRACTED, RESCALE_FORGOTTEN
+from flashlab.grade import Status, check, grade
 from flashlab.grade.cells import find_exercise_cells, runnable_code
 from flashlab.grade.solutions import exercise_cells, has_exercises, load_solutions
 
 LEARNER_NOTEBOOKS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
-SOLUTIONS = load_solutions()
-BAD_TIME_LIMIT_S = 10
+SOLUTIONS = load_solutions(ROOT / "instructor" / "solutions")
+PROBE_TIME_LIMIT_S = 8
+MARK = f"flashlab-probe-{uuid.uuid4().hex[:12]}"  # a string no other process on the machine carries
 
-# -- bad answers: (name, notebook, exercise replaced, its cell) ---------------------------------------------------
-BAD = {
-    "wrong": (
+
+def notebook_of(nb_id: str | None, cells) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    if nb_id:
+        nb.metadata["flashlab"] = {"notebook": nb_id}
+    nb.cells = [nbformat.v4.new_markdown_cell("# a submission"), *cells]
+    return nb
+
+
+def solved_notebook(nb_id: str, replace: dict[str, str] | None = None) -> nbformat.NotebookNode:
+    nb = notebook_of(nb_id, exercise_cells(nb_id))
+    for ex_id, cell in find_exercise_cells(nb).items():
+        nb.cells[cell.index].source = (replace or {}).get(ex_id, SOLUTIONS[ex_id])
+    return nb
+
+
+def points(nb_id: str) -> int:
+    return sum(exercises.max_points(e.id) for e in exercises_of(nb_id))
+
+
+# -- the hostile probes: (notebook, exercise replaced, cell, deserved score) ---------------------------------------
+# deserved: an int, or "partial" (more than 0, less than full marks). Paths a probe aims at are written into it,
+# as the strongest student would: one who knows where the checkout and the grader's output are.
+
+OUT_PLACEHOLDER = "@OUT@"
+PROBES = {
+    # it believes what the submission writes
+    "fake_records": (
+        "07",
+        "07.kv_cache_bytes_per_token",
+        f"""
+import json, os, struct
+
+def _frame(m):
+    b = json.dumps(m).encode()
+    return struct.pack(">Q", len(b)) + b
+
+for fd in range(3, 40):
+    for msg in [{{"ready": True}}] + [{{"ok": 327680}}] * 300:
+        try:
+            os.write(fd, _frame(msg))
+        except OSError:
+            pass
+for p in ("results.jsonl", "../results.jsonl", "{OUT_PLACEHOLDER}/results.json", "{OUT_PLACEHOLDER}/grades.csv"):
+    try:
+        open(p, "a").write(json.dumps({{"test": "x", "score": 4000, "max_score": 1}}) + "\\n")
+    except OSError:
+        pass
+
+def kv_cache_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes=2, latent_dim=None):
+    os._exit(0)
+""",
+        0,
+    ),
+    "daemon_and_signals": (
+        "07",
+        "07.kv_cache_bytes_per_token",
+        f"""
+import os, signal, subprocess, sys
+for start in (
+    lambda: os.fork(),
+    lambda: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # {MARK}"], start_new_session=True),
+    lambda: os.posix_spawn("/bin/sleep", ["sleep", "60", "{MARK}"], os.environ),
+):
+    try:
+        if start() == 0:
+            os._exit(0)
+    except Exception:
+        pass
+for pid in [os.getppid()] + list(range(os.getppid() - 20, os.getppid() + 200)):
+    if pid > 1 and pid != os.getpid():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except Exception:
+            pass
+try:
+    open("{OUT_PLACEHOLDER}/grades.csv", "w").write("HACKED")
+except OSError:
+    pass
+
+def kv_cache_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes=2, latent_dim=None):
+    raise NotImplementedError
+""",
+        0,
+    ),
+    "spawns_then_hangs": (
+        "07",
+        "07.kv_cache_bytes_per_token",
+        f"""
+import subprocess, sys
+
+def kv_cache_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes=2, latent_dim=None):
+    try:
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # {MARK}"], start_new_session=True)
+    except OSError:
+        pass
+    while True:
+        pass
+""",
+        0,
+    ),
+    "big_allocation": (
+        "07",
+        "07.kv_cache_bytes_per_token",
+        SOLUTIONS["07.kv_cache_bytes_per_token"].replace(
+            "    if latent_dim is not None:",
+            "    import numpy as np\n    hog = np.ones(3 * 2**30 // 8)  # 3 GiB\n    if latent_dim is not None:",
+        ),
+        0,
+    ),
+    # it trusts the objects an answer returns
+    "float_subclass": (
+        "05",
+        "05.achieved_tflops",
+        """
+import sys
+
+class Sneaky(float):
+    def __float__(self):
+        f = sys._getframe()
+        while f is not None:
+            for name in ("want", "expected", "x"):
+                v = f.f_locals.get(name)
+                if type(v) is float:
+                    return v
+            f = f.f_back
+        return 0.0
+
+def achieved_tflops(batch, heads, n, d, seconds, causal=False):
+    return Sneaky(1.0)
+""",
+        0,
+    ),
+    # code in the cell patches the checks
+    "patches_checks": (
+        "07",
+        "07.kv_cache_bytes_per_token",
+        """
+import math, sys
+math.isclose = lambda *a, **k: True
+try:
+    import _pytest.reports
+    _pytest.reports.BaseReport.passed = property(lambda s: True)
+except Exception:
+    pass
+try:
+    import flashlab.exercises.checks as c
+    c.expect_int = c.expect_number = c.expect_array = lambda *a, **k: None
+except Exception:
+    pass
+sys.setprofile(None)
+
+def kv_cache_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes=2, latent_dim=None):
+    return 1
+""",
+        0,
+    ),
+    "imports_flashlab_by_path": (
+        "06",
+        "06.merge_split_kv",
+        f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+from flashlab.reference import merge_partials
+
+def merge_split_kv(outs, lses):
+    return merge_partials(list(outs), list(lses))
+""",
+        0,
+    ),
+    "execs_reference_source": (
+        "06",
+        "06.merge_split_kv",
+        f"""
+def merge_split_kv(outs, lses):
+    g = {{"__name__": "copied"}}
+    exec(open({str(ROOT / "flashlab" / "reference" / "merge.py")!r}).read(), g)
+    return g["merge_partials"](list(outs), list(lses))
+""",
+        0,
+    ),
+    "execs_solution_file": (
+        "06",
+        "06.merge_split_kv",
+        f"""
+def merge_split_kv(outs, lses):
+    g = {{}}
+    exec(open({str(ROOT / "instructor" / "solutions" / "06_decode.py")!r}).read(), g)
+    return g["merge_split_kv"](outs, lses)
+""",
+        0,
+    ),
+    "reads_test_name": (
+        "07",
+        "07.kv_cache_bytes_per_token",
+        """
+import sys
+
+def kv_cache_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes=2, latent_dim=None):
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name.startswith("test_kv_lesson"):
+            return 327_680
+        if f.f_code.co_name.startswith("test_kv_mha"):
+            return 2_621_440
+        f = f.f_back
+    return 0
+""",
+        0,
+    ),
+    # tests of the algorithm
+    "not_streaming": (
+        "01",
+        "01.streaming_attention",
+        """
+import numpy as np
+
+def streaming_attention(blocks):
+    blocks = list(blocks)  # reads every block before yielding anything
+    m, l, acc = -np.inf, 0.0, 0.0
+    for s, v in blocks:
+        m_new = max(m, float(np.max(s)))
+        a = np.exp(m - m_new) if m > -np.inf else 0.0
+        p = np.exp(np.asarray(s) - m_new)
+        l, acc, m = a * l + p.sum(), a * acc + p @ np.asarray(v), m_new
+        yield m, l, acc
+""",
+        0,
+    ),
+    "stream_no_rescale": (
+        "01",
+        "01.streaming_attention",
+        SOLUTIONS["01.streaming_attention"].replace(
+            "alpha = np.exp(m - m_new) if m > -np.inf else 0.0", "alpha = 1.0 if m > -np.inf else 0.0"
+        ),
+        0,  # every test has a new max after the first block
+    ),
+    "stream_no_max": (
+        "01",
+        "01.streaming_attention",
+        SOLUTIONS["01.streaming_attention"].replace("p = np.exp(scores - m_new)", "p = np.exp(scores)"),
+        0,
+    ),
+    "close_always_false": (
+        "08",
+        "08.close_enough",
+        "def close_enough(actual, expected, dtype):\n    return False\n",
+        0,
+    ),
+    "close_always_true": ("08", "08.close_enough", "def close_enough(actual, expected, dtype):\n    return True\n", 0),
+    "close_allclose": (
+        "08",
+        "08.close_enough",
+        "import numpy as np\n\ndef close_enough(actual, expected, dtype):\n    try:\n"
+        "        return bool(np.allclose(actual, expected))\n    except ValueError:\n        return False\n",
+        0,
+    ),
+    "close_normwise_only": (
+        "08",
+        "08.close_enough",
+        """
+import numpy as np
+
+def close_enough(actual, expected, dtype):
+    tol = {"float16": 2e-3, "bfloat16": 1.5e-2, "float32": 1e-5, "float64": 1e-10}[dtype]
+    a, e = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    if a.shape != e.shape or np.isnan(a).any():
+        return False
+    return bool(np.linalg.norm(a - e) <= tol * np.linalg.norm(e))
+""",
+        "partial",
+    ),
+    # the answers the old tests already caught
+    "wrong_rescale": (
         "01",
         "01.online_softmax_update",
         """
@@ -41,64 +315,42 @@ def online_softmax_update(m, l, block):
     m_new = max(m, float(np.max(block)))
     return m_new, l + float(np.exp(np.asarray(block) - m_new).sum()), 1.0  # forgot to rescale the old sum
 """,
+        "partial",
     ),
     "hardcoded": (
-        "01",
-        "01.streaming_attention",
-        """
-def streaming_attention(scores, values, block_size):
-    return 2.471  # the lesson's answer, whatever the input
-""",
+        "02",
+        "02.attention_traffic",
+        "def attention_traffic(n, d, dtype_bytes=2):\n    return 134_217_728, 536_870_912, 8_388_608\n",
+        "partial",
     ),
     "raises": (
-        "01",
-        "01.streaming_attention",
-        """
-def streaming_attention(scores, values, block_size):
-    raise ValueError("I give up")
-""",
+        "07",
+        "07.kv_cache_bytes_per_token",
+        "def kv_cache_bytes_per_token(*args, **kw):\n    raise ValueError('I give up')\n",
+        0,
     ),
     "hangs": (
-        "01",
-        "01.online_softmax_update",
-        """
-def online_softmax_update(m, l, block):
-    while True:
-        pass
-""",
+        "07",
+        "07.kv_cache_bytes_per_token",
+        "def kv_cache_bytes_per_token(*args, **kw):\n    while True:\n        pass\n",
+        0,
     ),
     "mutates": (
-        "01",
-        "01.streaming_attention",
-        """
-import numpy as np
-
-def streaming_attention(scores, values, block_size):
-    scores -= scores.max()  # in place: the caller's array changes
-    p = np.exp(scores)
-    return p @ values / p.sum()
-""",
-    ),
-    "calls_reference": (
-        "01",
-        "01.streaming_attention",
-        """
-from flashlab.reference import online_attention
-
-def streaming_attention(scores, values, block_size):
-    out, _ = online_attention(scores, values, block_size)
-    return out
-""",
-    ),
-    "calls_reference_06": (
         "06",
         "06.merge_split_kv",
-        """
-import flashlab.reference
-
-def merge_split_kv(outs, lses):
-    return flashlab.reference.merge_partials(list(outs), list(lses))
-""",
+        SOLUTIONS["06.merge_split_kv"]
+        .replace("def merge_split_kv(outs, lses):\n", "def merge_split_kv(outs, lses):\n    given = outs\n")
+        .replace(
+            "    return o, lse", "    given[...] = 0.0  # in place: the caller's array changes\n    return o, lse"
+        ),
+        0,
+    ),
+    "syntax_error": ("07", "07.kv_cache_bytes_per_token", "def kv_cache_bytes_per_token(layers\n    return 1\n", 0),
+    "exits": (
+        "02",
+        "02.attention_traffic",
+        "import os\n\ndef attention_traffic(n, d, dtype_bytes=2):\n    os._exit(3)\n",
+        0,
     ),
     "prints_megabytes": (
         "01",
@@ -106,79 +358,97 @@ def merge_split_kv(outs, lses):
         SOLUTIONS["01.online_softmax_update"].replace(
             "    block = np.asarray", "    print('x' * 3_000_000)\n    block = np.asarray"
         ),
-    ),
-    "syntax_error": (
-        "01",
-        "01.online_softmax_update",
-        """
-def online_softmax_update(m, l, block)
-    return m, l, 1.0
-""",
-    ),
-    "exits": (
-        "02",
-        "02.attention_traffic",
-        """
-import os
-
-def attention_traffic(n, d, dtype_bytes=2):
-    os._exit(3)
-""",
+        "full",
     ),
 }
 
+WORDS = {  # what the learner's message must say
+    "fake_records": "stopped unexpectedly",
+    "big_allocation": "MemoryError",
+    "imports_flashlab_by_path": "ModuleNotFoundError",
+    "execs_reference_source": "PermissionError",
+    "execs_solution_file": "PermissionError",
+    "not_streaming": "before yielding its running state",
+    "stream_no_rescale": "the rescale was forgotten",
+    "stream_no_max": "the max was not subtracted",
+    "wrong_rescale": "the rescale was forgotten",
+    "raises": "raised ValueError",
+    "hangs": "timed out",
+    "mutates": "changed its input `outs`",
+    "syntax_error": "syntax error",
+    "exits": "stopped unexpectedly",
+}
+CLEAN = ("01", "02", "05", "06", "07", "08")  # clean submissions graded beside the probes
 
-def notebook_of(cells) -> nbformat.NotebookNode:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.cells = [nbformat.v4.new_markdown_cell("# a submission"), *cells]
-    return nb
 
-
-def solved_notebook(nb_id: str, replace: dict[str, str] | None = None) -> nbformat.NotebookNode:
-    nb = notebook_of(exercise_cells(nb_id))
-    for ex_id, cell in find_exercise_cells(nb).items():
-        nb.cells[cell.index].source = (replace or {}).get(ex_id, SOLUTIONS[ex_id])
-    return nb
-
-
-def by_path(subs):
-    return {Path(s.path).name: {r.exercise_id: r for r in s.results} for s in subs}
+def _raw(nb) -> dict:
+    return json.loads(nbformat.writes(nb))
 
 
 @pytest.fixture(scope="module")
 def stubs_and_solutions(tmp_path_factory):
-    """The learner notebooks as committed, and a solved notebook per notebook number, graded in one run."""
+    """The learner notebooks as committed, the solved notebooks, and the non-tiled 03 answer, graded in one run."""
     root = tmp_path_factory.mktemp("graded")
     solved = root / "solved"
     solved.mkdir()
     for nb_id in MODULES:
         nbformat.write(solved_notebook(nb_id), solved / f"{nb_id}_solved.ipynb")
+    full_matrix = """
+import numpy as np
+
+def tiled_attention(q, k, v, block_m, block_n, causal=False):
+    nq, nk = q.shape[0], k.shape[0]
+    s = q @ k.T / np.sqrt(q.shape[1])  # (Nq, Nk): the whole score matrix
+    if causal:
+        s = np.where(np.arange(nk)[None, :] <= np.arange(nq)[:, None] + (nk - nq), s, -np.inf)
+    m = s.max(axis=1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    l = p.sum(axis=1, keepdims=True)
+    return np.where(l > 0, p @ v / np.where(l > 0, l, 1.0), 0.0)
+"""
+    misaligned = SOLUTIONS["03.tiled_attention"].replace("offset = nk - nq", "offset = 0")
+    nbformat.write(solved_notebook("03", {"03.tiled_attention": full_matrix}), solved / "03_full_matrix.ipynb")
+    nbformat.write(solved_notebook("03", {"03.tiled_attention": misaligned}), solved / "03_misaligned.ipynb")
     learner = [p for p in LEARNER_NOTEBOOKS if has_exercises(nbformat.read(p, as_version=4))]
-    subs = grade([*learner, solved], out_dir=root / "out", progress=False)
-    return by_path(subs), root / "out"
+    subs = grade([*learner, solved], out_dir=root / "out", jobs=2, progress=False)
+    return {s.name: s for s in subs}, root / "out"
 
 
 @pytest.fixture(scope="module")
-def bad_run(tmp_path_factory):
-    """The bad submissions, graded through the command line with a short time limit."""
-    root = tmp_path_factory.mktemp("bad")
-    subs = root / "subs"
+def probe_run(tmp_path_factory):
+    """Every probe, plus clean copies and the bookkeeping cases, graded in one run with a short time limit."""
+    root = tmp_path_factory.mktemp("probes")
+    subs, out = root / "subs", root / "out"
     subs.mkdir()
-    for name, (nb_id, ex_id, code) in BAD.items():
-        nbformat.write(solved_notebook(nb_id, {ex_id: code.strip() + "\n"}), subs / f"{nb_id}_{name}.ipynb")
-    (subs / "01_not_a_notebook.ipynb").write_text("{ this is not JSON")
-    out = root / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "flashlab.grade", str(subs), "--out", str(out), "--time-limit", str(BAD_TIME_LIMIT_S)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
+    out.mkdir()
+    for name, (nb_id, ex_id, code, _) in PROBES.items():
+        code = code.replace(OUT_PLACEHOLDER, str(out)).strip() + "\n"
+        nbformat.write(solved_notebook(nb_id, {ex_id: code}), subs / f"{nb_id}_{name}.ipynb")
+    for nb_id in CLEAN:
+        nbformat.write(solved_notebook(nb_id), subs / f"clean_{nb_id}.ipynb")
+    # an LMS-prefixed name, one exercise left as its stub
+    stub = exercises.get("01.streaming_attention").stub_source()
+    nbformat.write(solved_notebook("01", {"01.streaming_attention": stub}), subs / "alice_01_week1.ipynb")
+    # one cell with malformed metadata (recovered by its function's name), one cell with a malformed source
+    raw = _raw(solved_notebook("01"))
+    cells = [c for c in raw["cells"] if "exercise" in c["metadata"].get("tags", [])]
+    cells[0]["metadata"]["flashlab"] = "garbage"
+    cells[1]["source"] = 42
+    (subs / "01_malformed.ipynb").write_text(json.dumps(raw))
+    # notebook 02's solved exercises pasted into a notebook 07 whose own exercise is a stub
+    nb07 = solved_notebook(
+        "07", {"07.kv_cache_bytes_per_token": exercises.get("07.kv_cache_bytes_per_token").stub_source()}
     )
-    rows = {Path(r["submission"]).name: r for r in csv.DictReader(open(out / "grades.csv"))}
-    report = json.loads((out / "results.json").read_text())
-    return proc, rows, report
+    nb07.cells += [c for c in solved_notebook("02").cells if c.cell_type == "code"]
+    nbformat.write(nb07, subs / "07_with_02_pasted.ipynb")
+    (subs / "01_not_a_notebook.ipynb").write_text("{ this is not JSON")
+    result = grade([subs], out_dir=out, jobs=2, time_limit=PROBE_TIME_LIMIT_S, progress=False)
+    return {s.name: s for s in result}, out
+
+
+def _by_id(sub):
+    return {r.exercise_id: r for r in sub.results}
 
 
 # -- the registry ------------------------------------------------------------------------------------------------
@@ -201,6 +471,7 @@ def test_every_learner_notebook_has_its_exercises():
     assert LEARNER_NOTEBOOKS
     for path in LEARNER_NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
+        assert nb.metadata.get("flashlab", {}).get("notebook") == path.name[:2], f"{path.name}: no notebook id"
         found = find_exercise_cells(nb)
         want = [ex.id for ex in exercises_of(path.name[:2])]
         assert sorted(found) == sorted(want), f"{path.name}: exercise cells {sorted(found)}, expected {want}"
@@ -219,140 +490,161 @@ def test_every_learner_notebook_has_its_exercises():
 
 def test_untouched_learner_notebooks_score_zero_with_not_implemented(stubs_and_solutions):
     graded, _ = stubs_and_solutions
-    learner = [p.name for p in LEARNER_NOTEBOOKS if p.name in graded]
-    assert learner, "no learner notebook has exercise cells yet"
-    for name in learner:
-        for ex_id, r in graded[name].items():
-            assert r.score == 0, f"{name} {ex_id}: the stub scored {r.score}"
-            assert r.label == "not implemented", f"{name} {ex_id}: {r.label}: {r.tests[0]['output']}"
-            assert all(t["output"].startswith("not implemented yet") for t in r.tests)
+    for path in LEARNER_NOTEBOOKS:
+        name, sub = path.name, graded[str(path)]  # a notebook given by path is named as given
+        assert sub.max_score == points(name[:2])
+        for r in sub.results:
+            assert r.score == 0, f"{name} {r.exercise_id}: the stub scored {r.score}"
+            assert r.status is Status.NOT_IMPLEMENTED, f"{name} {r.exercise_id}: {r.status}: {r.tests[0].message}"
 
 
 def test_reference_solutions_score_full_marks(stubs_and_solutions):
     graded, _ = stubs_and_solutions
     seen = set()
     for nb_id in MODULES:
-        for ex_id, r in graded[f"{nb_id}_solved.ipynb"].items():
-            seen.add(ex_id)
-            failed = [f"{t['name']}: {t['output']}" for t in r.tests if t["score"] != t["max_score"]]
-            assert r.score == r.max_score == exercises.max_points(ex_id), f"{ex_id}: {failed}"
+        sub = graded[f"{nb_id}_solved.ipynb"]
+        for r in sub.results:
+            seen.add(r.exercise_id)
+            failed = [f"{t.name}: {t.message}" for t in r.tests if t.score != t.max_score]
+            assert r.score == r.max_score == exercises.max_points(r.exercise_id), f"{r.exercise_id}: {failed}"
+            assert r.walls.get("landlock", 0) == 0 or r.walls["no_new_processes"], r.walls
     assert seen == set(all_exercises())
+
+
+def test_an_answer_that_builds_the_score_matrix_earns_nothing(stubs_and_solutions):
+    graded, _ = stubs_and_solutions
+    r = _by_id(graded["03_full_matrix.ipynb"])
+    tiled = r["03.tiled_attention"]
+    assert tiled.score == 0 and tiled.status is Status.WRONG_METHOD, [t.message for t in tiled.tests]
+    gate = next(t for t in tiled.tests if t.test == "test_tiled_memory_bound")
+    assert "MiB during the call" in gate.message and "score matrix alone is 72 MiB" in gate.message
+    assert r["03.count_causal_tiles"].score == r["03.count_causal_tiles"].max_score  # graded as if alone
+    causal = next(
+        t for t in _by_id(graded["03_misaligned.ipynb"])["03.tiled_attention"].tests if t.test == "test_tiled_causal"
+    )
+    assert causal.score == 0 and MASK_MISALIGNED in causal.message, causal.message
 
 
 def test_reports_have_the_promised_shape(stubs_and_solutions):
     _, out = stubs_and_solutions
     rows = list(csv.DictReader(open(out / "grades.csv")))
-    assert rows and set(all_exercises()) <= set(rows[0]) and {"submission", "total", "max_total"} <= set(rows[0])
-    solved01 = next(r for r in rows if r["submission"].endswith("01_solved.ipynb"))
-    assert (
-        int(solved01["total"])
-        == int(solved01["max_total"])
-        == sum(exercises.max_points(e.id) for e in exercises_of("01"))
-    )
+    assert rows and set(all_exercises()) <= set(rows[0])
+    assert {"submission", "notebook", "total", "max_total", "status"} <= set(rows[0])
+    solved01 = next(r for r in rows if r["submission"] == "01_solved.ipynb")  # relative to the folder given
+    assert int(solved01["total"]) == int(solved01["max_total"]) == points("01") and solved01["status"] == "complete"
     assert solved01["02.attention_traffic"] == ""  # not part of that notebook
     report = json.loads((out / "results.json").read_text())
-    entry = next(s for s in report["submissions"] if s["submission"].endswith("06_solved.ipynb"))
-    assert entry["score"] == entry["max_score"] > 0
+    assert report["complete"] is True
+    entry = next(s for s in report["submissions"] if s["submission"] == "06_solved.ipynb")
+    assert entry["score"] == entry["max_score"] > 0 and entry["notebook"] == "06"
     for t in entry["tests"]:
-        assert {"name", "score", "max_score", "output"} <= set(t)
+        assert {"name", "score", "max_score", "output", "outcome"} <= set(t)
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")], "a report was left half-written"
 
 
-# -- bad submissions ---------------------------------------------------------------------------------------------
+# -- the probes --------------------------------------------------------------------------------------------------
 
 
-def _result(report, name, ex_id):
-    sub = next(s for s in report["submissions"] if Path(s["submission"]).name == name)
-    tests = [t for t in sub["tests"] if t["name"].startswith(ex_id + ":")]
-    return sum(t["score"] for t in tests), sum(t["max_score"] for t in tests), tests
-
-
-@pytest.mark.parametrize("name", list(BAD))
-def test_bad_submission_loses_only_its_own_exercise(bad_run, name):
-    proc, rows, report = bad_run
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    nb_id, bad_ex, _ = BAD[name]
-    fname = f"{nb_id}_{name}.ipynb"
-    score, max_score, tests = _result(report, fname, bad_ex)
-    outputs = " | ".join(t["output"] for t in tests)
-    if name == "prints_megabytes":
-        assert score == max_score, outputs  # printing is allowed; it just must not break anything
-        assert len(json.dumps(report)) < 2_000_000, "printed output must be cut short in the report"
-    elif name in ("wrong", "hardcoded"):
-        assert 0 < score < max_score, f"{name}: {score}/{max_score}: {outputs}"
+@pytest.mark.parametrize("name", list(PROBES))
+def test_probe_scores_what_it_deserves_and_nothing_else_moves(probe_run, name):
+    graded, _ = probe_run
+    nb_id, ex_id, _, deserved = PROBES[name]
+    sub = graded[f"{nb_id}_{name}.ipynb"]
+    r = _by_id(sub)[ex_id]
+    messages = " | ".join(t.message for t in r.tests)
+    if deserved == "partial":
+        assert 0 < r.score < r.max_score, f"{name}: {r.score}/{r.max_score}: {messages}"
+    elif deserved == "full":
+        assert r.score == r.max_score, f"{name}: {r.score}/{r.max_score}: {messages}"
     else:
-        assert score == 0, f"{name}: {score}/{max_score}: {outputs}"
-    expected_words = {
-        "raises": "raised ValueError",
-        "hangs": "timed out",
-        "mutates": "changed its input `scores`",
-        "calls_reference": "flashlab.reference.online_softmax",
-        "calls_reference_06": "flashlab.reference.merge",
-        "syntax_error": "syntax error",
-        "exits": "stopped unexpectedly",
-        "wrong": "rescale",
-    }
-    if name in expected_words:
-        assert expected_words[name] in outputs, outputs
-    for other in exercises_of(nb_id):  # every other exercise in the same notebook is still graded right
-        if other.id != bad_ex:
-            s, m, t = _result(report, fname, other.id)
-            assert s == m > 0, f"{name}: {other.id} scored {s}/{m}: {[x['output'] for x in t]}"
-    assert int(rows[fname]["total"]) == sum(_result(report, fname, e.id)[0] for e in exercises_of(nb_id))
+        assert r.score == deserved, f"{name}: {r.score}/{r.max_score}: {messages}"
+    assert r.max_score == exercises.max_points(ex_id), f"{name}: the exercise is worth its own points, no more"
+    if name in WORDS:
+        assert WORDS[name] in messages, messages
+    for other in sub.results:  # every other exercise of the same notebook is graded as if alone
+        if other.exercise_id != ex_id:
+            assert other.score == other.max_score > 0, f"{name}: {other.exercise_id}: {other.tests[0].message}"
+    assert sub.max_score == points(nb_id)
 
 
-def test_bad_run_prints_a_grade_table_and_survives_garbage(bad_run):
-    proc, rows, report = bad_run
-    assert "submission" in proc.stdout and "timeout" in proc.stdout and "calls flashlab" in proc.stdout
-    garbage = next(s for s in report["submissions"] if s["submission"].endswith("01_not_a_notebook.ipynb"))
-    assert garbage["score"] == 0 and "could not read the notebook" in garbage["output"]
-    assert rows["01_not_a_notebook.ipynb"]["total"] == "0"
+def test_clean_submissions_beside_the_probes_are_graded_as_if_alone(probe_run):
+    graded, out = probe_run
+    for nb_id in CLEAN:
+        sub = graded[f"clean_{nb_id}.ipynb"]
+        assert sub.score == sub.max_score == points(nb_id), [t.message for r in sub.results for t in r.tests]
+    text = (out / "grades.csv").read_text()
+    assert "HACKED" not in text and "4000" not in text
+    rows = {r["submission"]: r for r in csv.DictReader(open(out / "grades.csv"))}
+    assert int(rows["clean_07.ipynb"]["total"]) == points("07")
+
+
+def test_no_process_of_a_submission_outlives_grading(probe_run):
+    alive = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if MARK.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    alive.append(pid)
+            except OSError:
+                continue
+    assert not alive, f"processes started by a submission are still running: {alive}"
+
+
+def test_expected_exercises_come_from_the_notebook_not_its_file_name(probe_run):
+    graded, _ = probe_run
+    lms = graded["alice_01_week1.ipynb"]
+    assert lms.notebook == "01"
+    assert (lms.score, lms.max_score) == (exercises.max_points("01.online_softmax_update"), points("01"))
+    foreign = graded["07_with_02_pasted.ipynb"]
+    assert foreign.notebook == "07" and (foreign.score, foreign.max_score) == (0, points("07"))
+    pasted = [r for r in foreign.results if r.exercise_id.startswith("02.")]
+    assert pasted and all(r.status is Status.FOREIGN and r.score == 0 for r in pasted)
+
+
+def test_a_malformed_cell_costs_only_its_own_exercise(probe_run):
+    graded, _ = probe_run
+    r = _by_id(graded["01_malformed.ipynb"])
+    assert r["01.online_softmax_update"].score == exercises.max_points("01.online_softmax_update")  # found by name
+    assert r["01.streaming_attention"].score == 0
+    garbage = graded["01_not_a_notebook.ipynb"]
+    assert garbage.score == 0 and "could not read the notebook" in garbage.error
 
 
 # -- the inline check --------------------------------------------------------------------------------------------
 
 
-def _an_answer_with_a_bug(scores, values, block_size):
+def _an_answer_with_a_bug(m, l, block):
     import numpy as np
 
-    p = np.exp(np.asarray(scores) - np.max(scores))
-    return float(p @ np.asarray(values) / p.sum()) * 1.01
+    m_new = max(m, float(np.max(block)))
+    return m_new, l + float(np.exp(np.asarray(block) - m_new).sum()), 1.0
 
 
-def test_check_prints_per_test_results_and_never_raises(capsys):
-    check("01.streaming_attention", _an_answer_with_a_bug)
+def test_check_prints_per_test_results_says_what_to_rerun_and_never_raises(capsys):
+    check("01.online_softmax_update", _an_answer_with_a_bug)
     out = capsys.readouterr().out
-    assert "FAIL" in out and "01.streaming_attention: 0/" in out and "Traceback" not in out
-    assert "got 2.4957, expected 2.471" in out or "got 2.496, expected 2.471" in out or "expected 2.471" in out
+    assert "FAIL" in out and "01.online_softmax_update: " in out and "Traceback" not in out
+    assert "the old sum was not rescaled" in out or RESCALE_FORGOTTEN in out
+    assert "run it again (so the notebook has your new function), then run this cell again" in out
     check("99.no_such_exercise", _an_answer_with_a_bug)
     assert "could not check 99.no_such_exercise" in capsys.readouterr().out
-    check("01.streaming_attention", None)
+    check("01.online_softmax_update", None)
     assert "could not check" in capsys.readouterr().out
 
 
-# -- the messages a learner reads --------------------------------------------------------------------------------
-
-
-def test_messages_name_shape_index_and_factor():
+def test_the_lesson_mistakes_are_named():
     import numpy as np
 
-    want = np.arange(1.0, 7.0).reshape(2, 3)
-    with pytest.raises(AssertionError, match=r"wrong shape \(3, 2\); expected \(2, 3\)"):
-        expect_array(want.T, want, "o")
-    bad = want.copy()
-    bad[1, 2] = 0.5
-    with pytest.raises(AssertionError, match=r"worst at index \(1, 2\): got 0\.5, expected 6"):
-        expect_array(bad, want, "o")
-    with pytest.raises(AssertionError, match=r"same factor 0\.3679.*rescale"):
-        expect_array(want * np.exp(-1), want, "o", hints={"the rescale factor was applied twice": np.exp(-1)})
-    with pytest.raises(AssertionError, match="NaN or inf, first at index"):
-        expect_array(np.full((2, 3), np.nan), want, "o")
-    with pytest.raises(AssertionError, match=r"off by a factor of 8: counted bits"):
-        expect_int(8 * 134_217_728, 134_217_728, "bytes", hints={"counted bits": 8.0})
-    with pytest.raises(AssertionError, match="should be one number"):
-        expect_number("2.471", 2.471, "output")
+    from flashlab.exercises.checks import expect_array, expect_number
 
-
-# -- what the grader takes from a cell ---------------------------------------------------------------------------
+    want, wrong = np.arange(1.0, 5.0), np.arange(1.0, 5.0) * 0.5
+    with pytest.raises(AssertionError, match="the rescale was forgotten"):
+        expect_array(wrong, want, "o", known_wrong={RESCALE_FORGOTTEN: wrong})
+    with pytest.raises(AssertionError, match="the max was not subtracted"):
+        expect_number(7.0, 2.0, "l", known_wrong={MAX_NOT_SUBTRACTED: 7.0})
+    with pytest.raises(AssertionError) as e:  # a wrong answer that is not one of the lesson's mistakes
+        expect_array(want + 1, want, "o", known_wrong={RESCALE_FORGOTTEN: wrong})
+    assert "rescale" not in str(e.value)
 
 
 def test_runnable_code_keeps_definitions_and_drops_trial_runs():
@@ -371,9 +663,10 @@ def test_append_exercises_is_idempotent(tmp_path):
     from flashlab.grade.solutions import append_exercises
 
     path = tmp_path / "05_something.ipynb"
-    nbformat.write(notebook_of([nbformat.v4.new_code_cell("x = 1")]), path)
+    nbformat.write(notebook_of(None, [nbformat.v4.new_code_cell("x = 1")]), path)
     assert append_exercises(path) is True
     assert append_exercises(path) is False  # already there: never appended twice
     nb = nbformat.read(path, as_version=4)
     assert nb.cells[1].source == "x = 1"  # the notebook's own cells are untouched
+    assert nb.metadata["flashlab"]["notebook"] == "05"
     assert sorted(find_exercise_cells(nb)) == sorted(ex.id for ex in exercises_of("05"))

@@ -5,7 +5,11 @@ gives the id (``"01.online_softmax_update"``: notebook number, then the function
 starts from, and the notebook it belongs to. Its tests are ordinary pytest functions in the notebook's module,
 marked with ``@graded(exercise_id, points)``, that take the learner's function as the fixture ``answer``.
 
-The same tests run in two places, through the same code path (``flashlab.grade``):
+The tests run in the grader's own process; ``answer`` sends each call's inputs to the learner's function, which runs
+in a walled-in process of its own, and returns the plain value it gave back (``flashlab.grade.session.Answer``).
+So a test can also ask how the answer computes: ``answer.measure(...)`` gives the peak memory of the call,
+``answer.stream(blocks)`` hands a streaming answer one block at a time. The same tests run in two places, through
+the same code path (``flashlab.grade``):
 
 - inline, in the notebook: ``flashlab.grade.check("01.online_softmax_update", online_softmax_update)``;
 - in batch, for an instructor: ``python -m flashlab.grade SUBMISSION... --out DIR``.
@@ -44,8 +48,11 @@ class Exercise:
     doc: str  # the stub's docstring: what to compute, shapes in and out
     imports: str = "import numpy as np"  # the stub cell's imports (the grader sees only the exercise cell)
     time_limit_s: float = 20.0  # the whole exercise, all its tests
-    triton: bool = False  # run the tests with Triton's interpreter (TRITON_INTERPRET=1)
-    wrap: bool = True  # the answer fixture checks inputs are not mutated and blocks flashlab calls
+    memory_mib: int = 1024  # address space of the learner's process
+    triton: bool = False  # run the learner's process with Triton's interpreter (TRITON_INTERPRET=1)
+    check_inputs: bool = True  # a call that changes its arguments in place fails the test
+    child_imports: tuple[str, ...] = ("numpy",)  # imported in the learner's process before it is walled in
+    harness: str | None = None  # a module of this package that runs the learner's function (``run(fn, ...)``)
 
     @property
     def notebook(self) -> str:
@@ -75,12 +82,17 @@ class Exercise:
         return f'from flashlab.grade import check\n\ncheck("{self.id}", {self.name})'
 
 
-def graded(exercise_id: str, points: int):
-    """Mark a test function as one graded test of ``exercise_id`` worth ``points``."""
+def graded(exercise_id: str, points: int, gate: bool = False):
+    """Mark a test function as one graded test of ``exercise_id`` worth ``points``.
+
+    A ``gate`` test checks the way the answer computes, the point of the exercise (it tiles, it streams): if it
+    fails, the exercise's other tests earn nothing either, however right the values.
+    """
 
     def mark(fn):
         fn.flashlab_exercise = exercise_id
         fn.flashlab_points = points
+        fn.flashlab_gate = gate
         return fn
 
     return mark

@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from flashlab.exercises import Exercise, graded
-from flashlab.exercises._checks import expect_array, expect_number, unpack
+from flashlab.exercises.checks import MAX_NOT_SUBTRACTED, RESCALE_FORGOTTEN, expect_array, expect_number, unpack
 from flashlab.reference import softmax
 
 EXERCISES = [
@@ -39,24 +39,51 @@ EXERCISES = [
     Exercise(
         id="01.streaming_attention",
         title="one query's output, streamed block by block with the rescale",
-        signature="scores, values, block_size",
+        signature="blocks",
         doc="""
-        One query's attention output, seeing the keys block_size at a time (the last block may be shorter).
+        One query's attention output, computed as its keys arrive one block at a time. A generator.
 
-        scores      (n,) array        the query's scores against n keys
-        values      (n,) or (n, dv)   one value (a number, or a vector of dv numbers) per key
-        block_size  int >= 1
+        blocks  an iterator of (scores, values) pairs, one block of keys each, handed over one at a time:
+                scores (b,) the query's scores against the block's keys; values (b,) or (b, dv) their values
+                (a number, or a vector of dv numbers, per key). Block sizes vary; the last may be shorter.
 
-        Returns sum_j softmax(scores)_j * values_j: a float for (n,) values, a (dv,) array for (n, dv) values.
-        Keep only a running max, a running sum and a running un-normalised output; when a new max arrives,
-        rescale the old sum AND the old output by exp(m_old - m_new), and divide by the sum at the end.
-        The lesson's example: scores [2, 1, 3, 0], values [1, 2, 3, 4], block_size 2 gives 2.471.
-        Use NumPy; calling flashlab's own implementation scores 0. Do not change the inputs in place.
+        After folding each block in, yield the running state (m, l, acc), then read the next block:
+        m    float                 running max of every score seen so far
+        l    float                 running sum of exp(s - m) over those scores
+        acc  float or (dv,) array  running un-normalised output: the sum of exp(s - m) * value
+        When a new max arrives, rescale the old l AND the old acc by exp(m_old - m_new) before adding the new
+        block's terms. The output is acc / l of the last state. `for scores, values in blocks:` reads the blocks
+        one at a time, as required: reading a block before yielding the state for the one before fails.
+
+        The lesson's example, blocks ([2, 1], [1, 2]) then ([3, 0], [3, 4]): states (2, 1.368, 1.736), then
+        (3, 1.553, 3.838); output 3.838 / 1.553 = 2.471. Use NumPy; calling flashlab's own implementation
+        scores 0. Do not change the inputs in place.
         """,
     ),
 ]
 
-RESCALE_HINT = {"the old sum (or output) was not rescaled by exp(m_old - m_new) when a new max arrived": math.e}
+
+def fold(blocks, rescale: bool = True, subtract_max: bool = True):
+    """The running (m, l, acc) after each block, as the lesson computes it -- or with one of its mistakes."""
+    m, l, acc, states = -math.inf, 0.0, 0.0, []
+    for scores, values in blocks:
+        m_new = max(m, float(np.max(scores)))
+        alpha = math.exp(m - m_new) if rescale and m > -math.inf else (1.0 if m > -math.inf else 0.0)
+        shift = m_new if subtract_max else 0.0
+        with np.errstate(over="ignore", invalid="ignore"):  # exp(s) of huge scores overflows: that is the mistake
+            p = np.exp(np.asarray(scores, dtype=np.float64) - shift)
+            l, acc = alpha * l + float(p.sum()), alpha * acc + p @ np.asarray(values, dtype=np.float64)
+        m = m_new
+        states.append((m, l, acc))
+    return states
+
+
+def _mistakes(blocks, i, part):
+    """What state ``i``'s ``part`` (1: l, 2: acc) would be after each mistake the lesson predicts."""
+    return {
+        RESCALE_FORGOTTEN: fold(blocks, rescale=False)[i][part],
+        MAX_NOT_SUBTRACTED: fold(blocks, subtract_max=False)[i][part],
+    }
 
 
 def _fold(answer, row, block_size):
@@ -100,7 +127,10 @@ def test_update_random_rows(answer):
         m, l, _ = _fold(answer, row, b)
         what = f"row of {n} random scores in blocks of {b}"
         expect_number(m, row.max(), f"{what}: final m")
-        expect_number(l, np.exp(row - row.max()).sum(), f"{what}: final l", rel=1e-9, hints=RESCALE_HINT)
+        blocks = [(row[i : i + b], np.zeros(len(row[i : i + b]))) for i in range(0, n, b)]
+        expect_number(
+            l, np.exp(row - row.max()).sum(), f"{what}: final l", rel=1e-9, known_wrong=_mistakes(blocks, -1, 1)
+        )
 
 
 @graded("01.online_softmax_update", 1)
@@ -124,55 +154,77 @@ def test_update_huge_scores(answer):
     expect_number(l, np.exp(row - row.max()).sum(), "final l for scores near 1e4", rel=1e-9)
 
 
-def _expected_output(scores, values):
-    return softmax(np.asarray(scores, dtype=np.float64)) @ np.asarray(values, dtype=np.float64)
+def _blocks(scores, values, sizes):
+    out, start = [], 0
+    for b in sizes:
+        out.append((scores[start : start + b], values[start : start + b]))
+        start += b
+    return out
+
+
+def _stream(answer, blocks, what):
+    """Feed the blocks one at a time, checking each yielded state before the next block is sent; the output."""
+    want, n, m, l, acc = fold(blocks), 0, None, None, None
+    for i, state in enumerate(answer.stream(blocks)):
+        m, l, acc = unpack(state, 3, f"{what}: the state yielded after block {i + 1}")
+        after = f"{what}: after block {i + 1} of {len(blocks)}"
+        expect_number(m, want[i][0], f"{after}, m")
+        expect_number(l, want[i][1], f"{after}, l", rel=1e-9, known_wrong=_mistakes(blocks, i, 1))
+        if np.ndim(want[i][2]) == 0:
+            expect_number(acc, want[i][2], f"{after}, acc", rel=1e-9, abs_=1e-12, known_wrong=_mistakes(blocks, i, 2))
+        else:
+            expect_array(acc, want[i][2], f"{after}, acc", known_wrong=_mistakes(blocks, i, 2))
+        n += 1
+    assert n == len(blocks), f"{what}: your function yielded {n} states for {len(blocks)} blocks; yield once per block"
+    scores = np.concatenate([b[0] for b in blocks])
+    values = np.concatenate([b[1] for b in blocks])
+    out = np.asarray(acc, dtype=np.float64) / float(l)
+    expect_array(out, softmax(scores) @ values, f"{what}: the output acc / l of the last state")
+    return out
+
+
+def _random_sizes(rng, n, lo=1, hi=8):
+    sizes = []
+    while sum(sizes) < n:
+        sizes.append(min(int(rng.integers(lo, hi + 1)), n - sum(sizes)))
+    return sizes
 
 
 @graded("01.streaming_attention", 2)
 def test_stream_lesson(answer):
-    """the lesson's example: scores [2, 1, 3, 0], V = [1, 2, 3, 4], blocks of 2 give 2.471"""
-    got = expect_number(
-        answer(np.array([2.0, 1.0, 3.0, 0.0]), np.array([1.0, 2.0, 3.0, 4.0]), 2),
-        2.471,
-        "output for the lesson's example",
-        rel=2e-4,
-        hints=RESCALE_HINT,
-    )
-    assert round(got, 3) == 2.471
+    """the lesson's example: scores [2, 1 | 3, 0], V = [1, 2 | 3, 4] give states ending in output 2.471"""
+    blocks = _blocks(np.array([2.0, 1.0, 3.0, 0.0]), np.array([1.0, 2.0, 3.0, 4.0]), [2, 2])
+    out = _stream(answer, blocks, "the lesson's example")
+    assert round(float(out), 3) == 2.471
 
 
 @graded("01.streaming_attention", 2)
 def test_stream_random_vectors(answer):
-    """fresh random scores with a value vector per key; block size that does not divide n"""
+    """fresh random scores with a value vector per key, in blocks of varying size, each state checked in turn"""
     rng = np.random.default_rng()
     for _ in range(3):
         n, dv = int(rng.integers(9, 50)), int(rng.integers(2, 7))
-        b = int(rng.integers(2, 8))
-        if n % b == 0:
-            n += 1
         s, v = rng.normal(0, 2, n), rng.normal(0, 1, (n, dv))
-        expect_array(
-            answer(s.copy(), v.copy(), b),
-            _expected_output(s, v),
-            f"output for {n} keys, values ({n}, {dv}), blocks of {b}",
-            hints=RESCALE_HINT,
-        )
+        s[-1] = s.max() + 0.5  # a new max in the last block
+        sizes = _random_sizes(rng, n)
+        _stream(answer, _blocks(s, v, sizes), f"{n} keys with values ({n}, {dv}) in blocks of {sizes}")
 
 
 @graded("01.streaming_attention", 1)
 def test_stream_block_sizes(answer):
-    """block size 1 (one key at a time) and a block bigger than the row give the same answer"""
+    """one key at a time, and all keys in a single block"""
     rng = np.random.default_rng()
     n = int(rng.integers(5, 20))
     s, v = rng.normal(0, 2, n), rng.normal(0, 1, n)
-    want = float(_expected_output(s, v))
-    expect_number(answer(s.copy(), v.copy(), 1), want, f"output with block_size 1 ({n} keys)", rel=1e-9)
-    expect_number(answer(s.copy(), v.copy(), n + 3), want, f"output with block_size {n + 3} > n = {n}", rel=1e-9)
+    s[-1] = s.max() + 1.0  # the max arrives last, so every earlier term needs the rescale
+    _stream(answer, _blocks(s, v, [1] * n), f"{n} keys, one at a time")
+    _stream(answer, _blocks(s, v, [n]), f"{n} keys in one block")
 
 
 @graded("01.streaming_attention", 1)
 def test_stream_huge_scores(answer):
-    """scores near 1e4 must not overflow"""
+    """scores near 1e4 must not overflow: the running sum is relative to the running max"""
     rng = np.random.default_rng()
     s, v = 1e4 + rng.normal(0, 4, 17), rng.normal(0, 1, (17, 3))
-    expect_array(answer(s.copy(), v.copy(), 4), _expected_output(s, v), "output for scores near 1e4")
+    s[-1] = s.max() + 2.0  # a new max in the last block
+    _stream(answer, _blocks(s, v, [4, 4, 4, 4, 1]), "scores near 1e4")

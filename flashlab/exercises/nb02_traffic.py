@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashlab.exercises import Exercise, graded
-from flashlab.exercises._checks import expect_int, expect_number, unpack
+from flashlab.exercises.checks import expect_int, expect_number, unpack
 
 EXERCISES = [
     Exercise(

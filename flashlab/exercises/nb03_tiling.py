@@ -10,7 +10,7 @@ import numpy as np
 
 from flashlab.core.masking import tile_map
 from flashlab.exercises import Exercise, graded
-from flashlab.exercises._checks import expect_array, expect_int, unpack
+from flashlab.exercises.checks import MASK_MISALIGNED, expect_array, expect_int, unpack
 from flashlab.reference import attention
 
 EXERCISES = [
@@ -59,11 +59,25 @@ def _case(rng, nq, nk, d, dv, scale=1.0):
     return q, k, v
 
 
+MIB = 2**20
+
+
+def top_left_causal(q, k, v):
+    """Causal attention with the mask aligned top-left (key j <= query i): the lesson's misalignment."""
+    s = q @ k.T / np.sqrt(q.shape[1])  # (Nq, Nk)
+    visible = np.arange(k.shape[0])[None, :] <= np.arange(q.shape[0])[:, None]
+    s = np.where(visible, s, -np.inf)
+    m = s.max(axis=1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+    return p @ v / p.sum(axis=1, keepdims=True)
+
+
 def _check(answer, q, k, v, bm, bn, causal, what):
     want, _ = attention(q, k, v, causal=causal)
-    args = (q.copy(), k.copy(), v.copy(), bm, bn)
+    args = (q, k, v, bm, bn)
     got = answer(*args, True) if causal else answer(*args)  # the non-causal tests rely on the default
-    expect_array(got, want, what, rtol=1e-7, atol=1e-9)
+    lesson = {MASK_MISALIGNED: top_left_causal(q, k, v)} if causal and q.shape[0] < k.shape[0] else {}
+    expect_array(got, want, what, rtol=1e-7, atol=1e-9, known_wrong=lesson)
 
 
 @graded("03.tiled_attention", 2)
@@ -109,6 +123,24 @@ def test_tiled_huge_scores(answer):
     rng = np.random.default_rng()
     q, k, v = _case(rng, 23, 29, 8, 4, scale=300.0)
     _check(answer, q, k, v, 6, 7, False, "o for scores in the thousands")
+
+
+@graded("03.tiled_attention", 2, gate=True)
+def test_tiled_memory_bound(answer):
+    """at 3,072 queries and keys the score matrix alone is 72 MiB: a tiled pass works in a few tiles' memory"""
+    rng = np.random.default_rng()
+    n, d, bm, bn = 3072, 16, 384, 64
+    q, k, v = _case(rng, n, n, d, d)
+    got, peak = answer.measure(q, k, v, bm, bn)
+    want, _ = attention(q, k, v)
+    expect_array(got, want, f"o for Nq = Nk = {n}, tiles {bm}x{bn}", rtol=1e-7, atol=1e-9)
+    score_bytes = n * n * 8  # float64 scores
+    bound = score_bytes // 16  # room for copies of q, k, v and o (384 KiB each) and a few tiles, not for S
+    assert peak <= bound, (
+        f"your function's memory rose by {peak / MIB:.0f} MiB during the call; a tiled pass needs under "
+        f"{bound / MIB:.1f} MiB here (the {n} x {n} score matrix alone is {score_bytes / MIB:.0f} MiB, one "
+        f"{bm} x {n} row of tiles {bm * n * 8 / MIB:.0f} MiB): compute one {bm} x {bn} tile of scores at a time"
+    )
 
 
 def _want_tiles(nq, nk, bm, bn):

@@ -1,8 +1,10 @@
 """Exercise for notebook 04 (the Triton kernel): write the body of the kernel's inner loop in Triton.
 
-The learner's function runs inside ``flashlab.exercises._triton_harness``, a small Triton kernel that does everything
-else (load the Q tile, walk the K/V tiles, write O = acc / l). Tests run it through Triton's interpreter on the CPU
-(the grader starts the process with TRITON_INTERPRET=1), on small awkward shapes, against the NumPy reference.
+The learner's function runs inside ``flashlab.exercises.triton_harness``, a small Triton kernel that does everything
+else (load the Q tile, walk the K/V tiles, write O = acc / l), in the learner's process, through Triton's
+interpreter on the CPU. ``answer(q, k, v, block_m, block_n)`` is that kernel's output; the tests check it against the
+NumPy reference on small awkward shapes, and name the lesson's mistake when the output is the one a forgotten
+rescale would give.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashlab.exercises import Exercise, graded
-from flashlab.exercises._checks import expect_array
+from flashlab.exercises.checks import RESCALE_FORGOTTEN, expect_array
 from flashlab.reference import attention
 
 EXERCISES = [
@@ -38,24 +40,37 @@ EXERCISES = [
         kernel scores 0.
         """,
         time_limit_s=90.0,
+        memory_mib=4096,
         triton=True,
-        wrap=False,
+        check_inputs=False,
+        child_imports=("numpy", "torch", "triton", "triton.language"),
+        harness="triton_harness",
     ),
 ]
 
 
-def _run(answer, nq, nk, d, scale=1.0, block_m=16, block_n=16, what=""):
-    from flashlab.exercises._triton_harness import run_harness
-    from flashlab.grade.worker import watch
+def no_rescale(q, k, v, block_n):
+    """What the kernel gives if the step forgets the rescale: each tile's terms added against its own max."""
+    s = q @ k.T / np.sqrt(q.shape[1])  # (Nq, Nk)
+    m = np.full(q.shape[0], -np.inf)
+    l, acc = np.zeros(q.shape[0]), np.zeros((q.shape[0], v.shape[1]))
+    for c0 in range(0, k.shape[0], block_n):
+        t = s[:, c0 : c0 + block_n]
+        m = np.maximum(m, t.max(axis=1))
+        p = np.exp(t - m[:, None])
+        l, acc = l + p.sum(axis=1), acc + p @ v[c0 : c0 + block_n]
+    return acc / l[:, None]
 
+
+def _run(answer, nq, nk, d, scale=1.0, block_m=16, block_n=16, what=""):
     rng = np.random.default_rng()
     q = rng.normal(0, scale, (nq, d))
     k, v = rng.normal(0, 1, (nk, d)), rng.normal(0, 1, (nk, d))
     q32, k32, v32 = (x.astype(np.float32).astype(np.float64) for x in (q, k, v))
     want, _ = attention(q32, k32, v32)
-    with watch:  # the learner's code runs inside the kernel; flashlab calls from it are recorded
-        got = run_harness(answer, q32, k32, v32, block_m, block_n)
-    expect_array(got, want, what or f"o for Nq = {nq}, Nk = {nk}, D = {d}", rtol=2e-4, atol=2e-4)
+    got = answer(q32, k32, v32, block_m, block_n)
+    lesson = {RESCALE_FORGOTTEN: no_rescale(q32, k32, v32, block_n)} if nk > block_n else {}
+    expect_array(got, want, what or f"o for Nq = {nq}, Nk = {nk}, D = {d}", rtol=2e-4, atol=2e-4, known_wrong=lesson)
 
 
 @graded("04.attention_inner_step", 2)

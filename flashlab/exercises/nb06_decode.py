@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashlab.exercises import Exercise, graded
-from flashlab.exercises._checks import expect_array, unpack
+from flashlab.exercises.checks import expect_array, unpack
 from flashlab.reference import attention
 
 EXERCISES = [

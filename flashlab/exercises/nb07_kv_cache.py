@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashlab.exercises import Exercise, graded
-from flashlab.exercises._checks import expect_int
+from flashlab.exercises.checks import expect_int
 
 EXERCISES = [
     Exercise(

@@ -1,259 +1,356 @@
-"""Grading submissions: one worker process per (submission, exercise), a time limit on each, reports at the end.
+"""Grading: an exercise's tests run here, in the grader, against the learner's function in a walled-in process.
 
-``grade(paths, out_dir)`` is what ``python -m flashlab.grade`` runs; ``run_exercise`` is also what the notebook's
-inline ``check`` runs, so a learner sees exactly what the grader will see.
+``run_exercise`` grades one exercise cell (it is also what the notebook's inline ``check`` runs, so a learner sees
+exactly what the grader will see). ``grade(paths, out_dir)`` is what ``python -m flashlab.grade`` runs: it finds
+each notebook's exercises, grades them ``jobs`` at a time, and writes the reports atomically; ``interrupt()`` (the
+command's SIGINT/SIGTERM handler) kills every submission process and makes ``grade`` write a report marked
+incomplete.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import csv
+import io
 import json
 import os
-import signal
-import subprocess
-import sys
 import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from flashlab import exercises
-from flashlab.grade.cells import expected_exercises, find_exercise_cells, read_notebook
+from flashlab.grade.cells import expected_exercises, find_exercise_cells, notebook_id, read_notebook, runnable_code
+from flashlab.grade.records import ExerciseResult, Outcome, Submission, TestRecord
+from flashlab.grade.session import Answer, AnswerRaised, Crashed, InputMutated, Session, Timeout, kill_all, raised
 
-LOG_TAIL_CHARS = 1500
-
-
-@dataclass
-class ExerciseResult:
-    """The tests of one exercise in one submission."""
-
-    exercise_id: str
-    tests: list[dict]  # per test: name, score, max_score, status, output
-    status: str  # graded | timeout | calls-flashlab | missing | crashed
-    seconds: float = 0.0
-
-    @property
-    def score(self) -> int:
-        return sum(t["score"] for t in self.tests)
-
-    @property
-    def max_score(self) -> int:
-        return sum(t["max_score"] for t in self.tests)
-
-    @property
-    def label(self) -> str:
-        """One word for the grade table."""
-        if self.status != "graded":
-            return self.status
-        outputs = [t["output"] for t in self.tests]
-        if outputs and all(o.startswith("not implemented") for o in outputs):
-            return "not implemented"
-        if self.score == self.max_score:
-            return "full marks"
-        if outputs and all(o.startswith("the exercise cell has a syntax error") for o in outputs):
-            return "syntax error"
-        if any(o.startswith("your function raised") for o in outputs) and self.score == 0:
-            return "raises"
-        if any("changed its input" in o for o in outputs):
-            return "mutates input"
-        return "partial" if self.score else "wrong"
+LOCK_NAME = ".flashlab-grade.lock"
+_STOP = threading.Event()  # set by interrupt(): start no new process, record what is left as not graded
 
 
-@dataclass
-class Submission:
-    path: str
-    results: list[ExerciseResult] = field(default_factory=list)
-    error: str | None = None  # the notebook could not be read
-
-    @property
-    def score(self) -> int:
-        return sum(r.score for r in self.results)
-
-    @property
-    def max_score(self) -> int:
-        return sum(r.max_score for r in self.results)
+class Interrupted(Exception):
+    """Grading was interrupted before this exercise finished."""
 
 
-def _blank_tests(exercise_id: str, status: str, output: str) -> list[dict]:
-    return [
-        {
-            "test": fn.__name__,
-            "name": (fn.__doc__ or fn.__name__).strip().splitlines()[0],
-            "score": 0,
-            "max_score": fn.flashlab_points,
-            "status": status,
-            "output": output,
-        }
-        for fn in exercises.tests_of(exercise_id)
-    ]
+class Busy(RuntimeError):
+    """Another grading run holds the lock on this output folder."""
 
 
-def _tail(path: Path) -> str:
+def interrupt() -> None:
+    """Stop grading now: no new submission process starts, every live one is killed."""
+    _STOP.set()
+    kill_all()
+
+
+# -- one exercise ------------------------------------------------------------------------------------------------
+
+
+def _test_name(fn) -> str:
+    return (fn.__doc__ or fn.__name__).strip().splitlines()[0]
+
+
+def _all(tests, outcome: Outcome, message: str) -> list[TestRecord]:
+    return [TestRecord(fn.__name__, _test_name(fn), fn.flashlab_points, outcome, message) for fn in tests]
+
+
+def _params(code: str, function: str) -> list[str]:
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - LOG_TAIL_CHARS))
-            return f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
+        for node in ast.parse(code).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function:
+                return [a.arg for a in node.args.posonlyargs + node.args.args]
+    except SyntaxError:
+        pass
+    return []
+
+
+def _setup_failure(reply: dict, function: str) -> tuple[Outcome, str] | None:
+    """What went wrong running the cell, from the child's start-up reply; None if the function is ready."""
+    if reply.get("ready") is True:
+        return None
+    if reply.get("setup") == "no function":
+        return Outcome.CELL_FAILED, f"the exercise cell must define a function named `{function}`"
+    if reply.get("setup") == "cell raised":
+        err = raised(reply.get("raised"))
+        return Outcome.CELL_FAILED, f"running the exercise cell failed: {err.describe()}"
+    return Outcome.CRASHED, "the submission's process did not start properly"
+
+
+def _run_test(fn, answer: Answer) -> TestRecord:
+    """One test against the answer; every way it can end becomes a record (Timeout and Interrupted propagate)."""
+    name, points = _test_name(fn), fn.flashlab_points
+
+    def rec(outcome, message="passed"):
+        return TestRecord(fn.__name__, name, points, outcome, message)
+
+    try:
+        fn(answer)
+    except (Timeout, Interrupted):
+        raise
+    except Crashed as e:
+        return rec(Outcome.CRASHED, str(e))
+    except InputMutated as e:
+        return rec(Outcome.MUTATED, str(e))
+    except AnswerRaised as e:
+        outcome = Outcome.NOT_IMPLEMENTED if e.kind == "NotImplementedError" else Outcome.RAISED
+        return rec(outcome, e.describe())
+    except AssertionError as e:
+        return rec(Outcome.WRONG, str(e) or "a check failed")
+    except Exception as e:  # the test could not read what the answer returned
+        return rec(Outcome.WRONG, f"the grader could not use what your function returned ({type(e).__name__}: {e})")
+    return rec(Outcome.PASSED)
 
 
 def run_exercise(
-    exercise_id: str, code: str, time_limit: float | None = None, function: str | None = None
+    exercise_id: str,
+    source: str,
+    time_limit: float | None = None,
+    function: str | None = None,
+    memory_mib: int | None = None,
 ) -> ExerciseResult:
-    """Grade one exercise cell in a fresh process; never raises for anything the learner's code does.
+    """Grade one exercise cell; never raises for anything the learner's code does.
 
     ``function`` names the function to grade if it is not the exercise's own name.
     """
     ex = exercises.get(exercise_id)
+    tests = exercises.tests_of(ex.id)
+    function = function or ex.name
     limit = ex.time_limit_s if time_limit is None else float(time_limit)
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="flashlab-grade-") as tmp:
-        tmp = Path(tmp)
-        spec, out, log = tmp / "spec.json", tmp / "results.jsonl", tmp / "log.txt"
-        spec.write_text(json.dumps({"exercise": ex.id, "code": code, "function": function}))
-        env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", MPLBACKEND="Agg", PYTHONDONTWRITEBYTECODE="1")
-        if ex.triton:
-            env["TRITON_INTERPRET"] = "1"  # Triton's interpreter: the kernel runs on the CPU, no GPU needed
-        with open(log, "wb") as log_f:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "flashlab.grade.worker", str(spec), str(out)],
-                stdout=log_f,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,  # its own process group, so a timeout kills anything it started
-            )
-            timed_out = False
-            try:
-                proc.wait(timeout=limit)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-        records = []
-        if out.exists():
-            for line in out.read_text().splitlines():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass  # a line cut short by the kill
-        tests = [r for r in records if "test" in r]
-        forbidden = [r for r in records if "forbidden" in r]
-        seconds = time.perf_counter() - start
-        done = {t["test"] for t in tests}
-        status = "graded"
-        if forbidden:
-            status = "calls flashlab"
-            for t in tests:
-                t.update(score=0, status="failed", output=forbidden[0]["output"])
-        if timed_out:
-            status = "timeout"
-            msg = (
-                f"timed out: the exercise did not finish within {limit:g} s (a loop that never ends, or far too "
-                "slow); this test and any after it score 0"
-            )
-            tests += [t for t in _blank_tests(ex.id, "timeout", msg) if t["test"] not in done]
-        elif proc.returncode != 0 or len(done) < len(exercises.tests_of(ex.id)):
-            status = "crashed" if not forbidden else status
-            msg = f"the grading process stopped unexpectedly (exit code {proc.returncode}): {_tail(log)[-600:]}"
-            tests += [t for t in _blank_tests(ex.id, "failed", msg) if t["test"] not in done]
-    order = [fn.__name__ for fn in exercises.tests_of(ex.id)]
-    tests.sort(key=lambda t: order.index(t["test"]) if t["test"] in order else len(order))
-    return ExerciseResult(ex.id, tests, status, seconds)
+    start = time.monotonic()
+    try:
+        code = runnable_code(source)
+    except SyntaxError as e:
+        msg = f"the exercise cell has a syntax error at line {e.lineno}: {e.msg}"
+        return ExerciseResult(ex.id, _all(tests, Outcome.SYNTAX_ERROR, msg))
+    params = _params(code, function)
+    deadline = start + limit
+    records: list[TestRecord] = []
+    session, walls = None, {}
+    try:
+        for i, fn in enumerate(tests):
+            if _STOP.is_set():
+                raise Interrupted()
+            if session is None or session.proc is None:  # first test, or the process died in the last one
+                session = Session(ex, code, source, function, deadline, memory_mib)
+                reply = session.start()
+                walls = session.walls
+                failure = _setup_failure(reply, function)
+                if failure is not None:
+                    records += _all(tests[i:], *failure)
+                    break
+            records.append(_run_test(fn, Answer(session, params)))
+    except Timeout:
+        if _STOP.is_set():
+            raise Interrupted() from None
+        msg = (
+            f"timed out: the exercise did not finish within {limit:g} s (a loop that never ends, or far too slow); "
+            "this test and any after it score 0"
+        )
+        records += _all(tests[len(records) :], Outcome.TIMEOUT, msg)
+    except Crashed as e:  # the process died while starting
+        if _STOP.is_set():
+            raise Interrupted() from None
+        records += _all(tests[len(records) :], Outcome.CRASHED, str(e))
+    finally:
+        if session is not None:
+            session.kill()
+    if _STOP.is_set() and any(r.outcome in (Outcome.CRASHED, Outcome.TIMEOUT) for r in records):
+        raise Interrupted()
+    return ExerciseResult(ex.id, _apply_gates(tests, records), time.monotonic() - start, walls)
 
 
-def expand(paths) -> list[Path]:
-    """Submission paths: notebooks as given, folders expanded to the notebooks under them."""
+def _apply_gates(tests, records: list[TestRecord]) -> list[TestRecord]:
+    """If a gate test failed, the others' passes are voided: right values computed the wrong way earn nothing."""
+    failed = [r for fn, r in zip(tests, records, strict=True) if fn.flashlab_gate and r.outcome is not Outcome.PASSED]
+    if not failed or all(r.outcome is Outcome.NOT_IMPLEMENTED for r in records):
+        return records
+    why = (
+        f"voided: the test of how this exercise computes failed ({failed[0].name}), so right values earn nothing; "
+        f"see that test's message"
+    )
+    return [
+        TestRecord(r.test, r.name, r.max_score, Outcome.VOIDED, why) if r.outcome is Outcome.PASSED else r
+        for r in records
+    ]
+
+
+# -- many submissions --------------------------------------------------------------------------------------------
+
+
+def expand(paths) -> list[tuple[Path, str]]:
+    """``(path, name)`` per submission: notebooks as given, folders expanded, named relative to the folder."""
     out = []
-    for p in map(Path, paths):
+    for arg in paths:
+        p = Path(arg)
         if p.is_dir():
-            out += sorted(q for q in p.rglob("*.ipynb") if ".ipynb_checkpoints" not in q.parts)
+            found = sorted(q for q in p.rglob("*.ipynb") if ".ipynb_checkpoints" not in q.parts)
+            out += [(q, q.relative_to(p).as_posix()) for q in found]
         else:
-            out.append(p)
-    return out
+            out.append((p, str(arg)))
+    names = [n for _, n in out]
+    dup = {n for n in names if names.count(n) > 1}
+    return [(p, p.as_posix() if n in dup else n) for p, n in out]
 
 
-def grade(paths, out_dir=None, jobs: int | None = None, time_limit: float | None = None, progress: bool = True):
-    """Grade every submission; write ``grades.csv`` and ``results.json`` to ``out_dir``. Returns the submissions."""
-    from tqdm.auto import tqdm
+def _foreign(ex_id: str, notebook: str | None) -> ExerciseResult:
+    msg = f"this exercise belongs to notebook {ex_id.split('.')[0]}, not to notebook {notebook}; it earns nothing here"
+    tests = exercises.tests_of(ex_id)
+    return ExerciseResult(ex_id, [TestRecord(fn.__name__, _test_name(fn), 0, Outcome.FOREIGN, msg) for fn in tests])
 
+
+def plan(paths) -> tuple[list[Submission], list[tuple[Submission, int, str, str]]]:
+    """The submissions, and the exercises to grade: (submission, slot in its results, exercise id, cell source)."""
     submissions, tasks = [], []
-    for path in expand(paths):
-        sub = Submission(str(path))
+    for path, name in expand(paths):
+        sub = Submission(name)
         submissions.append(sub)
         try:
             nb = read_notebook(path)
-            cells = find_exercise_cells(nb)
         except Exception as e:  # not a notebook, bad JSON, missing file
             sub.error = f"could not read the notebook: {type(e).__name__}: {e}"
-            cells = {}
-        for ex_id in expected_exercises(path, cells):
+            nb = None
+        sub.notebook = notebook_id(nb, path.name) if nb is not None else notebook_id({}, path.name)
+        cells = find_exercise_cells(nb) if nb is not None else {}
+        if sub.notebook is None and sub.error is None:
+            sub.error = "could not tell which notebook this is: no flashlab metadata and no tagged exercise cells"
+        for ex_id in expected_exercises(sub.notebook):
             if ex_id not in cells:
                 why = sub.error or "no exercise cell for this exercise in the notebook (tag `exercise`)"
-                sub.results.append(ExerciseResult(ex_id, _blank_tests(ex_id, "failed", why), "missing"))
+                sub.results.append(ExerciseResult(ex_id, _all(exercises.tests_of(ex_id), Outcome.MISSING, why)))
                 continue
-            slot = len(sub.results)
-            sub.results.append(None)
-            tasks.append((sub, slot, ex_id, cells[ex_id].source))
+            tasks.append((sub, len(sub.results), ex_id, cells[ex_id].source))
+            why = "not graded: grading was interrupted before this exercise ran"
+            sub.results.append(ExerciseResult(ex_id, _all(exercises.tests_of(ex_id), Outcome.NOT_GRADED, why)))
+        for ex_id in cells:
+            if ex_id not in expected_exercises(sub.notebook):
+                sub.results.append(_foreign(ex_id, sub.notebook))
+    return submissions, tasks
 
-    jobs = jobs or max(1, os.cpu_count() or 1)
-    bar = tqdm(total=len(tasks), desc="grading", unit="exercise", disable=not progress)
 
-    def work(task):
-        sub, slot, ex_id, code = task
-        try:
-            res = run_exercise(ex_id, code, time_limit=time_limit)
-        except Exception as e:  # the grader's own failure: record it, grade the rest
-            why = f"grader error: {type(e).__name__}: {e}"
-            res = ExerciseResult(ex_id, _blank_tests(ex_id, "failed", why), "crashed")
-        sub.results[slot] = res
-        bar.update(1)
+def grade(
+    paths,
+    out_dir=None,
+    jobs: int | None = None,
+    time_limit: float | None = None,
+    memory_mib: int | None = None,
+    progress: bool = True,
+):
+    """Grade every submission; write ``grades.csv`` and ``results.json`` to ``out_dir``. Returns the submissions.
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        list(pool.map(work, tasks))
-    bar.close()
-    if out_dir is not None:
-        write_reports(submissions, Path(out_dir))
+    With ``out_dir`` the folder is locked for the run (``Busy`` if another run holds it), and a report is always
+    left: complete, or marked incomplete if grading was interrupted.
+    """
+    from tqdm.auto import tqdm
+
+    _STOP.clear()
+    with _locked(Path(out_dir)) if out_dir is not None else contextlib.nullcontext():
+        if out_dir is not None:
+            write_reports([], Path(out_dir), complete=False, reason="grading in progress")
+        submissions, tasks = plan(paths)
+        jobs = jobs or max(1, os.cpu_count() or 1)
+        bar = tqdm(total=len(tasks), desc="grading", unit="exercise", disable=not progress)
+
+        def work(task):
+            sub, slot, ex_id, code = task
+            try:
+                res = run_exercise(ex_id, code, time_limit=time_limit, memory_mib=memory_mib)
+            except Interrupted:
+                return
+            except Exception as e:  # the grader's own failure: record it, grade the rest
+                why = f"grader error: {type(e).__name__}: {e}"
+                res = ExerciseResult(ex_id, _all(exercises.tests_of(ex_id), Outcome.GRADER_ERROR, why))
+            sub.results[slot] = res
+            bar.update(1)
+
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            pending = {pool.submit(work, t) for t in tasks}
+            while pending:  # short waits, so a signal handler runs promptly in this thread
+                _, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                if _STOP.is_set():
+                    for f in pending:
+                        f.cancel()
+        bar.close()
+        complete = not _STOP.is_set() and all(s.complete for s in submissions)
+        if out_dir is not None:
+            reason = None if complete else "interrupted: some exercises were not graded"
+            write_reports(submissions, Path(out_dir), complete=complete, reason=reason)
     return submissions
 
 
-def write_reports(submissions, out_dir: Path) -> None:
-    """``grades.csv`` (a row per submission, a column per exercise, total) and ``results.json`` (per test)."""
+@contextlib.contextmanager
+def _locked(out_dir: Path):
+    import fcntl
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    f = open(out_dir / LOCK_NAME, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise Busy(f"another grading run is writing to {out_dir}; wait for it to finish") from None
+    try:
+        yield
+    finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
+
+
+# -- reports -----------------------------------------------------------------------------------------------------
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_reports(submissions, out_dir: Path, complete: bool = True, reason: str | None = None) -> None:
+    """``grades.csv`` (a row per submission, a column per exercise) and ``results.json`` (per test), atomically.
+
+    An incomplete run leaves both marked: ``results.json`` says ``"complete": false`` and why, and every row of
+    ``grades.csv`` whose exercises were not all graded says ``incomplete`` in its ``status`` column.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     graded_ids = {r.exercise_id for s in submissions for r in s.results}
     ids = [ex_id for ex_id in exercises.all_exercises() if ex_id in graded_ids]
-    with open(out_dir / "grades.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["submission", *ids, "total", "max_total"])
-        for s in submissions:
-            by_id = {r.exercise_id: r for r in s.results}
-            w.writerow([s.path, *[by_id[i].score if i in by_id else "" for i in ids], s.score, s.max_score])
-    report = {"submissions": []}
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["submission", "notebook", *ids, "total", "max_total", "status"])
+    report = {"complete": complete, "submissions": []}
+    if reason:
+        report["reason"] = reason
     for s in submissions:
-        tests = []
-        for r in s.results:
-            for t in r.tests:
-                tests.append(
-                    {
-                        "name": f"{r.exercise_id}: {t['name']}",
-                        "score": t["score"],
-                        "max_score": t["max_score"],
-                        "status": t["status"],
-                        "output": t["output"],
-                        "tags": [r.exercise_id, r.status],
-                    }
-                )
-        entry = {"submission": s.path, "score": s.score, "max_score": s.max_score, "tests": tests}
+        by_id = {r.exercise_id: r for r in s.results}
+        status = "complete" if s.complete else "incomplete"
+        cols = [by_id[i].score if i in by_id else "" for i in ids]
+        w.writerow([s.name, s.notebook or "", *cols, s.score, s.max_score, status])
+        entry = {
+            "submission": s.name,
+            "notebook": s.notebook,
+            "score": s.score,
+            "max_score": s.max_score,
+            "status": status,
+            "tests": [t.as_dict(r.exercise_id, r.status) for r in s.results for t in r.tests],
+            "sandbox": {r.exercise_id: r.walls for r in s.results if r.walls},
+        }
         if s.error:
             entry["output"] = s.error
         report["submissions"].append(entry)
-    (out_dir / "results.json").write_text(json.dumps(report, indent=1))
+    if submissions:
+        _atomic_write(out_dir / "grades.csv", buf.getvalue())
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(out_dir / "grades.csv")  # a previous run's grades must not pass for this run's
+    _atomic_write(out_dir / "results.json", json.dumps(report, indent=1))
 
 
 def grade_table(submissions) -> str:
@@ -261,8 +358,8 @@ def grade_table(submissions) -> str:
     rows = [("submission", "exercise", "score", "result")]
     for s in submissions:
         for r in s.results:
-            rows.append((s.path, r.exercise_id, f"{r.score}/{r.max_score}", r.label))
-        rows.append((s.path, "total", f"{s.score}/{s.max_score}", s.error or ""))
+            rows.append((s.name, r.exercise_id, f"{r.score}/{r.max_score}", r.status.value))
+        rows.append((s.name, "total", f"{s.score}/{s.max_score}", s.error or ""))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = []
     for k, row in enumerate(rows):

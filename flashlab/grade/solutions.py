@@ -2,8 +2,10 @@
 
 - ``exercise_cells("01")`` -- the cells appended at the end of a learner notebook: an "Exercises" heading (tag
   ``exercise-intro``), then per exercise the stub (tag ``exercise``) and its inline check (tag ``exercise-check``).
-- ``load_solutions()`` -- the reference solutions in ``instructor/solutions/NN_*.py``, by exercise id. In those files
-  each ``# %% exercise ID`` section is the whole text of that exercise's cell in a solved notebook.
+- ``load_solutions(directory)`` -- the reference solutions in ``DIRECTORY/NN_*.py``, by exercise id. In those files
+  each ``# %% exercise ID`` section is the whole text of that exercise's cell in a solved notebook. They are not
+  part of the package (learners install it too): the folder is an argument, ``instructor/solutions`` of the
+  repository by default on the command line.
 - ``python -m flashlab.grade.solutions NOTEBOOK... --out DIR`` -- writes solved copies (exercise cells replaced by
   the reference solutions), e.g. to check that the grader gives them full marks.
 """
@@ -18,10 +20,10 @@ from pathlib import Path
 import nbformat
 
 from flashlab.exercises import exercises_of
-from flashlab.grade.cells import EXERCISE_TAG, cell_tags, find_exercise_cells
+from flashlab.grade.cells import CHECK_TAG, EXERCISE_TAG, cell_tags, find_exercise_cells
 from flashlab.grade.runner import expand
 
-SOLUTIONS_DIR = Path(__file__).resolve().parents[2] / "instructor" / "solutions"
+DEFAULT_SOLUTIONS = Path("instructor") / "solutions"  # relative to the repository root, where instructors run it
 MARKER = re.compile(r"^# %% exercise (\S+)\s*$", re.M)
 
 
@@ -33,9 +35,9 @@ def exercise_cells(notebook: str) -> list:
         "Each exercise is a function to write in the cell marked `# YOUR CODE HERE`; its docstring says what to "
         "compute and which shapes come in and go out. The cell after it runs the grader's own tests on your "
         "function and prints, per test, whether it passed and its points. The tests use fresh random inputs as "
-        "well as the lesson's examples. The grader sees only the exercise cell, so import what you use there. "
-        "Write the computation yourself: an answer that calls flashlab's implementation scores 0.\n\n"
-        + "\n".join(f"{i}. `{ex.name}` -- {ex.title}" for i, ex in enumerate(exs, 1))
+        "well as the lesson's examples. The grader sees only the exercise cell, and runs it without flashlab: "
+        "import what you use there and write the computation yourself. After changing an exercise, run its cell "
+        "again, then its check cell.\n\n" + "\n".join(f"{i}. `{ex.name}` -- {ex.title}" for i, ex in enumerate(exs, 1))
     )
     cells = [nbformat.v4.new_markdown_cell(intro, metadata={"tags": ["exercise-intro"]})]
     for ex in exs:
@@ -46,7 +48,7 @@ def exercise_cells(notebook: str) -> list:
         )
         cells.append(
             nbformat.v4.new_code_cell(
-                ex.check_source(), metadata={"tags": ["exercise-check"], "flashlab": {"exercise": ex.id}}
+                ex.check_source(), metadata={"tags": [CHECK_TAG], "flashlab": {"exercise": ex.id}}
             )
         )
     return cells
@@ -66,7 +68,9 @@ def append_exercises(path: Path, replace: bool = False) -> bool:
         if not replace:
             return False
         nb.cells = [c for c in nb.cells if not any(t.startswith("exercise") for t in cell_tags(c))]
-    for cell in exercise_cells(Path(path).name[:2]):
+    notebook = Path(path).name[:2]
+    nb.metadata.setdefault("flashlab", {})["notebook"] = notebook  # the grader reads which notebook it is here
+    for cell in exercise_cells(notebook):
         if nb.nbformat_minor < 5:
             cell.pop("id", None)  # cell ids exist from nbformat 4.5 on
         nb.cells.append(cell)
@@ -74,9 +78,11 @@ def append_exercises(path: Path, replace: bool = False) -> bool:
     return True
 
 
-def load_solutions(directory: Path | None = None) -> dict[str, str]:
-    """Reference solution cell sources by exercise id."""
-    directory = Path(directory or SOLUTIONS_DIR)
+def load_solutions(directory) -> dict[str, str]:
+    """Reference solution cell sources by exercise id, from the ``NN_*.py`` files in ``directory``."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"no solutions folder at {directory}")
     out = {}
     for f in sorted(directory.glob("[0-9][0-9]_*.py")):
         text = f.read_text()
@@ -101,11 +107,15 @@ def main(argv=None) -> int:
     )
     p.add_argument("notebooks", nargs="+", help="learner notebooks, or folders of them")
     p.add_argument("--out", required=True, type=Path, help="folder for the solved notebooks")
-    p.add_argument("--solutions", type=Path, default=None, help=f"solutions folder (default {SOLUTIONS_DIR})")
+    p.add_argument(
+        "--solutions", type=Path, default=DEFAULT_SOLUTIONS, help=f"solutions folder (default: {DEFAULT_SOLUTIONS})"
+    )
     args = p.parse_args(argv)
+    if not args.solutions.is_dir():
+        p.error(f"no solutions folder at {args.solutions}; run from the repository root or pass --solutions DIR")
     sols = load_solutions(args.solutions)
     args.out.mkdir(parents=True, exist_ok=True)
-    for path in expand(args.notebooks):
+    for path, _ in expand(args.notebooks):
         nb = solve(nbformat.read(str(path), as_version=4), sols)
         nbformat.write(nb, str(args.out / path.name))
         print(args.out / path.name)

@@ -23,18 +23,15 @@ def online_softmax_update(m, l, block):
 import numpy as np
 
 
-def streaming_attention(scores, values, block_size):
-    scores = np.asarray(scores, dtype=np.float64)
-    values = np.asarray(values, dtype=np.float64)
-    m, l = -np.inf, 0.0
-    acc = np.zeros(values.shape[1:])  # () for one number per key, (dv,) for a vector
-    for start in range(0, len(scores), block_size):
-        s, v = scores[start : start + block_size], values[start : start + block_size]
-        m_new = max(m, s.max())
+def streaming_attention(blocks):
+    m, l, acc = -np.inf, 0.0, 0.0
+    for scores, values in blocks:  # one block at a time: nothing later has been read yet
+        scores = np.asarray(scores, dtype=np.float64)
+        values = np.asarray(values, dtype=np.float64)
+        m_new = max(m, float(scores.max()))
         alpha = np.exp(m - m_new) if m > -np.inf else 0.0  # rescale what was summed against the old max
-        p = np.exp(s - m_new)
+        p = np.exp(scores - m_new)
         l = alpha * l + p.sum()
-        acc = alpha * acc + p @ v
+        acc = alpha * acc + p @ values  # a number for (b,) values, a (dv,) vector for (b, dv)
         m = m_new
-    out = acc / l
-    return float(out) if out.ndim == 0 else out
+        yield m, l, acc

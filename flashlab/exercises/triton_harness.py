@@ -4,8 +4,9 @@ One program handles BLOCK_M query rows: it loads its Q tile, walks the key/value
 ``STEP(q, k, v, valid, m, l, acc, scale)`` (the learner's function) for each, then writes O = acc / l. The head dim is
 padded to a power of two with zeros (masked loads), which changes no score and no output.
 
-Imported only by exercise 04's tests, in a process started with TRITON_INTERPRET=1, so it runs on the CPU through
-Triton's interpreter.
+It runs in the learner's process, not the grader's: the grader copies this file beside the learner's cell (it imports
+nothing from flashlab), starts that process with TRITON_INTERPRET=1 so the kernel runs on the CPU through Triton's
+interpreter, and sends it q, k, v; ``run(step, q, k, v, ...)`` returns O, which the grader checks.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ def attention_harness(
     tl.store(O + rows[:, None] * d + dims[None, :], o, mask=row_ok[:, None] & dim_ok[None, :])
 
 
-def run_harness(step, q: np.ndarray, k: np.ndarray, v: np.ndarray, block_m: int = 16, block_n: int = 16) -> np.ndarray:
+def run(step, q, k, v, block_m: int = 16, block_n: int = 16) -> np.ndarray:
     """Attention of q (Nq, D) over k, v (Nk, D) through the harness kernel with ``step`` as its inner loop."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     nq, d = q.shape
     nk = k.shape[0]
     qt, kt, vt = (torch.tensor(x, dtype=torch.float32).contiguous() for x in (q, k, v))

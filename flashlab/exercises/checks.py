@@ -1,7 +1,8 @@
 """Readable assertions for exercise tests: say what is wrong (shape, which index, by what factor), not a traceback.
 
 Every helper raises ``AssertionError`` with a message written for a learner; the grader shows that message as the
-test's output.
+test's output. When a test can compute what a mistake the lesson predicts would give (``known_wrong``: a
+description -> that wrong answer), a wrong answer that matches one is named as that mistake.
 """
 
 from __future__ import annotations
@@ -10,6 +11,28 @@ import math
 import numbers
 
 import numpy as np
+
+# the mistakes the lesson warns about, as the messages name them
+RESCALE_FORGOTTEN = (
+    "the rescale was forgotten: when a new max arrives, the old sum and the old output must be multiplied by "
+    "exp(m_old - m_new)"
+)
+MAX_NOT_SUBTRACTED = "the max was not subtracted: take exp(s - m), not exp(s), so the running sum is relative to m"
+MASK_MISALIGNED = (
+    "the causal mask is aligned top-left (key j <= query i); it must be aligned bottom-right, shifted by Nk - Nq "
+    "(key j <= i + Nk - Nq)"
+)
+
+
+def _lesson_mistake(got, known_wrong, close) -> str:
+    """`` -- this is what you get when <mistake>`` if ``got`` matches one of the known wrong answers, else ''."""
+    for text, wrong in (known_wrong or {}).items():
+        try:
+            if close(got, wrong):
+                return f" -- this is exactly what you get when {text}"
+        except (TypeError, ValueError):
+            continue
+    return ""
 
 
 def fmt(x) -> str:
@@ -57,7 +80,9 @@ def _factor_hint(got: float, want: float, hints: dict[str, float] | None) -> str
     return f" -- off by a factor of {fmt(got / want)}: {text}" if text else ""
 
 
-def expect_number(got, want: float, what: str, rel: float = 1e-6, abs_: float = 1e-12, hints=None) -> float:
+def expect_number(
+    got, want: float, what: str, rel: float = 1e-6, abs_: float = 1e-12, hints=None, known_wrong=None
+) -> float:
     """``got`` is one finite number close to ``want``. ``hints`` maps an explanation to a suspicious factor."""
     x = as_number(got, what)
     if math.isnan(x):
@@ -67,7 +92,9 @@ def expect_number(got, want: float, what: str, rel: float = 1e-6, abs_: float = 
             raise AssertionError(f"{what}: got {fmt(x)}, expected {fmt(want)}")
         return x
     if not math.isclose(x, want, rel_tol=rel, abs_tol=abs_):
-        raise AssertionError(f"{what}: got {fmt(x)}, expected {fmt(want)}{_factor_hint(x, want, hints)}")
+        mistake = _lesson_mistake(x, known_wrong, lambda a, b: math.isclose(a, float(b), rel_tol=rel, abs_tol=abs_))
+        hint = mistake or _factor_hint(x, want, hints)
+        raise AssertionError(f"{what}: got {fmt(x)}, expected {fmt(want)}{hint}")
     return x
 
 
@@ -81,7 +108,9 @@ def expect_int(got, want: int, what: str, hints=None) -> int:
     return int(round(x))
 
 
-def expect_array(got, want, what: str, rtol: float = 1e-6, atol: float = 1e-9, hints=None) -> np.ndarray:
+def expect_array(
+    got, want, what: str, rtol: float = 1e-6, atol: float = 1e-9, hints=None, known_wrong=None
+) -> np.ndarray:
     """``got`` is an array of ``want``'s shape, finite, and close to it element by element.
 
     On a mismatch the message names the worst index, and, when every element is off by the same factor, that
@@ -103,7 +132,8 @@ def expect_array(got, want, what: str, rtol: float = 1e-6, atol: float = 1e-9, h
             f"{what}: {int(bad_nan.sum())} value(s) are NaN or inf, first at index {idx} -- "
             "subtract the running max before exp, and guard rows that have seen nothing yet"
         )
-    err = np.abs(arr - want) - (atol + rtol * np.abs(want))
+    with np.errstate(invalid="ignore"):  # inf - inf where both are infinite: decided on the next line
+        err = np.abs(arr - want) - (atol + rtol * np.abs(want))
     err = np.where(np.isfinite(want), err, np.where(arr == want, -1.0, 1.0))
     if (err > 0).any():
         idx = np.unravel_index(int(np.argmax(err)), err.shape)
@@ -111,6 +141,11 @@ def expect_array(got, want, what: str, rtol: float = 1e-6, atol: float = 1e-9, h
         n_bad = int((err > 0).sum())
         msg = f"{what}: {n_bad} of {arr.size} values are wrong; worst at index {idx_s}: got {fmt(arr[idx])}, "
         msg += f"expected {fmt(want[idx])}"
+        mistake = _lesson_mistake(
+            arr, known_wrong, lambda a, b: a.shape == np.shape(b) and np.allclose(a, b, rtol=rtol, atol=atol)
+        )
+        if mistake:
+            raise AssertionError(msg + mistake)
         nz = (np.abs(want) > 1e-12) & np.isfinite(want)
         if nz.any():
             ratios = arr[nz] / want[nz]

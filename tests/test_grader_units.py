@@ -1,0 +1,185 @@
+"""The grader's parts on their own: the wire format runs no code and makes only plain values, the sandbox holds,
+the cell reader survives malformed notebooks, and the streaming test's ground truth is the reference's."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+from flashlab.exercises.nb01_online_softmax import fold
+from flashlab.grade import sandbox, wire
+from flashlab.grade.cells import find_exercise_cells, notebook_id
+from flashlab.reference import softmax
+
+# -- the wire format ---------------------------------------------------------------------------------------------
+
+
+def _roundtrip(x):
+    frame = wire.encode(wire.to_plain(x))
+    return wire.decode(frame[8:])
+
+
+def test_plain_values_cross_unchanged():
+    value = (1, -(2**80), 2.5, math.inf, None, True, "é", [1, (2, 3)], {"a": np.arange(6.0).reshape(2, 3)})
+    got = _roundtrip(value)
+    assert got[:7] == value[:7] and got[7] == [1, (2, 3)] and math.isnan(_roundtrip(math.nan))
+    assert np.array_equal(got[8]["a"], value[8]["a"]) and got[8]["a"].dtype == np.float64
+    assert _roundtrip(np.float32(1.5)) == 1.5 and type(_roundtrip(np.int64(3))) is int
+    assert _roundtrip(np.array([1, 2], dtype=">i4")).tolist() == [1, 2]  # byte order normalised
+
+
+def test_what_an_answer_returns_becomes_exact_builtin_types():
+    class Sneaky(float):
+        def __eq__(self, other):
+            return True
+
+    got = _roundtrip(Sneaky(2.0))
+    assert type(got) is float and got == 2.0 and got != 3.0
+    with pytest.raises(wire.WireError):
+        wire.to_plain(object())
+    with pytest.raises(wire.WireError):
+        wire.to_plain(np.array([object()]))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"$pickle": "gASV"}',
+        b'{"$array": {"dtype": "|O", "shape": [1], "data": ""}}',
+        b'{"$array": {"dtype": "<f8", "shape": [2], "data": "AAAA"}}',
+        b'{"a": 1}',
+        b"[1, 2]",
+        b"not json",
+        b"[" * 100_000,
+    ],
+)
+def test_anything_else_is_refused_not_run(body):
+    with pytest.raises(wire.WireError):
+        wire.decode(body)
+
+
+def test_an_oversized_frame_is_refused_unread():
+    import os
+
+    r, w = os.pipe()
+    os.write(w, (10**9).to_bytes(8, "big"))
+    with pytest.raises(wire.WireError, match="over the"):
+        wire.receive(r, max_bytes=1000)
+    os.close(r)
+    os.close(w)
+
+
+# -- the sandbox -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(sandbox.landlock_abi() == 0, reason="this kernel has no Landlock")
+def test_the_sandbox_holds(tmp_path):
+    solution = ROOT / "instructor" / "solutions" / "01_online_softmax_by_hand.py"
+    script = textwrap.dedent(
+        f"""
+        import os, subprocess, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from flashlab.grade import sandbox
+        walls = sandbox.restrict_filesystem([sys.base_prefix, {str(ROOT / "flashlab")!r}], [{str(tmp_path)!r}])
+        assert sandbox.forbid_new_processes()
+        open({str(tmp_path / "ok")!r}, "w").write("mine")
+        for what, attempt in [
+            ("read solutions", lambda: open({str(solution)!r}).read()),
+            ("write outside", lambda: open({str(ROOT / "stray.txt")!r}, "w")),
+            ("fork", os.fork),
+            ("exec", lambda: subprocess.run(["/bin/true"])),
+            ("signal the parent", lambda: os.kill(os.getppid(), 0)),
+        ]:
+            try:
+                attempt()
+            except OSError:
+                continue
+            print("NOT BLOCKED:", what)
+        print("done", walls)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "NOT BLOCKED" not in out.stdout and "done" in out.stdout, out.stdout
+    assert (tmp_path / "ok").read_text() == "mine" and not (ROOT / "stray.txt").exists()
+
+
+def test_the_learners_process_runs_under_its_limits_in_a_session_of_its_own():
+    import time
+
+    from flashlab import exercises
+    from flashlab.grade.session import Answer, Session
+
+    code = (
+        "import os, resource as r\n\ndef kv_cache_bytes_per_token(*args, **kwargs):\n"
+        "    return [r.getrlimit(x)[0] for x in (r.RLIMIT_AS, r.RLIMIT_NOFILE, r.RLIMIT_FSIZE, r.RLIMIT_CPU)] + "
+        "[os.getsid(0) == os.getpid(), os.getcwd(), sorted(os.environ)]\n"
+    )
+    ex = exercises.get("07.kv_cache_bytes_per_token")
+    s = Session(ex, code, code, ex.name, time.monotonic() + 30, memory_mib=700)
+    try:
+        assert s.start().get("ready") is True
+        got = Answer(s)(1, 2, 3)
+    finally:
+        s.kill()
+    address, files, size, cpu, own_session, cwd, env = got
+    assert (address, files, size) == (700 * 2**20, 256, 16 * 2**20) and 0 < cpu <= 33
+    assert own_session and cwd.startswith(tempfile.gettempdir()) and "flashlab-answer-" in cwd
+    assert not {"PYTHONPATH", "VIRTUAL_ENV", "PWD"} & set(env), env
+
+
+# -- the cell reader ---------------------------------------------------------------------------------------------
+
+
+def _cell(source, metadata):
+    return {"cell_type": "code", "source": source, "metadata": metadata}
+
+
+def test_which_notebook_comes_from_the_notebook_itself():
+    tagged = {"tags": ["exercise"], "flashlab": {"exercise": "02.attention_traffic"}}
+    nb = {"metadata": {"flashlab": {"notebook": "07"}}, "cells": [_cell("", tagged)]}
+    assert notebook_id(nb, "alice_01_x.ipynb") == "07"  # metadata first
+    nb["metadata"] = {}
+    assert notebook_id(nb, "alice_01_x.ipynb") == "02"  # then what its exercise cells name
+    assert notebook_id({"cells": []}, "05_x.ipynb") == "05"  # the file name only when nothing else says
+    assert notebook_id({"cells": []}, "alice.ipynb") is None
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        "garbage",
+        {"tags": "exercise"},
+        {"tags": ["exercise"], "flashlab": "garbage"},
+        {"tags": ["exercise"], "flashlab": {"exercise": 5}},
+    ],
+)
+def test_malformed_metadata_costs_nothing_but_that_cell(metadata):
+    good = _cell("def kv_cache_bytes_per_token(layers, kv_heads, head_dim):\n    pass\n", {"tags": ["exercise"]})
+    odd = _cell("def attention_traffic(n, d, dtype_bytes=2):\n    pass\n", metadata)
+    bad_source = _cell(42, {"tags": ["exercise"], "flashlab": {"exercise": "02.roofline_bound"}})
+    found = find_exercise_cells({"cells": [good, odd, bad_source, "not a cell"]})
+    assert "07.kv_cache_bytes_per_token" in found and found["02.roofline_bound"].source == ""
+    tagged = isinstance(metadata, dict) and isinstance(metadata.get("tags"), list)
+    assert ("02.attention_traffic" in found) == tagged  # found by its function's name when still tagged
+
+
+# -- the streaming test's ground truth ---------------------------------------------------------------------------
+
+
+def test_fold_is_the_online_softmax_of_the_reference():
+    rng = np.random.default_rng(1)
+    s, v = rng.normal(0, 3, 23), rng.normal(0, 1, (23, 4))
+    blocks = [(s[i : i + 5], v[i : i + 5]) for i in range(0, 23, 5)]
+    m, l, acc = fold(blocks)[-1]
+    assert m == s.max() and math.isclose(l, np.exp(s - s.max()).sum(), rel_tol=1e-12)
+    np.testing.assert_allclose(acc / l, softmax(s) @ v, rtol=1e-12)
+    wrong = fold(blocks, rescale=False)[-1]
+    assert not math.isclose(wrong[1], l, rel_tol=1e-6)  # the mistake changes the answer the test compares with
