@@ -162,59 +162,63 @@ def _bwd_dkdv(
     t_full_hi = tl.minimum(tl.maximum(full_hi, 0) // BLOCK_M, t_hi)
     t_full_hi = tl.maximum(t_full_hi, t_full_lo)
 
-    for g in range(GROUP):  # every query head that reads this K/V head: the GQA sum, in registers
-        off_h = off_hk * GROUP + g
-        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-        do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-        row_base = (off_b * HQ + off_h).to(tl.int64) * NQ  # this head's rows of lse2 and delta
-        for stage in tl.static_range(3):  # rows cut by the diagonal / right edge, rows that see all, left edge
-            if stage == 0:
-                t_start, t_end = t_lo, t_full_lo
-            elif stage == 1:
-                t_start, t_end = t_full_lo, t_full_hi
-            else:
-                t_start, t_end = t_full_hi, t_hi
-            for start_m in range(t_start * BLOCK_M, t_end * BLOCK_M, BLOCK_M):
-                rows = start_m + offs_m
-                q_ptrs = q_base + rows[:, None] * stride_qm + offs_d[None, :]
-                do_ptrs = do_base + rows[:, None] * stride_dom + offs_d[None, :]
-                if stage == 1:  # every row of the tile is real and sees every key
-                    if BLOCK_D == HEAD_DIM:
-                        q = tl.load(q_ptrs)
-                        do = tl.load(do_ptrs)
-                    else:
-                        q = tl.load(q_ptrs, mask=d_ok[None, :], other=0.0)
-                        do = tl.load(do_ptrs, mask=d_ok[None, :], other=0.0)
-                    lse2 = tl.load(LSE2 + row_base + rows)
-                    delta = tl.load(DELTA + row_base + rows)
-                else:  # rows beyond NQ: zeros and lse2 = +inf, so they add nothing
-                    rmask = (rows[:, None] < NQ) & d_ok[None, :]
-                    q = tl.load(q_ptrs, mask=rmask, other=0.0)
-                    do = tl.load(do_ptrs, mask=rmask, other=0.0)
-                    lse2 = tl.load(LSE2 + row_base + rows, mask=rows < NQ, other=float("inf"))
-                    delta = tl.load(DELTA + row_base + rows, mask=rows < NQ, other=0.0)
-                if DOT_UPCAST:
-                    q = q.to(tl.float32)
-                    do = do.to(tl.float32)
+    # One flat loop per stage over (query head of the group, query tile): the GQA sum stays in registers, and a
+    # single loop level leaves the compiler the registers that a nested head loop would take (measured in spills).
+    for stage in tl.static_range(3):  # rows cut by the diagonal / right edge, rows that see all, the left edge
+        if stage == 0:
+            t_start, t_end = t_lo, t_full_lo
+        elif stage == 1:
+            t_start, t_end = t_full_lo, t_full_hi
+        else:
+            t_start, t_end = t_full_hi, t_hi
+        n_tiles = t_end - t_start
+        for step in range(0, GROUP * n_tiles):
+            g = step // n_tiles
+            start_m = (t_start + step - g * n_tiles) * BLOCK_M
+            off_h = off_hk * GROUP + g
+            q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+            do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+            row_base = (off_b * HQ + off_h).to(tl.int64) * NQ  # this head's rows of lse2 and delta
+            rows = start_m + offs_m
+            q_ptrs = q_base + rows[:, None] * stride_qm + offs_d[None, :]
+            do_ptrs = do_base + rows[:, None] * stride_dom + offs_d[None, :]
+            if stage == 1:  # every row of the tile is real and sees every key
+                if BLOCK_D == HEAD_DIM:
+                    q = tl.load(q_ptrs)
+                    do = tl.load(do_ptrs)
+                else:
+                    q = tl.load(q_ptrs, mask=d_ok[None, :], other=0.0)
+                    do = tl.load(do_ptrs, mask=d_ok[None, :], other=0.0)
+                lse2 = tl.load(LSE2 + row_base + rows)
+                delta = tl.load(DELTA + row_base + rows)
+            else:  # rows beyond NQ: zeros and lse2 = +inf, so they add nothing
+                rmask = (rows[:, None] < NQ) & d_ok[None, :]
+                q = tl.load(q_ptrs, mask=rmask, other=0.0)
+                do = tl.load(do_ptrs, mask=rmask, other=0.0)
+                lse2 = tl.load(LSE2 + row_base + rows, mask=rows < NQ, other=float("inf"))
+                delta = tl.load(DELTA + row_base + rows, mask=rows < NQ, other=0.0)
+            if DOT_UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
 
-                # -- S^T = K Q^T and P^T, recomputed from the saved lse: 2 * BLOCK_N * BLOCK_M * D FLOPs
-                s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
-                s_t = s_t * qk_scale - lse2[None, :]
-                if stage != 1:
-                    # the band's element mask, transposed: key j (axis 0) is seen by row i (axis 1) when
-                    # j - win_right <= diag_i <= j + win_left; diag_i < NK drops the padding rows beyond NQ
-                    visible = softmax_step.band_mask(offs_n, rows + offset, win_right, win_left, NK)
-                    s_t = tl.where(visible, s_t, float("-inf"))
-                p_t = tl.math.exp2(s_t)  # (BLOCK_N, BLOCK_M) P^T, normalised: exp(scale * s - lse)
+            # -- S^T = K Q^T and P^T, recomputed from the saved lse: 2 * BLOCK_N * BLOCK_M * D FLOPs
+            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+            s_t = s_t * qk_scale - lse2[None, :]
+            if stage != 1:
+                # the band's element mask, transposed: key j (axis 0) is seen by row i (axis 1) when
+                # j - win_right <= diag_i <= j + win_left; diag_i < NK drops the padding rows beyond NQ
+                visible = softmax_step.band_mask(offs_n, rows + offset, win_right, win_left, NK)
+                s_t = tl.where(visible, s_t, float("-inf"))
+            p_t = tl.math.exp2(s_t)  # (BLOCK_N, BLOCK_M) P^T, normalised: exp(scale * s - lse)
 
-                # -- dV += P^T dO: P enters the dot in the input dtype, as in the forward
-                p_in = p_t.to(Q.dtype.element_ty).to(do.dtype)
-                dv = tl.dot(p_in, do, dv, input_precision=DOT_PRECISION)
-                # -- dP^T = V dO^T, dS^T = P^T * (dP^T - delta), dK += dS^T Q
-                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
-                ds_t = p_t * (dp_t - delta[None, :])
-                ds_in = ds_t.to(Q.dtype.element_ty).to(q.dtype)
-                dk = tl.dot(ds_in, q, dk, input_precision=DOT_PRECISION)
+            # -- dV += P^T dO: P enters the dot in the input dtype, as in the forward
+            p_in = p_t.to(Q.dtype.element_ty).to(do.dtype)
+            dv = tl.dot(p_in, do, dv, input_precision=DOT_PRECISION)
+            # -- dP^T = V dO^T, dS^T = P^T * (dP^T - delta), dK += dS^T Q
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+            ds_t = p_t * (dp_t - delta[None, :])
+            ds_in = ds_t.to(Q.dtype.element_ty).to(q.dtype)
+            dk = tl.dot(ds_in, q, dk, input_precision=DOT_PRECISION)
 
     dk = dk * dk_scale
     out = off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
@@ -344,19 +348,21 @@ def _bwd_dq(
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head-dim class. The dK/dV kernel holds two fp32
 # accumulators of BLOCK_N x D (dK and dV): at D = 128 with BLOCK_N = 128 that is 128 KiB of registers, which
-# needs 8 warps (4 warps would spill -- the upstream Triton tutorial's D = 128 slowness). Its streamed tiles are
-# Q and dO (BLOCK_M rows each). The dQ kernel holds one accumulator of BLOCK_M x D and streams K and V.
+# needs 8 warps (with 4 warps every thread would need 256 registers for them alone: the spills behind the
+# upstream Triton tutorial's D = 128 slowness). Its streamed tiles are Q and dO (BLOCK_M rows each). The dQ
+# kernel holds one accumulator of BLOCK_M x D and streams K and V. The lists keep configs whose inner loops
+# compile (sm_90) without register spills, or with only a few (docs/kernel-notes.md, "Backward").
 # Edit these lists (or pass ``config=``) to experiment; the autotuner reads them when it prunes.
 TUNING_SPACE = {
     "dkdv": {
-        "d<=64": [(64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3)],
-        "d=128": [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+        "d<=64": [(64, 128, 8, 3), (64, 128, 8, 2), (128, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3)],
+        "d=128": [(64, 128, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (64, 64, 8, 2)],
         "d=256": [(32, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 2)],
         "fp32": [(32, 64, 4, 2), (32, 32, 4, 2)],
     },
     "dq": {
-        "d<=64": [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
-        "d=128": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+        "d<=64": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 4, 3)],
+        "d=128": [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
         "d=256": [(64, 32, 4, 2), (64, 64, 8, 2)],
         "fp32": [(64, 32, 4, 2), (32, 32, 4, 2)],
     },
