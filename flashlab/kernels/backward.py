@@ -523,8 +523,10 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
 
 
 def best_configs() -> dict:
-    """The autotuner's last picks for the two backward kernels (for the benchmark's records)."""
-    return {"dkdv": str(_bwd_dkdv_tuned.best_config), "dq": str(_bwd_dq_tuned.best_config)}
+    """The autotuner's last picks for the two backward kernels (for the benchmark's records); None before the
+    first GPU launch."""
+    picks = {"dkdv": getattr(_bwd_dkdv_tuned, "best_config", None), "dq": getattr(_bwd_dq_tuned, "best_config", None)}
+    return {name: None if c is None else str(c) for name, c in picks.items()}
 
 
 __all__ = ["TUNING_SPACE", "attention_backward", "band_args", "best_configs", "tuning_class"]
