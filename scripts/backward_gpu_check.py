@@ -140,7 +140,8 @@ def backward_timer(impl, q, k, v, do, causal):
     return run
 
 
-TOKENS, HEAD_DIMS, LENGTHS = 16384, (64, 128), (1024, 2048, 4096, 8192, 16384)
+TOKENS, MODEL_WIDTH = 16384, 2048  # batch * N tokens; heads * D
+HEAD_DIMS, LENGTHS = (64, 128), (1024, 2048, 4096, 8192, 16384)
 
 
 def time_grid(quick):
@@ -149,7 +150,7 @@ def time_grid(quick):
     for d in HEAD_DIMS:
         for causal in (False, True):
             for n in ns:
-                b, h = TOKENS // n, 2048 // d
+                b, h = TOKENS // n, MODEL_WIDTH // d
                 q, k, v, do = make_inputs(b, h, h, n, n, d, torch.bfloat16, seed=n + d + causal)
                 row = dict(d=d, n=n, b=b, h=h, causal=causal)
                 for impl in ("flashlab", "fa2", "cudnn"):
@@ -208,7 +209,7 @@ def sweep():
 
 
 def sweep_cell(d, n, causal):
-    b, h = 16384 // n, 2048 // d
+    b, h = TOKENS // n, MODEL_WIDTH // d
     q, k, v, do = make_inputs(b, h, h, n, n, d, torch.bfloat16, seed=3)
     o, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
     cls = backward.tuning_class(d, torch.bfloat16)
