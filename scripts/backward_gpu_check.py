@@ -1,15 +1,15 @@
 """Check flashlab's backward kernels on a CUDA GPU, then time them against SDPA's backward, in one process.
 
-    python scripts/backward_gpu_check.py [--quick] [--no-sweep]      (writes JSON under $OUT when it is set)
+    python scripts/backward_gpu_check.py [--check] [--quick] [--sweep]   (JSON under $OUT, rewritten after each cell)
 
-1. Correctness: gradients dq, dk, dv of ``flash_attention`` against float64 ``torch.autograd`` of the materialised
-   attention (``attention_float64_grads``, on a subset of K/V heads) at a few sizes: GQA, causal, windows, odd
-   lengths and head dims, bf16 / fp16 / fp32; and determinism (two backward runs, bit-identical gradients).
+1. Correctness (--check): gradients dq, dk, dv of ``flash_attention`` against float64 ``torch.autograd`` of the
+   materialised attention (``attention_float64_grads``, on a subset of K/V heads) at a few sizes: GQA, causal,
+   windows, odd lengths and head dims, bf16 / fp16 / fp32; and determinism (two backward runs, bit-identical gradients).
 2. Timing: bf16, D in {64, 128} x N in {1K .. 16K} x causal / non-causal, batch * N = 16K tokens, heads = 2048 / D.
    The backward from dO (``torch.autograd.grad(o, (q, k, v), do)``) for flashlab and SDPA's FLASH_ATTENTION and
    CUDNN_ATTENTION backends (pinned); medians of ``triton.testing.do_bench``. FLOPs = 2.5 x the forward's
    (4 B H N^2 D, halved for causal). Every cell's gradients are checked (one K/V head) before it is timed.
-3. Sweep (unless --no-sweep): fixed tile configs of each backward kernel at a few cells, to tune the search space.
+3. Sweep (--sweep): fixed tile configs of each backward kernel at a few cells, to tune the search space.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ TOKENS, MODEL_WIDTH = 16384, 2048  # batch * N tokens; heads * D
 HEAD_DIMS, LENGTHS = (64, 128), (1024, 2048, 4096, 8192, 16384)
 
 
-def time_grid(quick):
+def time_grid(quick, save=lambda rows: None):
     ns = LENGTHS[::2][:2] if quick else LENGTHS
     rows = []
     for d in HEAD_DIMS:
@@ -177,6 +177,7 @@ def time_grid(quick):
                     f"x fa2 {ratio(fl, fa)}  x cudnn {ratio(fl, cu)}  {row.get('configs', row.get('flashlab_error'))}",
                     flush=True,
                 )
+                save(rows)
                 del q, k, v, do
                 torch.cuda.empty_cache()
     summary = {}
@@ -241,9 +242,9 @@ def sweep_cell(d, n, causal):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="first check gradients at 8 awkward sizes (compiles more)")
     parser.add_argument("--quick", action="store_true", help="N in {1K, 4K} only")
-    parser.add_argument("--no-sweep", action="store_true", help="skip the fixed-config sweep")
-    parser.add_argument("--no-check", action="store_true", help="skip the correctness section")
+    parser.add_argument("--sweep", action="store_true", help="after the grid, time fixed tile configs at a few cells")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.time()
@@ -252,19 +253,26 @@ def main():
         torch=torch.__version__,
         triton=triton.__version__,
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        tuning_space=backward.TUNING_SPACE,
     )
-    if not args.no_check:
-        result["correctness"] = check_correctness()
-        print(f"[{time.time() - t0:.0f}s] correctness done", flush=True)
-    result["grid"], result["summary"] = time_grid(args.quick)
-    print(f"[{time.time() - t0:.0f}s] grid done", flush=True)
-    if not args.no_sweep:
-        result["sweep"] = sweep()
-        print(f"[{time.time() - t0:.0f}s] sweep done", flush=True)
     out = os.environ.get("OUT")
-    if out:
-        path = Path(out) / "backward_gpu_check.json"
-        path.write_text(json.dumps(result, indent=1, default=str))
+    path = Path(out) / "backward_gpu_check.json" if out else None
+
+    def save(**parts):
+        result.update(parts)
+        if path:
+            path.write_text(json.dumps(result, indent=1, default=str))
+
+    if args.check:
+        save(correctness=check_correctness())
+        print(f"[{time.time() - t0:.0f}s] correctness done", flush=True)
+    grid, summary = time_grid(args.quick, save=lambda rows: save(grid=rows))
+    save(grid=grid, summary=summary)
+    print(f"[{time.time() - t0:.0f}s] grid done", flush=True)
+    if args.sweep:
+        save(sweep=sweep())
+        print(f"[{time.time() - t0:.0f}s] sweep done", flush=True)
+    if path:
         print(f"wrote {path}")
 
 

@@ -227,7 +227,7 @@ def _bwd_dkdv(
 
 
 # fmt: off
-@triton.jit
+@triton.jit(do_not_specialize=["reverse_m"])  # 0 or 1 (Triton would compile a copy for the value 1)
 def _bwd_dq(
     Q, K, V, DO, DQ, LSE2, DELTA,
     stride_qb, stride_qh, stride_qm,
@@ -238,6 +238,7 @@ def _bwd_dq(
     HQ, GROUP, NQ, NK,
     offset, win_left, win_right,
     qk_scale, dq_scale,  # softmax scale * log2(e); the caller's (signed) scale
+    reverse_m,  # 1: start the query tiles with the most work first (causal); a plain int, so no recompile
     TUNE_KEY_N, TUNE_KEY_ROWS, TUNE_KEY_BAND,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -245,11 +246,10 @@ def _bwd_dq(
     BLOCK_N: tl.constexpr,  # keys per inner-loop step
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
-    REVERSE_M: tl.constexpr,  # causal: start the query tiles with the most work first
 ):
     # fmt: on
     pid_m = tl.program_id(0)
-    if REVERSE_M:
+    if reverse_m != 0:
         pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     off_b = pid_bh // HQ
@@ -350,21 +350,22 @@ def _bwd_dq(
 # accumulators of BLOCK_N x D (dK and dV): at D = 128 with BLOCK_N = 128 that is 128 KiB of registers, which
 # needs 8 warps (with 4 warps every thread would need 256 registers for them alone: the spills behind the
 # upstream Triton tutorial's D = 128 slowness). Its streamed tiles are Q and dO (BLOCK_M rows each). The dQ
-# kernel holds one accumulator of BLOCK_M x D and streams K and V. The lists keep configs whose inner loops
-# compile (sm_90) without register spills, or with only a few (docs/kernel-notes.md, "Backward").
+# kernel holds one accumulator of BLOCK_M x D and streams K and V. At most two configs per class (each costs a
+# compile of several seconds and an autotuning run per workload), chosen among those whose inner loops compile
+# (sm_90) without register spills, or with only a few (docs/kernel-notes.md, "Backward").
 # Edit these lists (or pass ``config=``) to experiment; the autotuner reads them when it prunes.
 TUNING_SPACE = {
     "dkdv": {
-        "d<=64": [(64, 128, 8, 3), (64, 128, 8, 2), (128, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3)],
-        "d=128": [(64, 128, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (64, 64, 8, 2)],
-        "d=256": [(32, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 2)],
-        "fp32": [(32, 64, 4, 2), (32, 32, 4, 2)],
+        "d<=64": [(64, 128, 8, 3), (64, 64, 4, 3)],
+        "d=128": [(64, 128, 8, 2), (32, 128, 8, 2)],
+        "d=256": [(32, 64, 4, 2)],
+        "fp32": [(32, 64, 4, 2)],
     },
     "dq": {
-        "d<=64": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 4, 3)],
-        "d=128": [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
-        "d=256": [(64, 32, 4, 2), (64, 64, 8, 2)],
-        "fp32": [(64, 32, 4, 2), (32, 32, 4, 2)],
+        "d<=64": [(128, 64, 8, 3), (64, 64, 4, 3)],
+        "d=128": [(128, 64, 8, 2), (64, 64, 8, 3)],
+        "d=256": [(64, 32, 4, 2)],
+        "fp32": [(64, 32, 4, 2)],
     },
 }
 # for GPUs with less shared memory, used only when none of the class's own configs fits
@@ -490,10 +491,9 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
     dkdv_args = (q_run, k, v, do, dk, dv, lse2, delta, *strides, *dk.stride()[:3], hq, hk, hq // hk, nq, nk, *band)
     dkdv_args += (qk_scale, dk_scale)
     dq_args = (q_run, k, v, do, dq, lse2, delta, *strides, *dq.stride()[:3], hq, hq // hk, nq, nk, *band)
-    dq_args += (qk_scale, signed_scale)
+    dq_args += (qk_scale, signed_scale, int(bool(causal)))
     band_kind = 0 if window is None and not causal else (1 if window is None else 2)
     tune = (next_power_of_2(max(nq, nk)), next_power_of_2(b * hq * max(nq, nk)), band_kind)
-    reverse = bool(causal)
 
     if q.is_cuda:
         with torch.cuda.device(q.device):
@@ -509,16 +509,16 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
 
             if config is None:
                 _bwd_dkdv_tuned[dkdv_grid](*dkdv_args, *tune, **common)
-                _bwd_dq_tuned[dq_grid](*dq_args, *tune, **common, REVERSE_M=reverse)
+                _bwd_dq_tuned[dq_grid](*dq_args, *tune, **common)
             else:
                 _bwd_dkdv[dkdv_grid](*dkdv_args, *tune, **common, **config["dkdv"])
-                _bwd_dq[dq_grid](*dq_args, *tune, **common, REVERSE_M=reverse, **config["dq"])
+                _bwd_dq[dq_grid](*dq_args, *tune, **common, **config["dq"])
     else:
         bm, bn = CPU_CONFIG["BLOCK_M"], CPU_CONFIG["BLOCK_N"]
         with interpreted_language(softmax_step):
             interpreted(_bwd_preprocess)[(cdiv(nq, bm), b * hq)](*pre_args, HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=bm)
             interpreted(_bwd_dkdv)[(cdiv(nk, bn), b * hk)](*dkdv_args, *tune, **common, **CPU_CONFIG)
-            interpreted(_bwd_dq)[(cdiv(nq, bm), b * hq)](*dq_args, *tune, **common, REVERSE_M=reverse, **CPU_CONFIG)
+            interpreted(_bwd_dq)[(cdiv(nq, bm), b * hq)](*dq_args, *tune, **common, **CPU_CONFIG)
     return dq, dk, dv
 
 
