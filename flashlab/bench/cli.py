@@ -45,10 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mode",
-        choices=["prefill", "decode"],
+        choices=["prefill", "decode", "backward"],
         default="prefill",
         help="prefill: N queries attend to N keys (the issue's grid); decode: one query token per sequence against "
-        "a KV cache of N tokens, grouped-query heads (--q-heads / --kv-heads), batches from --batches",
+        "a KV cache of N tokens, grouped-query heads (--q-heads / --kv-heads), batches from --batches; backward: the "
+        "prefill grid, timing dq, dk, dv from dO (FLOPs 2.5x the forward's), gradients checked against float64 "
+        "autograd first, peak memory of forward + backward recorded",
     )
     p.add_argument(
         "--seq-lens", type=_sizes, help="sequence lengths N, comma-separated ('2k' = 2048); in decode, KV cache lengths"
