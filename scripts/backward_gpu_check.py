@@ -51,10 +51,12 @@ def flash_grads(q, k, v, do, causal=False, window=None, scale=None):
     return torch.autograd.grad(o, (q, k, v), do)
 
 
-def grad_errors(q, k, v, do, grads, causal=False, window=None, scale=None, kv_heads=(0,)):
-    """Relative errors of (dq, dk, dv) against float64 autograd on batch entry 0 and the given K/V heads."""
+def grad_errors(q, k, v, do, grads, causal=False, window=None, scale=None, kv_heads=(0,), ref=None):
+    """Relative errors of (dq, dk, dv) against float64 autograd on batch entry 0 and the given K/V heads (``ref``:
+    that reference, if already computed)."""
     group = q.shape[1] // k.shape[1]
-    ref = attention_float64_grads(q, k, v, do, causal, window, scale, batch=[0], kv_heads=list(kv_heads))
+    if ref is None:
+        ref = attention_float64_grads(q, k, v, do, causal, window, scale, batch=[0], kv_heads=list(kv_heads))
     heads = query_heads(list(kv_heads), group)
     got = (grads[0][[0]][:, heads], grads[1][[0]][:, list(kv_heads)], grads[2][[0]][:, list(kv_heads)])
     for x in got:
@@ -125,13 +127,19 @@ def bwd_flops(b, h, n, d, causal):
 def backward_timer(impl, q, k, v, do, causal):
     """A function running the backward from dO of one forward (graph kept), for do_bench."""
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    if impl == "flashlab":
+    if impl.startswith("flashlab"):
         o = flash_attention(q, k, v, causal=causal)
     else:
         with sdpa_kernel(BACKENDS[impl]):
             o = sdpa(q, k, v, is_causal=causal)
 
     def run():
+        if impl == "flashlab_serial":  # the dQ kernel after the dK/dV kernel on one stream, not beside it
+            backward.CONCURRENT_DQ = False
+            try:
+                return torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+            finally:
+                backward.CONCURRENT_DQ = True
         if impl == "flashlab":
             return torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
         with sdpa_kernel(BACKENDS[impl]):
@@ -153,11 +161,12 @@ def time_grid(quick, save=lambda rows: None):
                 b, h = TOKENS // n, MODEL_WIDTH // d
                 q, k, v, do = make_inputs(b, h, h, n, n, d, torch.bfloat16, seed=n + d + causal)
                 row = dict(d=d, n=n, b=b, h=h, causal=causal)
-                for impl in ("flashlab", "fa2", "cudnn"):
+                ref = attention_float64_grads(q, k, v, do, causal, batch=[0], kv_heads=[0])
+                for impl in ("flashlab", "flashlab_serial", "fa2", "cudnn"):
                     try:
                         run = backward_timer(impl, q, k, v, do, causal)
                         grads = run()
-                        errs = grad_errors(q, k, v, do, grads, causal)
+                        errs = grad_errors(q, k, v, do, grads, causal, ref=ref)
                         if max(errs) > grad_tolerance(torch.bfloat16):
                             raise AssertionError(f"gradient error {max(errs):.2e}")
                         ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
@@ -171,16 +180,21 @@ def time_grid(quick, save=lambda rows: None):
                 if row.get("flashlab"):
                     row["configs"] = backward.best_configs()
                 rows.append(row)
-                fa, fl, cu = row.get("fa2"), row.get("flashlab"), row.get("cudnn")
+                fa, fl, cu, one = row.get("fa2"), row.get("flashlab"), row.get("cudnn"), row.get("flashlab_serial")
                 print(
-                    f"D={d:3d} N={n:5d} causal={causal!s:5}  flashlab {fmt(fl)}  fa2 {fmt(fa)}  cudnn {fmt(cu)}  "
+                    f"D={d:3d} N={n:5d} causal={causal!s:5}  flashlab {fmt(fl)} (one stream {fmt(one)})"
+                    f"  fa2 {fmt(fa)}  cudnn {fmt(cu)}  "
                     f"x fa2 {ratio(fl, fa)}  x cudnn {ratio(fl, cu)}  {row.get('configs', row.get('flashlab_error'))}",
                     flush=True,
                 )
                 save(rows)
-                del q, k, v, do
+                del q, k, v, do, ref
                 torch.cuda.empty_cache()
     summary = {}
+    serial = [x["flashlab"] / x["flashlab_serial"] for x in rows if x.get("flashlab") and x.get("flashlab_serial")]
+    if serial:
+        summary["two_streams_over_one"] = math.exp(sum(map(math.log, serial)) / len(serial))
+        print(f"flashlab with dQ on a second stream / on one stream: geo-mean {summary['two_streams_over_one']:.3f}")
     for other in ("fa2", "cudnn"):
         r = [x["flashlab"] / x[other] for x in rows if x.get("flashlab") and x.get(other)]
         if r:

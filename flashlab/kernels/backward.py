@@ -423,6 +423,18 @@ _bwd_dq_tuned = triton.autotune(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+# Run the dQ kernel on a second CUDA stream, concurrently with the dK/dV kernel (see attention_backward).
+CONCURRENT_DQ = True
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(x):
+    index = device_index(x)
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
 def _check_backward_inputs(do, q, k, v, o, lse):
     for name, x in (("do", do), ("o", o), ("lse", lse)):
         if not isinstance(x, torch.Tensor):
@@ -507,12 +519,22 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
             def dq_grid(meta):
                 return (cdiv(nq, meta["BLOCK_M"]), b * hq)
 
+            # dK/dV and dQ need only the preprocess's output, not each other: with CONCURRENT_DQ the dQ kernel runs
+            # on a second stream, so its programs fill the SMs the dK/dV kernel's last (causal: shortest) programs
+            # leave idle. Each writes only its own gradients, so the results do not depend on the overlap.
+            main = torch.cuda.current_stream()
+            side = _side_stream(q) if CONCURRENT_DQ else main
+            side.wait_stream(main)  # the preprocess's delta and lse2
             if config is None:
                 _bwd_dkdv_tuned[dkdv_grid](*dkdv_args, *tune, **common)
-                _bwd_dq_tuned[dq_grid](*dq_args, *tune, **common)
             else:
                 _bwd_dkdv[dkdv_grid](*dkdv_args, *tune, **common, **config["dkdv"])
-                _bwd_dq[dq_grid](*dq_args, *tune, **common, **config["dq"])
+            with torch.cuda.stream(side):
+                if config is None:
+                    _bwd_dq_tuned[dq_grid](*dq_args, *tune, **common)
+                else:
+                    _bwd_dq[dq_grid](*dq_args, *tune, **common, **config["dq"])
+            main.wait_stream(side)  # everything after this call sees dq (and no buffer is reused while dq runs)
     else:
         bm, bn = CPU_CONFIG["BLOCK_M"], CPU_CONFIG["BLOCK_N"]
         with interpreted_language(softmax_step):
@@ -529,4 +551,4 @@ def best_configs() -> dict:
     return {name: None if c is None else str(c) for name, c in picks.items()}
 
 
-__all__ = ["TUNING_SPACE", "attention_backward", "band_args", "best_configs", "tuning_class"]
+__all__ = ["CONCURRENT_DQ", "TUNING_SPACE", "attention_backward", "band_args", "best_configs", "tuning_class"]
