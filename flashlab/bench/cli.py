@@ -46,11 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mode",
-        choices=["prefill", "decode", "traffic"],
+        choices=["prefill", "decode", "backward", "traffic"],
         default="prefill",
-        help="prefill: N queries attend to N keys; decode: one query token per sequence against "
-        "a KV cache of N tokens, grouped-query heads (--q-heads / --kv-heads), batches from --batches; traffic: HBM "
-        "and L2 bytes per kernel from Nsight Compute's counters (its own flags: --mode traffic --help)",
+        help="prefill: N queries attend to N keys; decode: one query token per sequence against a KV cache of N "
+        "tokens, grouped-query heads (--q-heads / --kv-heads), batches from --batches; backward: the prefill grid, "
+        "timing dq, dk, dv from dO (FLOPs 2.5x the forward's), gradients checked against float64 autograd first, "
+        "peak memory of forward + backward recorded; traffic: HBM and L2 bytes per kernel from Nsight Compute's "
+        "counters (its own flags: --mode traffic --help)",
     )
     p.add_argument(
         "--seq-lens", type=_sizes, help="sequence lengths N, comma-separated ('2k' = 2048); in decode, KV cache lengths"

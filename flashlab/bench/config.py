@@ -48,8 +48,8 @@ class BenchConfig:
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU; use --device cpu")
         gpu = device == "cuda"
-        if self.mode not in ("prefill", "decode"):
-            raise ValueError(f"mode must be 'prefill' or 'decode'; got {self.mode!r}")
+        if self.mode not in ("prefill", "decode", "backward"):  # backward: the prefill grid, gradients timed
+            raise ValueError(f"mode must be 'prefill', 'decode' or 'backward'; got {self.mode!r}")
         if self.mode == "decode":
             return self._resolve_decode(device)
         if self.quick or not gpu:

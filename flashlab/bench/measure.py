@@ -242,3 +242,7 @@ def measure_ceilings(device: str) -> dict:
         matmul_tflops=matmul_tflops,
         note=f"copy: {nbytes} B buffer, bytes read + written / time; matmul: {n}^3 bf16 random normal, 2*n^3 FLOPs",
     )
+
+
+# shared with the backward mode (flashlab.bench.backward)
+free_memory_bytes, is_oom, one_line = _free_memory_bytes, _is_oom, _one_line

@@ -124,6 +124,8 @@ def summary_table(results: BenchResults) -> str:
     widths = [max(len(x) for x in col) for col in zip(head, *lines, strict=True)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     what = "decode, Q/K/V/O bandwidth in TB/s (or why not)" if decode else "forward TFLOP/s (or why not)"
+    if results.meta.get("config", {}).get("mode") == "backward":
+        what = "backward (dq, dk, dv from dO) TFLOP/s, 2.5x the forward's FLOPs (or why not)"
     out = [f"{results.meta['device_name']}, torch {results.meta['torch']}, triton {results.meta['triton']}, "
            f"{results.meta['date']} -- {what}"]  # fmt: skip
     out += [fmt.format(*head)] + [fmt.format(*line) for line in lines]
@@ -160,8 +162,8 @@ def default_prefix(meta: dict) -> Path:
     """``data/results/<gpu>-<dtypes>-<date>`` for a GPU run (``<gpu>-decode-...`` in decode mode);
     ``test-artifacts/bench/cpu-...`` on the CPU."""
     dtypes = "-".join(meta["config"]["dtypes"])
-    if meta["config"].get("mode") == "decode":
-        dtypes = "decode-" + dtypes
+    if meta["config"].get("mode") in ("decode", "backward"):
+        dtypes = meta["config"]["mode"] + "-" + dtypes
     date = meta["date"][:10]
     if meta["is_cuda_gpu"]:
         slug = meta["device_name"].lower().replace("nvidia", "").strip().replace(" ", "-")

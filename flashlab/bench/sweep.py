@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from flashlab.bench.backward import bench_cell_backward
 from flashlab.bench.config import BenchConfig
 from flashlab.bench.implementations import BACKENDS, Backend, flashlab_variant
 from flashlab.bench.measure import bench_cell, measure_ceilings
@@ -49,7 +50,7 @@ def run_sweep(
     bar = tqdm(total=len(cells) * len(backends), desc="flashlab.bench", unit="run", disable=not progress)
     for cell in cells:
         bar.set_postfix_str(cell.label())
-        cell_rows = bench_cell(cell, backends, config, meta)
+        cell_rows = (bench_cell_backward if config.mode == "backward" else bench_cell)(cell, backends, config, meta)
         rows += cell_rows
         bar.update(len(cell_rows))
     bar.close()

@@ -20,6 +20,13 @@ SHORT_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # mask, a lost rescale) is off by 1e-1 or more.
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1.5e-2, "float32": 1e-5, "float64": 1e-10}
 
+# The same measure for the gradients dQ, dK, dV of attention, per input dtype. Gradients need more room than the
+# output: dS = P * (dP - delta) subtracts two nearly equal numbers per element (delta is the P-weighted mean of dP),
+# which magnifies the rounding of P, dP and O; and a 16-bit kernel rounds dS itself to 16 bits before its last two
+# products. fp32 keeps exact fp32 products, but the cancellation still costs about a digit over the forward's 1e-5.
+# A wrong gradient (a missed mask, a dropped head of a GQA group) is off by 1e-1 or more.
+GRAD_TOLERANCE = {"float16": 5e-3, "bfloat16": 3e-2, "float32": 5e-5, "float64": 1e-9}
+
 
 def dtype_name(dtype) -> str:
     """``torch.bfloat16``, ``np.float32``, ``"float16"`` -> the name ``TOLERANCE`` is keyed by."""
@@ -37,6 +44,11 @@ def dtype_name(dtype) -> str:
 def tolerance(dtype) -> float:
     """The allowed relative error for outputs computed from inputs of ``dtype``."""
     return TOLERANCE[dtype_name(dtype)]
+
+
+def grad_tolerance(dtype) -> float:
+    """The allowed relative error for gradients computed from inputs of ``dtype``."""
+    return GRAD_TOLERANCE[dtype_name(dtype)]
 
 
 def _float64(x) -> np.ndarray:

@@ -49,7 +49,7 @@ from flashlab.core.checks import as_real
 from flashlab.core.integers import cdiv, next_power_of_2
 from flashlab.core.masking import visible_band
 from flashlab.core.shapes import attention_shape
-from flashlab.kernels import softmax_step, split_kv
+from flashlab.kernels import autograd, softmax_step, split_kv
 from flashlab.kernels.runtime import (
     CPU_CONFIG,
     DTYPES,
@@ -413,6 +413,12 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
     (Flash-Decoding): the keys are cut into chunks that run in parallel and are merged by their log-sum-exps.
     ``num_splits`` forces that path with this many chunks (at any Nq); ``None`` chooses.
 
+    Differentiable: when grad is enabled and q, k or v requires grad, backpropagating through ``o`` gives
+    gradients for q, k and v from the FlashAttention-2 backward (``flashlab.kernels.backward``: the probabilities
+    recomputed from q, k and the saved lse, nothing of size Nq x Nk stored; deterministic). Such calls always take
+    the prefill kernel (``num_splits`` is ignored: split-KV has no backward). ``lse`` is not differentiable: a loss
+    that depends on it raises an error in the backward pass.
+
     Must equal ``flashlab.reference.tiled_attention`` (the NumPy tiled loop) and ``flashlab.reference.attention``
     (the float64 definition) to within the input dtype's rounding (``flashlab.core.numerics.TOLERANCE``). CUDA
     tensors run the compiled, autotuned kernel; CPU tensors run the same kernel through Triton's interpreter.
@@ -420,10 +426,10 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
     check_inputs(q, k, v, causal, window, scale)
     check_num_splits(num_splits, k.shape[2])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise ValueError(
-            "flash_attention is forward-only (no backward pass): call it under torch.no_grad() or pass detached tensors"
-        )
-    o, lse = forward(q, k, v, causal, window, scale, num_splits=num_splits)
+        # differentiable: the prefill kernel (split-KV has no backward), then flashlab.kernels.backward
+        o, lse = autograd.differentiable_attention(forward, q, k, v, causal, window, scale)
+    else:
+        o, lse = forward(q, k, v, causal, window, scale, num_splits=num_splits)
     return (o, lse) if return_lse else o
 
 

@@ -47,4 +47,34 @@ def attention_float64(q, k, v, causal: bool = False, window=None, scale=None, ro
     return out, lse
 
 
-__all__ = ["attention_float64"]
+def attention_float64_grads(q, k, v, do, causal: bool = False, window=None, scale=None, batch=None, kv_heads=None):
+    """``(dq, dk, dv)`` in float64: ``torch.autograd`` through ``attention_float64`` with upstream gradient ``do``.
+
+    dK and dV of a key need every query row that sees it, so there is no row sampling here; instead ``batch`` (a
+    list of batch indices) and ``kv_heads`` (a list of K/V heads) restrict the work to those batch entries, those
+    K/V heads and the query heads that read them (``query_heads(kv_heads, group)``). The results are shaped
+    ``(len(batch), len(query heads), Nq, D)`` and ``(len(batch), len(kv_heads), Nk, D)``; None means all.
+    """
+    group = q.shape[1] // k.shape[1]
+    batch = list(range(q.shape[0])) if batch is None else list(batch)
+    kv_heads = list(range(k.shape[1])) if kv_heads is None else list(kv_heads)
+    grads = []
+    for h in kv_heads:  # one K/V head and its query heads at a time: one graph in memory, freed after its backward
+        heads = query_heads([h], group)
+        qd = q[batch][:, heads].detach().double().requires_grad_()
+        kd = k[batch][:, [h]].detach().double().requires_grad_()
+        vd = v[batch][:, [h]].detach().double().requires_grad_()
+        with torch.enable_grad():
+            o, _ = attention_float64(qd, kd, vd, causal, window, scale, max_bytes=2**62)  # all heads in one step
+            grads.append(torch.autograd.grad(o, (qd, kd, vd), do[batch][:, heads].double()))
+    dq, dk, dv = (torch.cat(parts, dim=1) for parts in zip(*grads, strict=True))
+    return dq, dk, dv
+
+
+def query_heads(kv_heads, group: int) -> list[int]:
+    """The query heads that read the K/V heads ``kv_heads`` under grouped-query attention with ``group`` query
+    heads per K/V head (query head h reads K/V head ``h // group``)."""
+    return [h * group + g for h in kv_heads for g in range(group)]
+
+
+__all__ = ["attention_float64", "attention_float64_grads", "query_heads"]

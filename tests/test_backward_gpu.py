@@ -1,0 +1,71 @@
+"""The compiled backward kernels on a CUDA GPU against float64 ``torch.autograd``, at real sizes.
+
+dq, dk, dv of ``flash_attention`` against autograd through the float64 materialised attention
+(``attention_float64_grads``) on a subset of K/V heads (dK and dV need every query row, so rows cannot be sampled),
+and the determinism the backward promises: bit-identical gradients run after run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashlab.core.numerics import grad_tolerance, relative_error
+from flashlab.kernels.forward import flash_attention
+from flashlab.reference.torch_float64 import attention_float64_grads, query_heads
+
+pytestmark = pytest.mark.gpu
+
+
+def make_inputs(b, hq, hk, nq, nk, d, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (
+        torch.randn(b, hq, nq, d, device="cuda", generator=g).to(dtype),
+        torch.randn(b, hk, nk, d, device="cuda", generator=g).to(dtype),
+        torch.randn(b, hk, nk, d, device="cuda", generator=g).to(dtype),
+        torch.randn(b, hq, nq, d, device="cuda", generator=g).to(dtype),
+    )
+
+
+def flash_grads(q, k, v, do, causal=False, window=None, scale=None):
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    o = flash_attention(q, k, v, causal=causal, window=window, scale=scale)
+    return torch.autograd.grad(o, (q, k, v), do)
+
+
+CASES = [  # b, hq, hk, nq, nk, d, dtype, causal, window, scale
+    (2, 8, 8, 1024, 1024, 128, torch.bfloat16, False, None, None),
+    (1, 8, 2, 2048, 2048, 128, torch.bfloat16, True, None, None),
+    (1, 4, 4, 4096, 4096, 128, torch.float16, True, None, None),
+    (1, 4, 1, 3000, 3000, 128, torch.bfloat16, False, (700, 0), None),
+    (2, 8, 4, 1500, 1111, 64, torch.float16, True, None, -0.125),
+    (1, 4, 2, 1000, 1777, 80, torch.bfloat16, False, (256, 64), None),
+    (1, 2, 2, 1023, 1023, 128, torch.float32, True, None, None),
+    (1, 2, 1, 600, 600, 256, torch.bfloat16, False, None, None),
+    (1, 8, 2, 5, 3000, 128, torch.bfloat16, False, None, None),  # decode-sized, with a gradient
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x).removeprefix("torch.") for x in c))
+def test_gradients_match_float64_autograd(case):
+    b, hq, hk, nq, nk, d, dtype, causal, window, scale = case
+    q, k, v, do = make_inputs(b, hq, hk, nq, nk, d, dtype, seed=nq + nk + d)
+    grads = flash_grads(q, k, v, do, causal, window, scale)
+    kv_heads = [0, hk - 1] if hk > 1 else [0]
+    refs = attention_float64_grads(q, k, v, do, causal, window, scale, batch=[b - 1], kv_heads=kv_heads)
+    heads = query_heads(kv_heads, hq // hk)
+    got = (grads[0][[b - 1]][:, heads], grads[1][[b - 1]][:, kv_heads], grads[2][[b - 1]][:, kv_heads])
+    tol = grad_tolerance(dtype)
+    for name, x, ref in zip("qkv", got, refs, strict=True):
+        assert torch.isfinite(x).all(), f"d{name} is not finite"
+        err = relative_error(x, ref)
+        assert err <= tol, f"d{name}: relative error {err:.2e} over {tol:.0e}"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_are_bit_identical_run_after_run(causal):
+    q, k, v, do = make_inputs(2, 16, 4, 2048, 2048, 128, torch.bfloat16, seed=1)
+    first = flash_grads(q, k, v, do, causal)
+    for _ in range(3):
+        again = flash_grads(q, k, v, do, causal)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
