@@ -53,7 +53,7 @@ def test_the_link_finder_finds_links():
 # Phrases that speak of the project's own process (its tracker, its work sessions, who did what) rather than the
 # subject. A learner or a user has no issues to read.
 PROCESS = re.compile(
-    r"\b(the|an|this|that|our|project'?s?) issue('s)?\b|\bissue #?\d+|\b(work|this|a|the) session\b|\bhelper [A-Z]\d\b",
+    r"\b(the|an|this|that|our|project'?s?) issue('s)?\b|\bissue #?\d+|\b(this|that|earlier|previous|next|work|coding) session\b|\bhelper [A-Z]\d\b",
     re.IGNORECASE,
 )
 
@@ -78,3 +78,4 @@ def test_text_speaks_of_the_subject_not_the_process(path, text):
 def test_the_process_check_can_fail():
     assert PROCESS.search("the bar the issue sets") and PROCESS.search("measured in this session")
     assert not PROCESS.search("a pytest session fixture") and not PROCESS.search("the GitHub issue tracker of Triton")
+    assert not PROCESS.search("the child runs in a session of its own")
