@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
-# Record the GPU figures flashlab commits, in one call on an NVIDIA H200 (or any CUDA GPU), from the repo root:
+# Record the GPU figures flashlab commits, on an NVIDIA H200 (or any CUDA GPU), from the repository root:
 #
-#     OUT=/tmp/h200 bash scripts/h200_record.sh
+#     OUT=/tmp/h200 bash scripts/h200_record.sh                 # every step
+#     OUT=/tmp/h200 STEPS="tests backward" bash scripts/h200_record.sh
 #
-# Steps, most important first, each under its own time cap so one slow step cannot starve the rest:
-#   1. the prefill benchmark on its GPU grid (python -m flashlab.bench)       -> $OUT/h200-bf16-DATE.{csv,json}
-#   2. which SDPA backend runs for which dtype / head dim (flashlab.sdpa)  -> $OUT/h200-sdpa-backends.json
-#   3. the GPU test suite (pytest -m gpu)                                     -> in $OUT/record.log
-#   4. notebooks 04, 08 and 05 executed on the GPU (needs nbclient/ipykernel)  -> $OUT/notebooks-gpu.tar.gz
-#   5. the decode benchmark (one query token, GQA 64/8)                        -> $OUT/h200-decode-bf16-DATE.{csv,json}
+# Steps, each under its own time cap so one slow step cannot starve the rest (names for STEPS):
+#   tests     the GPU test suite (pytest -m gpu)                                  -> $OUT/record.log
+#   backward  dq, dk, dv from dO against SDPA's backends (scripts/backward_gpu_check.py)
+#                                                                                 -> $OUT/backward_gpu_check.json
+#   decode    one-token decode, contiguous and paged KV, host time (--mode decode) -> $OUT/h200-decode-bf16-DATE.*
+#   prefill   the forward on its grid, flashlab against every SDPA backend       -> $OUT/h200-bf16-DATE.{csv,json}
+#   quick     a short forward check against the recorded grid (3 backends, 12 cells) -> $OUT/h200-bf16-DATE-quick.*
+#   sdpa      which SDPA backend runs for which dtype / head dim (flashlab.sdpa)  -> $OUT/h200-sdpa-backends.json
+#   traffic   HBM and L2 bytes of every kernel from Nsight Compute (record_traffic.sh) -> $OUT/h200-traffic-*.{json,csv}
+#   memory    training-step memory, naive against flashlab (scripts/backward_memory.py)
+#                                                                                 -> $OUT/h200-backward-memory.json
 # Copy the result files into data/results/ and commit them with this script's log.
 set -uo pipefail
 OUT=${OUT:-data/results}
+STEPS=${STEPS:-"tests backward decode prefill sdpa traffic memory"}
 mkdir -p "$OUT"
 DATE=$(date -u +%F)
 LOG="$OUT/record.log"
@@ -22,31 +29,29 @@ step() {  # step SECONDS DESCRIPTION COMMAND...
     shift 2
     echo "=== $what ($(date -u +%T), cap ${cap}s): $*" | tee -a "$LOG"
     timeout "$cap" "$@" 2>&1 | tee -a "$LOG"
-    echo "=== $what: exit ${PIPESTATUS[0]}" | tee -a "$LOG"
+    echo "=== $what: exit ${PIPESTATUS[0]} ($(date -u +%T))" | tee -a "$LOG"
 }
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$LOG"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
     | tee -a "$LOG"
 
-step "${BENCH_CAP:-240}" "prefill benchmark" python3 -m flashlab.bench --no-progress --out "$OUT/h200-bf16-$DATE"
-step 60 "SDPA backend probe" python3 -m flashlab.sdpa --device cuda --head-dims 64,96,100,128,192,256,512,1024 \
+want tests && step "${TESTS_CAP:-240}" "GPU tests" python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/
+want backward && step "${BACKWARD_CAP:-200}" "backward against SDPA" env OUT="$OUT" python3 scripts/backward_gpu_check.py
+want decode && step "${DECODE_CAP:-120}" "decode benchmark" python3 -m flashlab.bench --mode decode --no-progress \
+    --out "$OUT/h200-decode-bf16-$DATE"
+want prefill && step "${BENCH_CAP:-300}" "prefill benchmark" python3 -m flashlab.bench --no-progress \
+    --out "$OUT/h200-bf16-$DATE"
+want quick && step "${QUICK_CAP:-100}" "quick prefill check" python3 -m flashlab.bench --no-progress --no-ceilings \
+    --backends flashlab,sdpa_flash,sdpa_cudnn --head-dims 64,128 --seq-lens 1k,4k,16k --out "$OUT/h200-bf16-$DATE-quick"
+want sdpa && step 60 "SDPA backend probe" python3 -m flashlab.sdpa --device cuda --head-dims 64,96,100,128,192,256,512,1024 \
     --out "$OUT/h200-sdpa-backends.json"
-step "${TESTS_CAP:-240}" "GPU tests" python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/
-if python3 -c "import nbclient, ipykernel" 2>/dev/null; then
-    mkdir -p /tmp/nb-gpu
-    for nb in 04_triton_kernel 08_exactness 05_timing_on_gpu; do
-        step 90 "notebook $nb on the GPU" python3 - "$nb" <<'PY'
-import sys, time, nbformat
-from nbclient import NotebookClient
-name = sys.argv[1]
-nb = nbformat.read(f"notebooks/{name}.ipynb", as_version=4)
-t = time.perf_counter()
-NotebookClient(nb, timeout=85, kernel_name="python3", resources={"metadata": {"path": "notebooks"}}).execute()
-nbformat.write(nb, f"/tmp/nb-gpu/{name}.ipynb")
-print(f"{name}: executed on the GPU in {time.perf_counter() - t:.0f} s")
-PY
-    done
-    tar -czf "$OUT/notebooks-gpu.tar.gz" -C /tmp nb-gpu
+if want traffic; then  # ncu leaves large reports: keep them beside, copy the tables
+    mkdir -p /tmp/flashlab-traffic
+    step "${TRAFFIC_CAP:-240}" "traffic (Nsight Compute)" env OUT=/tmp/flashlab-traffic SMOKE="${SMOKE:-1}" \
+        GRID_TIMEOUT="${GRID_TIMEOUT:-220}" bash scripts/record_traffic.sh
+    cp /tmp/flashlab-traffic/*-traffic-*.json /tmp/flashlab-traffic/*-traffic-*.csv "$OUT"/ 2>/dev/null
 fi
-step "${DECODE_CAP:-60}" "decode benchmark" python3 -m flashlab.bench --mode decode --no-progress --out "$OUT/h200-decode-bf16-$DATE"
+want memory && step "${MEMORY_CAP:-90}" "training-step memory" python3 scripts/backward_memory.py \
+    --out "$OUT/h200-backward-memory.json"

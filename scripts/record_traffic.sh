@@ -43,8 +43,8 @@ if [ -z "$NCU" ]; then
 fi
 echo "ncu: $NCU ($("$NCU" --version 2>&1 | tail -n 1))" | tee -a "$LOG"
 
-step "${QUICK_CAP:-90}" "traffic smoke test" "$PY" -m flashlab.bench --mode traffic --quick --ncu "$NCU" \
+[ "${SMOKE:-1}" = 1 ] && step "${QUICK_CAP:-90}" "traffic smoke test" "$PY" -m flashlab.bench --mode traffic --quick --ncu "$NCU" \
     --timeout 80 --out "$OUT/quick"
-step "${GRID_CAP:-270}" "traffic grid" "$PY" -m flashlab.bench --mode traffic --ncu "$NCU" --timeout 250 \
+step "${GRID_CAP:-270}" "traffic grid" "$PY" -m flashlab.bench --mode traffic --ncu "$NCU" --timeout "${GRID_TIMEOUT:-250}" \
     --out-dir "$OUT" --keep-report "$OUT/grid.ncu-rep"
 ls -la "$OUT" | tee -a "$LOG"
