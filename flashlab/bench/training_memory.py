@@ -33,10 +33,15 @@ def training_step_memory(attention, q, k, v, do, causal: bool = True) -> tuple[i
     """``(saved_bytes, peak_bytes)`` of ``o = attention(q, k, v, causal=causal)`` then ``o.backward(do)``.
 
     q, k, v must require grad; their ``.grad`` is cleared afterwards. ``peak_bytes`` is the peak CUDA memory
-    allocated during forward + backward beyond what was allocated before (None off CUDA).
+    allocated during forward + backward beyond what was allocated before (None off CUDA). On CUDA one step runs
+    first, unmeasured: compiling and autotuning a kernel allocates buffers of its own (Triton's benchmark flushes
+    the L2 with a 256 MB buffer) that a training step in steady state never holds.
     """
     cuda = q.is_cuda
     if cuda:
+        attention(q, k, v, causal=causal).backward(do)  # warm-up: compile, autotune, build launch plans
+        for x in (q, k, v):
+            x.grad = None
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
