@@ -53,7 +53,8 @@ def test_the_link_finder_finds_links():
 # Phrases that speak of the project's own process (its tracker, its work sessions, who did what) rather than the
 # subject. A learner or a user has no issues to read.
 PROCESS = re.compile(
-    r"\b(the|an|this|that|our|project'?s?) issue('s)?\b|\bissue #?\d+|\b(this|that|earlier|previous|next|work|coding) session\b|\bhelper [A-Z]\d\b",
+    r"\b(the|an|this|that|our|project'?s?) issue('s)?\b|\bissue #?\d+"
+    r"|\b(this|that|earlier|previous|next|work|coding) session\b|\bhelper [A-Z]\d\b",
     re.IGNORECASE,
 )
 

@@ -7,6 +7,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
+from flashlab.bench.args import name_list, size_list
 from flashlab.bench.config import BenchConfig
 from flashlab.bench.grid import CAUSAL_CHOICES, DTYPES
 from flashlab.bench.implementations import BACKENDS
@@ -15,22 +16,6 @@ from flashlab.bench.sweep import run_sweep
 
 # ----------------------------------------------------------------------------------------------------------------
 # Command line
-
-
-def _sizes(text: str) -> list[int]:
-    """'1024,2k,16K' -> [1024, 2048, 16384] (k = 1024)."""
-    out = []
-    for x in text.split(","):
-        x = x.strip().lower()
-        try:
-            out.append(int(x[:-1]) * 1024 if x.endswith("k") else int(x))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated sizes like 1024,2k,16k; got {text!r}") from None
-    return out
-
-
-def _names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,19 +40,19 @@ def build_parser() -> argparse.ArgumentParser:
         "counters (its own flags: --mode traffic --help)",
     )
     p.add_argument(
-        "--seq-lens", type=_sizes, help="sequence lengths N, comma-separated ('2k' = 2048); in decode, KV cache lengths"
+        "--seq-lens", type=size_list, help="sequence lengths N, comma-separated ('2k' = 2048); in decode, KV cache lengths"
     )
-    p.add_argument("--head-dims", type=_sizes, help="head dims D, comma-separated")
-    p.add_argument("--dtypes", type=_names, help=f"dtypes, comma-separated, from {sorted(DTYPES)}")
+    p.add_argument("--head-dims", type=size_list, help="head dims D, comma-separated")
+    p.add_argument("--dtypes", type=name_list, help=f"dtypes, comma-separated, from {sorted(DTYPES)}")
     p.add_argument("--causal", choices=sorted(CAUSAL_CHOICES), default="both", help="causal mask: yes, no or both")
     p.add_argument(
         "--backends",
-        type=_names,
+        type=name_list,
         help=f"backends to run, comma-separated (default: all of {','.join(BACKENDS)})",
     )
     p.add_argument("--tokens", type=int, help="prefill: tokens per batch B*N; batch B = tokens // N (at least 1)")
     p.add_argument("--model-dim", type=int, help="prefill: model width H*D; heads H = model_dim // D (at least 1)")
-    p.add_argument("--batches", type=_sizes, help="decode: batch sizes, comma-separated (default 1,8 on a GPU)")
+    p.add_argument("--batches", type=size_list, help="decode: batch sizes, comma-separated (default 1,8 on a GPU)")
     p.add_argument("--q-heads", type=int, help="decode: query heads (default 64 on a GPU)")
     p.add_argument("--kv-heads", type=int, help="decode: key/value heads, dividing --q-heads (default 8 on a GPU)")
     p.add_argument("--warmup", type=float, help="warm-up time per measurement, ms (do_bench's warmup)")
@@ -94,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     study = p.add_argument_group("studying flashlab's prefill kernel (default: the kernel's own choices)")
     study.add_argument(
         "--kernel-config",
-        type=_sizes,
+        type=size_list,
         help="BLOCK_M,BLOCK_N,num_warps,num_stages: one fixed tile config instead of the autotuner's pick",
     )
     study.add_argument(

@@ -54,6 +54,7 @@ from pathlib import Path
 import triton
 import triton.language as tl
 
+from flashlab.bench.args import name_list, size_list
 from flashlab.calculators import roofline
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1002,21 +1003,6 @@ def _last_error(text: str) -> str:
 # Command line
 
 
-def _sizes(text: str) -> list[int]:
-    out = []
-    for x in text.split(","):
-        x = x.strip().lower()
-        try:
-            out.append(int(x[:-1]) * 1024 if x.endswith("k") else int(x))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated sizes like 1024,2k,16k; got {text!r}") from None
-    return out
-
-
-def _names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m flashlab.bench --mode traffic",
@@ -1025,16 +1011,16 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--mode", choices=["traffic"], default="traffic")
-    p.add_argument("--seq-lens", type=_sizes, help="sequence lengths N, comma-separated ('2k' = 2048)")
-    p.add_argument("--head-dims", type=_sizes, help="head dims D, comma-separated")
+    p.add_argument("--seq-lens", type=size_list, help="sequence lengths N, comma-separated ('2k' = 2048)")
+    p.add_argument("--head-dims", type=size_list, help="head dims D, comma-separated")
     p.add_argument("--dtype", "--dtypes", default="bf16", choices=["bf16", "fp16"], help="dtype of q, k, v")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both", help="causal mask: yes, no or both")
-    p.add_argument("--backends", type=_names, help=f"comma-separated, from {','.join(TRAFFIC_BACKENDS)} (default all)")
+    p.add_argument("--backends", type=name_list, help=f"comma-separated, from {','.join(TRAFFIC_BACKENDS)} (default all)")
     p.add_argument("--heads", type=int, help="a fixed number of heads for every D (default: model dim // D)")
     p.add_argument("--model-dim", type=int, default=2048, help="H * D when --heads is not given")
     p.add_argument("--batch", type=int, default=1, help="batch size B")
     p.add_argument("--quick", action="store_true", help="N 1k,4k, D 128, no mask: a smoke test")
-    p.add_argument("--metrics", type=_names, default=list(METRICS), help="ncu metrics, comma-separated")
+    p.add_argument("--metrics", type=name_list, default=list(METRICS), help="ncu metrics, comma-separated")
     p.add_argument("--ncu", help="path to ncu (default: $NCU, the PATH, /usr/local/cuda/bin/ncu)")
     p.add_argument("--timeout", type=float, default=540.0, help="seconds the whole ncu run may take")
     p.add_argument("--check-rows", type=int, default=64, help="query rows checked against float64 before profiling")
