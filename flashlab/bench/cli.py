@@ -40,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
         "counters (its own flags: --mode traffic --help)",
     )
     p.add_argument(
-        "--seq-lens", type=size_list, help="sequence lengths N, comma-separated ('2k' = 2048); in decode, KV cache lengths"
+        "--seq-lens",
+        type=size_list,
+        help="sequence lengths N, comma-separated ('2k' = 2048); in decode, KV cache lengths",
     )
     p.add_argument("--head-dims", type=size_list, help="head dims D, comma-separated")
     p.add_argument("--dtypes", type=name_list, help=f"dtypes, comma-separated, from {sorted(DTYPES)}")

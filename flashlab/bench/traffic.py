@@ -1015,7 +1015,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dims", type=size_list, help="head dims D, comma-separated")
     p.add_argument("--dtype", "--dtypes", default="bf16", choices=["bf16", "fp16"], help="dtype of q, k, v")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both", help="causal mask: yes, no or both")
-    p.add_argument("--backends", type=name_list, help=f"comma-separated, from {','.join(TRAFFIC_BACKENDS)} (default all)")
+    p.add_argument(
+        "--backends", type=name_list, help=f"comma-separated, from {','.join(TRAFFIC_BACKENDS)} (default all)"
+    )
     p.add_argument("--heads", type=int, help="a fixed number of heads for every D (default: model dim // D)")
     p.add_argument("--model-dim", type=int, default=2048, help="H * D when --heads is not given")
     p.add_argument("--batch", type=int, default=1, help="batch size B")
