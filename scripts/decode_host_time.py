@@ -38,6 +38,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 from flashlab import flash_attention, flash_attention_with_kvcache  # noqa: E402
+from flashlab.bench import measure  # noqa: E402
 from flashlab.core.numerics import tolerance  # noqa: E402
 from flashlab.kernels.kvcache import paged_kv_cache  # noqa: E402
 from flashlab.reference.torch_float64 import attention_float64  # noqa: E402
@@ -58,16 +59,10 @@ def sdpa(member):
 
 
 def host_us(fn, calls=200):
-    """Host microseconds per call: the loop's wall time before the final synchronise, GPU idle at the start."""
+    """Host microseconds per call after a warm-up: the benchmark's measurement (``flashlab.bench.measure.host_us``)."""
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+    return measure.host_us(fn, "cuda", calls=calls)
 
 
 def graph_ms(fn):
