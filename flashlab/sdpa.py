@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flashlab.core.checks import as_count
 from flashlab.core.numerics import DTYPE_NAMES, TOLERANCE, relative_error
 from flashlab.reference import attention as reference_attention
 
@@ -181,8 +182,7 @@ def probe_sdpa_backends(
         if d < 1:
             raise ValueError(f"head dims must be >= 1; got {d}")
     for name, value in (("seq_len", seq_len), ("batch", batch), ("heads", heads)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int; got {value!r}")
+        as_count(name, value)
     unknown = [b for b in backends if b not in SDPBackend.__members__ or b == "ERROR"]
     if unknown:
         raise ValueError(f"unknown SDPA backend(s) {unknown}; torch knows {list(SDPBackend.__members__)}")

@@ -64,6 +64,14 @@ def as_fraction(what: str, value) -> float:
     return x
 
 
+def as_count(what: str, value) -> int:
+    """``value`` as a Python int >= 1 (a block size, a length, a batch), or a ValueError naming ``what`` -- for a
+    bool, a float or anything else that is not a positive integer alike."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{what} must be a positive int; got {value!r}")
+    return int(value)
+
+
 def check_positive_int(what: str, value) -> None:
     """TypeError unless ``value`` is an integer (Python or NumPy; not a bool), ValueError unless it is >= 1.
     (``as_positive_int`` also returns it as a Python int.)"""

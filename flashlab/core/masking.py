@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashlab.core.checks import as_positive_int
+from flashlab.core.checks import as_count, as_positive_int
 from flashlab.core.integers import cdiv
 
 # tile states in a TileMap
@@ -134,8 +134,7 @@ def tile_map(nq: int, nk: int, block_m: int, block_n: int, causal: bool = False,
     nq = as_positive_int("nq (query length)", nq)
     nk = as_positive_int("nk (key length)", nk)
     for name, b in (("block_m", block_m), ("block_n", block_n)):
-        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
-            raise ValueError(f"{name} must be a positive int (a block size >= 1); got {b!r}")
+        as_count(name, b)
     block_m, block_n = int(block_m), int(block_n)
     band = visible_band(nq, nk, causal, window)
     n_m, n_n = cdiv(nq, block_m), cdiv(nk, block_n)

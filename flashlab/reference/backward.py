@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from flashlab.core.checks import as_count
 from flashlab.core.integers import cdiv
 from flashlab.core.masking import PARTIAL, SKIPPED, tile_state, visible_band, visible_mask
 from flashlab.reference.attention import as_heads, default_scale
@@ -50,8 +51,7 @@ def _as_float64(name: str, x, want_shape: tuple, allow_neginf: bool = False) -> 
 
 
 def _check_block(name: str, b) -> None:
-    if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
-        raise ValueError(f"{name} must be a positive int (a block size >= 1); got {b!r}")
+    as_count(name, b)
 
 
 def attention_backward(do, q, k, v, causal: bool = False, window=None, scale=None):

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flashlab.core.checks import as_count
+
 
 def _check_scores(x: np.ndarray, what: str = "scores") -> None:
     if np.isnan(x).any():
@@ -62,8 +64,7 @@ class OnlineAttentionStep(OnlineSoftmaxStep):
 
 
 def _blocks(n: int, block_size: int):
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int; got {block_size!r}")
+    block_size = as_count("block_size", block_size)
     for start in range(0, n, block_size):
         yield start, min(start + block_size, n)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from flashlab.core.checks import as_count
 from flashlab.core.integers import cdiv
 from flashlab.core.masking import FULL, PARTIAL, SKIPPED, TileMap, tile_state, visible_band
 from flashlab.reference.attention import as_heads, default_scale, reshape_out, weighted_values
@@ -45,8 +46,7 @@ def tiled_attention(
     or computed it whole.
     """
     for name, b in (("block_m", block_m), ("block_n", block_n)):
-        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
-            raise ValueError(f"{name} must be a positive int; got {b!r}")
+        as_count(name, b)
     ndim = np.ndim(q)
     q, k, v, shape, out_dtype = as_heads(q, k, v)  # (B, H, N, D), K/V repeated for GQA
     scale = default_scale(shape.d, scale)
