@@ -36,20 +36,11 @@ class BenchResults:
         return [r for r in self.rows if r["status"] == "ok" and all(r[k] == v for k, v in match.items())]
 
     def to_json(self) -> dict:
-        return dict(meta=self.meta, ceilings=self.ceilings, rows=[_json_row(r) for r in self.rows])
+        return dict(meta=self.meta, ceilings=self.ceilings, rows=[json_row(r) for r in self.rows])
 
     def save(self, prefix) -> tuple[Path, Path]:
         """Write ``PREFIX.json`` (meta, ceilings, rows) and ``PREFIX.csv`` (rows, stamp columns in each)."""
-        prefix = Path(prefix)
-        prefix.parent.mkdir(parents=True, exist_ok=True)
-        json_path, csv_path = prefix.with_name(prefix.name + ".json"), prefix.with_name(prefix.name + ".csv")
-        json_path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        with csv_path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=ROW_COLUMNS)
-            writer.writeheader()
-            for r in self.rows:
-                writer.writerow({k: ("" if _is_nan(r.get(k, "")) else r.get(k, "")) for k in ROW_COLUMNS})
-        return json_path, csv_path
+        return save_tables(prefix, self.to_json(), self.rows, ROW_COLUMNS)
 
     @classmethod
     def load(cls, path) -> BenchResults:
@@ -63,8 +54,24 @@ def _is_nan(x) -> bool:
     return isinstance(x, float) and math.isnan(x)
 
 
-def _json_row(r: dict) -> dict:
+def json_row(r: dict) -> dict:
+    """A result row JSON can hold: a number not measured (NaN) becomes null."""
     return {k: (None if _is_nan(v) else v) for k, v in r.items()}
+
+
+def save_tables(prefix, payload: dict, rows, columns) -> tuple[Path, Path]:
+    """Write ``PREFIX.json`` (``payload``) and ``PREFIX.csv`` (``rows`` under ``columns``, a cell left blank where a
+    number was not measured: None or NaN), creating the folder; returns both paths."""
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    json_path, csv_path = prefix.with_name(prefix.name + ".json"), prefix.with_name(prefix.name + ".csv")
+    json_path.write_text(json.dumps(payload, indent=1) + "\n")
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: ("" if r.get(k) is None or _is_nan(r.get(k)) else r.get(k)) for k in columns})
+    return json_path, csv_path
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from flashlab.bench.args import name_list, size_list
+from flashlab.bench.results import json_row, save_tables
 from flashlab.calculators import roofline
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -600,24 +601,13 @@ class TrafficResults:
         return [k for k in self.kernels if all(k[key] == v for key, v in match.items())]
 
     def to_json(self) -> dict:
-        clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
-                 for r in self.cases]  # fmt: skip
-        kernels = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
-                   for r in self.kernels]  # fmt: skip
-        return dict(meta=self.meta, cases=clean, kernels=kernels)
+        return dict(
+            meta=self.meta, cases=[json_row(r) for r in self.cases], kernels=[json_row(r) for r in self.kernels]
+        )
 
     def save(self, prefix) -> tuple[Path, Path]:
         """``PREFIX.json`` (meta, cases, kernels) and ``PREFIX.csv`` (one row per kernel, the stamp in each)."""
-        prefix = Path(prefix)
-        prefix.parent.mkdir(parents=True, exist_ok=True)
-        json_path, csv_path = prefix.with_name(prefix.name + ".json"), prefix.with_name(prefix.name + ".csv")
-        json_path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        with csv_path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=KERNEL_COLUMNS, extrasaction="ignore")
-            writer.writeheader()
-            for r in self.kernels:
-                writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in KERNEL_COLUMNS})
-        return json_path, csv_path
+        return save_tables(prefix, self.to_json(), self.kernels, KERNEL_COLUMNS)
 
     @classmethod
     def load(cls, path) -> TrafficResults:
