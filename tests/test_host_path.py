@@ -8,12 +8,14 @@ which only compare equal to a checked one (``True == 1``) are still refused.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from test_kernel import check_against_reference, make_qkv
 
 from flashlab import flash_attention
-from flashlab.kernels import forward, split_kv
+from flashlab.kernels import forward, runtime, split_kv
+from flashlab.reference import attention
 
 
 def count_plans(monkeypatch):
@@ -50,6 +52,30 @@ def test_single_chunk_decode_writes_the_output_directly():
     check_against_reference(q, k, v)
     o3 = forward.forward(q, k, v, False, None, None, num_splits=split_kv.MAX_SPLITS)  # many chunks, merged
     torch.testing.assert_close(o3[0], o, rtol=1e-5, atol=1e-5)
+
+
+def test_a_split_decode_step_is_one_launch_and_merges_every_chunk(monkeypatch):
+    # The chunks' merge runs in the kernel itself (the last chunk of each block to finish does it), so a decode
+    # step with many chunks is still one launch; the answer still equals the reference's.
+    launched = []
+    real = split_kv.interpreted
+
+    def counting(kernel):
+        launched.append(kernel.fn.__name__)
+        return real(kernel)
+
+    monkeypatch.setattr(split_kv, "interpreted", counting)
+    q, k, v = make_qkv(2, 8, 2, 1, 300, 24, torch.float32, seed=5)  # GQA, D = 24 (padded to 32)
+    o, lse = flash_attention(q, k, v, return_lse=True, num_splits=5)
+    assert launched == ["_split_kv_partial"]
+    ro, rlse = attention(q.double().numpy(), k.double().numpy(), v.double().numpy())
+    np.testing.assert_allclose(o.double().numpy(), ro, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(lse.double().numpy(), rlse, rtol=1e-5, atol=1e-5)
+    o_only = flash_attention(q, k, v, num_splits=5)  # no lse asked for: written to scratch, same output
+    torch.testing.assert_close(o_only, o, rtol=0, atol=0)
+    o_all, _ = forward.forward(q, k, v, False, None, None, num_splits=5, need_lse=True)
+    assert forward.forward(q, k, v, False, None, None, num_splits=5, need_lse=False)[1] is None
+    torch.testing.assert_close(o_all, o, rtol=0, atol=0)
 
 
 def test_remembered_signatures_still_refuse_bad_arguments():
@@ -96,7 +122,7 @@ def test_fast_launch_fills_the_tensor_slots_of_tritons_own_binding(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("nk", [200, 1024, 32768])  # 200 keys: one chunk, the partial kernel writes o itself
+@pytest.mark.parametrize("nk", [100, 1024, 32768])  # 100 keys: one chunk, the kernel writes o without partials
 def test_decode_relaunches_directly_and_stays_exact_on_gpu(nk):
     from flashlab.reference.torch_float64 import attention_float64
 
@@ -112,7 +138,9 @@ def test_decode_relaunches_directly_and_stays_exact_on_gpu(nk):
         torch.testing.assert_close(lse.double(), rlse, rtol=1e-3, atol=1e-3)
         plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[2] == k.shape)
     assert plan.split.fast_state == "checked", plan.split.fast_state  # the direct launches are in use
-    assert plan.split.direct == (nk == 200)
+    assert plan.split.direct == (nk == 100)
+    work, counters = runtime.scratch(q.device, runtime.current_stream(q.device.index), 0, 0)
+    assert int(counters.abs().sum()) == 0  # every block's last chunk set its counter back for the next launch
 
 
 @pytest.mark.gpu

@@ -92,12 +92,13 @@ def test_gqa_decode_equals_repeated_heads():
 
 
 def test_choose_splits():
-    # H200: 132 SMs, two programs each = 264 programs wanted
-    assert choose_splits(units=8, band_keys=131072, sm_count=132) == 33  # ceil(264 / 8)
-    assert choose_splits(units=64, band_keys=4096, sm_count=132) == 5  # ceil(264 / 64)
-    assert choose_splits(units=1, band_keys=1000, sm_count=132) == 4  # ceil(1000 / 256): chunks >= 256 keys
+    # H200: 132 SMs, three programs each = 396 slots, filled once (rounded down), chunks of >= 128 keys
+    assert choose_splits(units=8, band_keys=131072, sm_count=132) == 49  # 396 // 8
+    assert choose_splits(units=64, band_keys=4096, sm_count=132) == 6  # 396 // 64: 384 programs, not 448
+    assert choose_splits(units=200, band_keys=4096, sm_count=132) == 1  # 396 // 200: a second chunk would spill
+    assert choose_splits(units=1, band_keys=1000, sm_count=132) == 8  # ceil(1000 / 128): chunks >= 128 keys
     assert choose_splits(units=1, band_keys=10**7, sm_count=1000) == MAX_SPLITS
-    assert choose_splits(units=512, band_keys=10**6, sm_count=132) == 1  # enough programs already
+    assert choose_splits(units=512, band_keys=10**6, sm_count=132) == 1  # more programs than slots already
     assert choose_splits(units=1, band_keys=MIN_KEYS_PER_SPLIT, sm_count=132) == 1
     with pytest.raises(ValueError, match="must be >= 1"):
         choose_splits(units=0, band_keys=10, sm_count=132)

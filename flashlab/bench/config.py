@@ -77,7 +77,7 @@ class BenchConfig:
     def _resolve_decode(self, device: str) -> BenchConfig:
         gpu = device == "cuda"
         defaults = dict(
-            seq_lens=(4096, 32768) if gpu and self.quick else (4096, 32768, 131072) if gpu else (100, 257),
+            seq_lens=(4096, 32768) if gpu and self.quick else (1024, 4096, 32768, 131072) if gpu else (100, 257),
             head_dims=(128,) if gpu else (16,),
             dtypes=("bf16",) if gpu else ("fp32",),
             batches=(1, 8) if gpu else (1, 2),

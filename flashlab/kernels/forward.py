@@ -333,7 +333,6 @@ def check_inputs(q, k, v, causal, window, scale):
     if plain and not torch.compiler.is_compiling():  # torch.compile traces the checks themselves
         key = _plan_key(q, k, v, causal, window, scale, None)
         if key is not None:
-            key = (*key, k.dtype, v.dtype, k.device, v.device)
             hit = _CHECKED.get(key)
             if hit is not None:
                 return hit
@@ -423,13 +422,20 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
     (the float64 definition) to within the input dtype's rounding (``flashlab.core.numerics.TOLERANCE``). CUDA
     tensors run the compiled, autotuned kernel; CPU tensors run the same kernel through Triton's interpreter.
     """
-    check_inputs(q, k, v, causal, window, scale)
-    check_num_splits(num_splits, k.shape[2])
+    plan = None
+    if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:
+        key = _plan_key(q, k, v, causal, window, scale, num_splits)
+        plan = _PLANS.get(key) if key is not None else None  # a plan exists only for a signature that was checked
+    if plan is None:
+        check_inputs(q, k, v, causal, window, scale)
+        check_num_splits(num_splits, k.shape[2])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         # differentiable: the prefill kernel (split-KV has no backward), then flashlab.kernels.backward
         o, lse = autograd.differentiable_attention(forward, q, k, v, causal, window, scale)
+    elif plan is not None:
+        o, lse = run_plan(plan, q, k, v, return_lse)
     else:
-        o, lse = forward(q, k, v, causal, window, scale, num_splits=num_splits)
+        o, lse = forward(q, k, v, causal, window, scale, num_splits=num_splits, need_lse=return_lse)
     return (o, lse) if return_lse else o
 
 
@@ -472,7 +478,7 @@ class ForwardPlan:
     a GPU the autotuner's pick after the first call. Later calls allocate the outputs and launch."""
 
     __slots__ = ("copy", "negate", "band", "split", "o_shape", "lse_shape", "grid", "scalars", "tune", "meta")
-    __slots__ += ("config", "want_tma", "fast", "fast_state")
+    __slots__ += ("config", "want_tma", "fast", "fast_state", "o_like_q")
 
     def __init__(self, q, k, v, causal, window, scale, num_splits):
         b, hq, nq, d = q.shape
@@ -486,6 +492,7 @@ class ForwardPlan:
             )
         q2, offset, win_left, win_right, qk_scale = kernel_args(q, k, v, causal, window, scale)
         self.negate = q2 is not q
+        self.o_like_q = q.is_contiguous()  # o is allocated contiguous: then like q, which is quicker
         self.band = (offset, win_left, win_right, qk_scale)
         self.o_shape, self.lse_shape = (b, hq, nq, d), (b, hq, nq)
         self.split = None
@@ -519,19 +526,23 @@ MAX_PLANS = 4096  # a decode loop over a growing contiguous cache meets a new le
 
 
 def _plan_key(q, k, v, causal, window, scale, num_splits):
-    """The call signature a plan is reused for, or None where it cannot be hashed exactly (then no plan is kept)."""
+    """The call signature a plan (and a passed check) is reused for: everything ``check_inputs`` and ``forward``
+    decide from; None where it cannot be hashed exactly, or while torch.compile traces (then nothing is kept)."""
     if type(causal) is not bool or not (scale is None or type(scale) is float or type(scale) is int):
+        return None
+    if torch.compiler.is_compiling():
         return None
     if window is not None:
         if type(window) not in (tuple, list) or not all(w is None or type(w) is int for w in window):
             return None
         window = tuple(window)
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, causal, window, scale,
-            type(scale), num_splits)  # fmt: skip
+            type(scale), num_splits, k.dtype, v.dtype, k.device, v.device)  # fmt: skip
 
 
-def forward(q, k, v, causal, window, scale, num_splits=None, config=None, reverse_m=None, use_tma=None):
-    """Run the forward pass on checked inputs; returns ``(o, lse)``.
+def forward(q, k, v, causal, window, scale, num_splits=None, config=None, reverse_m=None, use_tma=None, need_lse=True):
+    """Run the forward pass on checked inputs; returns ``(o, lse)`` (lse None when ``need_lse`` is False and the
+    split-KV path ran: it then writes the lse to scratch memory instead of a new tensor).
 
     ``num_splits`` as in ``flash_attention``. The other three are the benchmark's switches for studying the kernel
     (``python -m flashlab.bench --config/--tile-order/--tma``): ``config`` (a dict of BLOCK_M, BLOCK_N, num_warps,
@@ -553,15 +564,21 @@ def forward(q, k, v, causal, window, scale, num_splits=None, config=None, revers
             if len(_PLANS) >= MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = plan
+    return run_plan(plan, q, k, v, need_lse)
+
+
+def run_plan(plan: ForwardPlan, q, k, v, need_lse=True):
+    """``forward`` for tensors of a planned signature: allocate the outputs and launch."""
     if True in plan.copy:
         q, k, v = (x.contiguous() if c else x for x, c in zip((q, k, v), plan.copy, strict=True))
     if plan.negate:
         q = -q
-    o = torch.empty(plan.o_shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+    o = torch.empty_like(q) if plan.o_like_q else torch.empty(plan.o_shape, dtype=q.dtype, device=q.device)
     if plan.split is not None:
+        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if need_lse else None
         split_kv.run(plan.split, q, k, v, o, lse)
         return o, lse
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     descs = _tma_descriptors(q, k, v, o) if plan.want_tma else None
     args = (q, k, v, o, lse, *(descs if descs else (q, k, v, o)), *plan.scalars, *plan.tune)
     meta = {**plan.meta, "USE_TMA": descs is not None}

@@ -149,6 +149,38 @@ def current_stream(device_index: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Scratch memory a launch needs only while it runs
+# ----------------------------------------------------------------------------------------------------------------
+
+_SCRATCH: dict = {}  # (device index, stream handle) -> (float32 workspace, int32 counters)
+
+
+def scratch(device: torch.device, stream: int, floats: int, counters: int):
+    """``(work, counters)``: a float32 workspace of at least ``floats`` elements and ``counters`` int32 counters
+    that are zero between launches, for the kernels of one call on ``stream`` (``current_stream``'s handle).
+
+    Kept per stream and grown when a call needs more: launches on one stream run one after another, so each call
+    may reuse what the previous one left, and a decode step allocates nothing for it. The split-KV kernels use it
+    for their chunks' partial results and for the counters that let the last chunk merge them (each program that
+    raises a counter to its end puts it back to zero), and for a log-sum-exp nobody asked for. While a CUDA graph
+    is being captured, and on the CPU, the memory is fresh instead (a graph keeps its own).
+    """
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        work = torch.empty(floats, dtype=torch.float32, device=device)
+        return work, torch.zeros(counters, dtype=torch.int32, device=device)
+    key = (device.index, stream)
+    have = _SCRATCH.get(key)
+    if have is None or have[0].numel() < floats or have[1].numel() < counters:
+        if have is not None:
+            floats, counters = max(floats, have[0].numel()), max(counters, have[1].numel())
+        have = _SCRATCH[key] = (
+            torch.empty(floats, dtype=torch.float32, device=device),
+            torch.zeros(counters, dtype=torch.int32, device=device),
+        )
+    return have
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Triton's interpreter, on demand
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -263,6 +295,7 @@ __all__ = [
     "language_objects",
     "next_power_of_2",
     "restore_language_state",
+    "scratch",
     "sm_count",
     "smem_limit",
 ]

@@ -1,17 +1,19 @@
-"""Split-KV attention (Flash-Decoding): the decode-time path of ``flashlab.flash_attention``, as two Triton kernels.
+"""Split-KV attention (Flash-Decoding): the decode-time path of ``flashlab.flash_attention``, in one Triton kernel.
 
 At decode a sequence offers one query row (or a few) per head. The prefill kernel (``flashlab.kernels.forward``)
 gives each program a tile of query rows, so decode would leave it ``B * Hq`` programs that each walk the whole KV
 cache alone: too few to fill a GPU's 132 SMs, and with grouped-query attention every K/V head is read once per query
-head that shares it. This path fixes both:
+head that shares it. ``_split_kv_partial`` fixes both:
 
-1. ``_split_kv_partial``: one program per (key chunk, batch entry, K/V head). Its query tile packs every query row
-   of the query heads that share that K/V head (``GROUP * Nq`` rows), so each K/V tile is read from memory once,
-   and the keys are cut into ``num_splits`` chunks that run side by side. Each program runs the same online
-   softmax as the prefill kernel over its chunk and writes a partial output and its log-sum-exp.
-2. ``split_kv_merge``: one program per query row combines the chunks' partial outputs, weighted by
-   ``exp(lse_chunk - lse_total)``: the log-sum-exp merge of ``flashlab.reference.merge_partials``, which is the
-   float64 reference for this step (notebook 06 does it by hand).
+1. One program per (key chunk, batch entry, K/V head). Its query tile packs every query row of the query heads
+   that share that K/V head (``GROUP * Nq`` rows), so each K/V tile is read from memory once, and the keys are cut
+   into ``num_splits`` chunks that run side by side. Each program runs the same online softmax as the prefill
+   kernel over its chunk and writes a partial output and its log-sum-exp.
+2. The merge: the chunks' partial outputs are combined, weighted by ``exp(lse_chunk - lse_total)`` -- the
+   log-sum-exp merge of ``flashlab.reference.merge_partials``, which is the float64 reference for this step
+   (notebook 06 does it by hand). No second kernel does it: every program counts itself finished on a counter
+   of its block (an atomic add), and the one that finishes last reads the others' partials and merges them
+   (``softmax_step.merge_chunks``). A decode step is one launch, which is most of its host time.
 
 Bytes: each K/V element is read once (plus a partial output of ``GROUP * Nq * D`` floats per chunk, written and
 read back once), so decode runs at the speed the KV cache can be streamed.
@@ -36,21 +38,23 @@ from flashlab.kernels.runtime import (
     fits_smem,
     interpreted,
     interpreted_language,
+    scratch,
     sm_count,
     smem_limit,
 )
-from flashlab.kernels.softmax_step import LN_2
 
 # The split path is taken automatically when a sequence has at most this many query rows (decode, speculative
 # decoding's few draft tokens); longer queries give the prefill kernel enough programs on their own.
 MAX_SPLIT_QUERY_ROWS = 16
-# A chunk never holds fewer keys than this (a multiple of every BLOCK_N below), so its fixed cost (loading the
-# query tile, writing a partial output) stays small next to streaming its keys.
-MIN_KEYS_PER_SPLIT = 256
-# Largest number of chunks: the merge kernel holds one log-sum-exp per chunk in a single tile.
+# A chunk never holds fewer keys than this (a multiple of every BLOCK_N below, one tile of the largest), so its
+# fixed cost (loading the query tile, writing a partial output) stays small next to streaming its keys.
+MIN_KEYS_PER_SPLIT = 128
+# Largest number of chunks (the merge folds them one at a time).
 MAX_SPLITS = 256
-# Aim for this many programs per SM, so that chunks finishing at different times still keep every SM busy.
-PROGRAMS_PER_SM = 2
+# Programs one SM holds at once with the decode configs (a 64-key tile, two stages: ~70 KB of shared memory of
+# 228 KB). The chunks are chosen so the grid fills these slots once and evenly: on the H200 a grid one program
+# per SM short of a multiple of them lost up to 10% against one that filled them (docs/kernel-notes.md).
+PROGRAMS_PER_SM = 3
 CPU_SM_COUNT = 4  # what the CPU path pretends to have: long caches still get several chunks, so they are tested
 
 
@@ -58,7 +62,8 @@ CPU_SM_COUNT = 4  # what the CPU path pretends to have: long caches still get se
 @triton.jit
 def _split_kv_partial(
     Q, K, V, O_PART, LSE_PART,  # q, k, v; the partial outputs (fp32) and log-sum-exps (log2 units) per chunk
-    O, LSE,  # the output and its lse: written here, without a merge, when there is one chunk (DIRECT)
+    O, LSE,  # the output and its lse: written by the one chunk (DIRECT) or by the last chunk to finish
+    COUNTERS,  # int32, one per (batch entry, K/V head, row block): chunks finished; zero between launches
     stride_qb, stride_qh, stride_qm,  # strides (elements) of q over batch, head, row; D has stride 1
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -74,7 +79,7 @@ def _split_kv_partial(
     BLOCK_N: tl.constexpr,  # keys per inner-loop step
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
     DOT_UPCAST: tl.constexpr,  # interpreter: feed 16-bit tiles to the dots as fp32
-    DIRECT: tl.constexpr,  # one chunk: normalise and write O and LSE here (one kernel instead of two)
+    DIRECT: tl.constexpr,  # one chunk: normalise and write O and LSE, no partials, no counter
 ):
     # fmt: on
     pid_s = tl.program_id(0)  # which chunk of keys
@@ -146,59 +151,12 @@ def _split_kv_partial(
             acc = softmax_step.accumulate_pv(acc, p.to(v.dtype), v, DOT_PRECISION)  # hidden keys add nothing
         m_i = m_new
 
-    # -- this chunk's partial result: normalised output (fp32) and log-sum-exp (log2 units; -inf: saw no key)
-    seen = l_i > 0.0
-    l_safe = tl.where(seen, l_i, 1.0)
-    lse2 = tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))
-    if DIRECT:  # the only chunk: this is the answer (natural-log lse, output in the input dtype)
-        out = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + qi.to(tl.int64) * stride_om
-        tl.store(LSE + (off_b * HQ + off_h) * NQ + qi, lse2 * LN_2, mask=row_ok)
-        o = acc / l_safe[:, None]
-        tl.store(out[:, None] + offs_d[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    else:
-        part = ((off_b * HQ + off_h) * NQ + qi).to(tl.int64) * NUM_SPLITS + pid_s  # (BLOCK_M,) row in the workspace
-        tl.store(LSE_PART + part, lse2, mask=row_ok)
-        o_ptrs = O_PART + part[:, None] * HEAD_DIM + offs_d[None, :]
-        tl.store(o_ptrs, acc / l_safe[:, None], mask=row_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def split_kv_merge(
-    O_PART, LSE_PART, O, LSE,  # the chunks' partial outputs and log-sum-exps; the merged output and lse
-    stride_ob, stride_oh, stride_om,
-    HQ, NQ, NUM_SPLITS,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # NUM_SPLITS rounded up to a power of two: every chunk's lse in one tile
-    CHUNK_S: tl.constexpr,  # partial outputs summed this many chunks at a time (bounds the registers used)
-):
-    row = tl.program_id(0)  # one query row: (batch entry, query head, query position)
-    off_b = row // (HQ * NQ)
-    off_h = (row // NQ) % HQ
-    qi = row % NQ
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    first = row.to(tl.int64) * NUM_SPLITS  # this row's first chunk in the workspace
-    # -- lse_total = log(sum_c exp(lse_c)), taken about the largest lse so no exp overflows
-    offs_s = tl.arange(0, BLOCK_S)
-    lse2 = tl.load(LSE_PART + first + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))  # log2 units
-    m = tl.max(lse2, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)  # every chunk empty: all weights 0, the row gives zeros
-    total = tl.sum(tl.math.exp2(lse2 - m_safe), 0)
-    total_safe = tl.where(total > 0.0, total, 1.0)
-    # -- o = sum_c exp(lse_c - lse_total) * o_c
-    o = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for c0 in range(0, NUM_SPLITS, CHUNK_S):
-        offs_c = c0 + tl.arange(0, CHUNK_S)
-        c_ok = offs_c < NUM_SPLITS
-        w = tl.math.exp2(tl.load(LSE_PART + first + offs_c, mask=c_ok, other=float("-inf")) - m_safe) / total_safe
-        o_ptrs = O_PART + (first + offs_c)[:, None] * HEAD_DIM + offs_d[None, :]
-        o_part = tl.load(o_ptrs, mask=c_ok[:, None] & d_ok[None, :], other=0.0)  # (CHUNK_S, BLOCK_D)
-        o += tl.sum(w[:, None] * o_part, 0)
-    lse = tl.where(total > 0.0, (m_safe + tl.math.log2(total_safe)) * LN_2, float("-inf"))
-    tl.store(LSE + row, lse)
-    out_ptrs = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + qi.to(tl.int64) * stride_om
-    tl.store(out_ptrs + offs_d, o.to(O.dtype.element_ty), mask=d_ok)
+    # -- the answer (one chunk), or this chunk's partial result, merged by the block's last chunk to finish
+    out = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + qi.to(tl.int64) * stride_om
+    first = ((off_b * HQ + off_h) * NQ + qi).to(tl.int64) * NUM_SPLITS  # (BLOCK_M,) each row's chunk 0
+    counter = COUNTERS + pid_bk * tl.num_programs(2) + pid_m
+    softmax_step.finish_chunk(acc, m_i, l_i, out, LSE + (off_b * HQ + off_h) * NQ + qi, row_ok, offs_d, d_ok, O_PART,
+                              LSE_PART, first, counter, pid_s, NUM_SPLITS, HEAD_DIM, BLOCK_M, BLOCK_D, DIRECT)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -246,12 +204,13 @@ def choose_splits(units: int, band_keys: int, sm_count: int) -> int:
     """How many key chunks to cut a decode step into.
 
     ``units``: programs the grid has without splitting (batch entries x K/V heads x packed-row blocks);
-    ``band_keys``: how many keys the queries can see at most. Enough chunks to give every SM
-    ``PROGRAMS_PER_SM`` programs, but none shorter than ``MIN_KEYS_PER_SPLIT`` keys and at most ``MAX_SPLITS``.
+    ``band_keys``: how many keys the queries can see at most. As many chunks as fit ``PROGRAMS_PER_SM`` programs
+    per SM in one wave (rounded down: a wave that spills over leaves most SMs idle at its end), but none shorter
+    than ``MIN_KEYS_PER_SPLIT`` keys, at least one and at most ``MAX_SPLITS``.
     """
     if units < 1 or band_keys < 1 or sm_count < 1:
         raise ValueError(f"units, band_keys and sm_count must be >= 1; got {units}, {band_keys}, {sm_count}")
-    wanted = cdiv(PROGRAMS_PER_SM * sm_count, units)
+    wanted = PROGRAMS_PER_SM * sm_count // units
     most = cdiv(band_keys, MIN_KEYS_PER_SPLIT)
     return max(1, min(wanted, most, MAX_SPLITS))
 
@@ -268,28 +227,13 @@ def split_keys(nk: int, num_splits: int) -> tuple[int, int]:
     return keys_per_split, cdiv(nk, keys_per_split)
 
 
-def merge(o_part, lse_part, o, lse, num_splits: int) -> None:
-    """Launch ``split_kv_merge``: combine the partial outputs ``o_part`` (B*Hq*Nq*num_splits*D floats) and
-    log-sum-exps ``lse_part`` (log2 units) into ``o`` (B, Hq, Nq, D) and ``lse`` (B, Hq, Nq), natural log."""
-    b, hq, nq, d = o.shape
-    bd = block_d(d)
-    args = (o_part, lse_part, o, lse, o.stride(0), o.stride(1), o.stride(2), hq, nq, num_splits)
-    meta = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_S=max(2, next_power_of_2(num_splits)), CHUNK_S=8)
-    if o.is_cuda:
-        with torch.cuda.device(o.device):
-            split_kv_merge[(b * hq * nq,)](*args, **meta)
-    else:
-        with interpreted_language(softmax_step):
-            interpreted(split_kv_merge)[(b * hq * nq,)](*args, **meta)
-
-
 class LaunchPlan:
-    """Everything ``launch`` decides for one call signature, worked out once and reused: the chunks, the grids,
-    the scalar arguments and constexprs of both kernels, and (on a GPU, after the first call) the autotuner's pick.
-    A decode step then costs a workspace allocation and one or two kernel launches."""
+    """Everything ``launch`` decides for one call signature, worked out once and reused: the chunks, the grid, the
+    scalar arguments and constexprs, and (on a GPU, after the first call) the autotuner's pick and the direct
+    launch. A decode step then costs one kernel launch (and the output's allocation)."""
 
-    __slots__ = ("num_splits", "direct", "parts", "d", "grid", "scalars", "tune", "meta", "merge_grid", "merge_args")
-    __slots__ += ("merge_meta", "fast", "fast_state")
+    __slots__ = ("num_splits", "direct", "parts", "d", "rows", "groups", "grid", "scalars", "tune", "meta", "fast")
+    __slots__ += ("fast_state", "views")
 
     def __init__(self, q, k, v, o, offset, win_left, win_right, qk_scale, num_splits):
         b, hq, nq, d = q.shape
@@ -305,8 +249,10 @@ class LaunchPlan:
             num_splits = choose_splits(b * hk * row_blocks, max(band_keys, 1), sms)
         keys_per_split, num_splits = split_keys(nk, num_splits)
         self.num_splits, self.direct, self.d = num_splits, num_splits == 1, d
-        # one workspace: partial outputs (b, hq, nq, num_splits, d) then their log-sum-exps (b, hq, nq, num_splits)
-        self.parts = b * hq * nq * num_splits
+        # scratch (runtime.scratch): partial outputs (b, hq, nq, num_splits, d), their log-sum-exps, then room
+        # for an lse the caller did not ask for; one counter per program group
+        self.parts, self.rows, self.groups = b * hq * nq * num_splits, b * hq * nq, b * hk * row_blocks
+        self.views = None  # workspace()'s cut of the scratch
         self.grid = (num_splits, b * hk, row_blocks)
         self.scalars = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
         self.scalars += (v.stride(0), v.stride(1), v.stride(2))
@@ -321,12 +267,23 @@ class LaunchPlan:
             DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
             DIRECT=self.direct,
         )
-        self.merge_grid = (b * hq * nq,)
-        self.merge_args = (o.stride(0), o.stride(1), o.stride(2), hq, nq, num_splits)
-        self.merge_meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_S=max(2, next_power_of_2(num_splits)), CHUNK_S=8)
-        # direct launches (runtime.FastLaunch): "untried" -> "built" -> "checked" (bit-equal to a JIT launch once)
-        # or "off"
+        # the direct launch (runtime.FastLaunch): "untried" -> "built" -> "checked" (bit-equal to a JIT launch
+        # once) or "off"
         self.fast, self.fast_state = None, "untried"
+
+
+def workspace(plan, device, stream):
+    """``(o_part, lse_part, spare_lse, counters)`` for one launch of ``plan`` (a split-KV or KV-cache plan with
+    ``parts``, ``d``, ``rows``, ``groups`` and ``views``), carved from the stream's ``runtime.scratch``. The views
+    are kept on the plan while the scratch stays the same (cutting them costs more than a launch's arguments)."""
+    work, counters = scratch(device, stream, plan.parts * (plan.d + 1) + plan.rows, plan.groups)
+    views = plan.views
+    if views is not None and views[0] is work and views[1] is counters:
+        return views[2]
+    end = plan.parts * plan.d
+    cut = (work[:end], work[end : end + plan.parts], work[end + plan.parts : end + plan.parts + plan.rows], counters)
+    plan.views = (work, counters, cut)
+    return cut
 
 
 _PLANS: dict = {}  # call signature -> LaunchPlan
@@ -347,44 +304,40 @@ def plan_launch(q, k, v, o, offset, win_left, win_right, qk_scale, num_splits=No
 
 def launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits=None):
     """Run the split-KV path on checked inputs (``flashlab.kernels.forward.forward`` prepares them): writes ``o``
-    and ``lse``; returns the number of chunks. ``num_splits=None`` picks it with ``choose_splits``. With one chunk
-    the partial kernel writes ``o`` and ``lse`` itself and the merge is skipped."""
+    and ``lse`` (None: not wanted); returns the number of chunks. ``num_splits=None`` picks it with
+    ``choose_splits``. One kernel either way: with one chunk it writes ``o`` and ``lse`` itself, with several the
+    last chunk of each block to finish merges them."""
     plan = plan_launch(q, k, v, o, offset, win_left, win_right, qk_scale, num_splits)
     run(plan, q, k, v, o, lse)
     return plan.num_splits
 
 
 def run(plan: LaunchPlan, q, k, v, o, lse) -> None:
-    """Launch a planned split-KV call on tensors of the plan's signature."""
-    if plan.direct:
-        o_part = lse_part = lse  # not written
-    else:
-        work = torch.empty(plan.parts * (plan.d + 1), dtype=torch.float32, device=q.device)
-        o_part, lse_part = work[: plan.parts * plan.d], work[plan.parts * plan.d :]
-    args = (q, k, v, o_part, lse_part, o, lse, *plan.scalars, *plan.tune)
-    if q.is_cuda:
-        if q.device.index is not None and q.device.index != torch.cuda.current_device():
-            with torch.cuda.device(q.device):
-                _launch_cuda(plan, args, o_part, lse_part, o, lse)
-        else:
-            _launch_cuda(plan, args, o_part, lse_part, o, lse)
-    else:
+    """Launch a planned split-KV call on tensors of the plan's signature; ``lse`` None writes it to scratch."""
+    if not q.is_cuda:
+        o_part, lse_part, spare, counters = workspace(plan, q.device, 0)
+        args = (q, k, v, o_part, lse_part, o, spare if lse is None else lse, counters, *plan.scalars, *plan.tune)
         with interpreted_language(softmax_step):
             interpreted(_split_kv_partial)[plan.grid](*args, **plan.meta, BLOCK_N=CPU_CONFIG["BLOCK_N"])
-            if not plan.direct:
-                merge_args = (o_part, lse_part, o, lse, *plan.merge_args)
-                interpreted(split_kv_merge)[plan.merge_grid](*merge_args, **plan.merge_meta)
-
-
-PARTIAL_TENSORS = ("Q", "K", "V", "O_PART", "LSE_PART", "O", "LSE")
-MERGE_TENSORS = ("O_PART", "LSE_PART", "O", "LSE")
-
-
-def _launch_cuda(plan, args, o_part, lse_part, o, lse):
-    tensors = (*args[:3], o_part, lse_part, o, lse)
-    if plan.fast_state == "checked":  # the launcher directly: no binding, no specialisation, no cache lookup
-        _launch_fast(plan, tensors)
         return
+    if q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):
+            _launch_cuda(plan, q, k, v, o, lse)
+    else:
+        _launch_cuda(plan, q, k, v, o, lse)
+
+
+PARTIAL_TENSORS = ("Q", "K", "V", "O_PART", "LSE_PART", "O", "LSE", "COUNTERS")
+
+
+def _launch_cuda(plan, q, k, v, o, lse):
+    stream = current_stream(q.device.index)
+    o_part, lse_part, spare, counters = workspace(plan, q.device, stream)
+    tensors = (q, k, v, o_part, lse_part, o, spare if lse is None else lse, counters)
+    if plan.fast_state == "checked":  # the launcher directly: no binding, no specialisation, no cache lookup
+        plan.fast(stream, *tensors)
+        return
+    args = (*tensors, *plan.scalars, *plan.tune)
     kernel = None
     if "num_warps" in plan.meta:  # the autotuner's pick for this signature, found on an earlier call
         kernel = _split_kv_partial[plan.grid](*args, **plan.meta)
@@ -396,40 +349,26 @@ def _launch_cuda(plan, args, o_part, lse_part, o, lse):
         else:
             kernel = _split_kv_partial[plan.grid](*args, **plan.meta, **_BEST_CONFIG[key])
         plan.meta = {**plan.meta, **_BEST_CONFIG[key]}
-    merge_kernel = None
-    if not plan.direct:
-        merge_args = (o_part, lse_part, o, lse, *plan.merge_args)
-        merge_kernel = split_kv_merge[plan.merge_grid](*merge_args, **plan.merge_meta)
     if plan.fast_state == "untried" and kernel is not None:
-        partial = FastLaunch.build(_split_kv_partial, kernel, plan.grid, args, plan.meta, PARTIAL_TENSORS)
-        merge = None
-        if not plan.direct:
-            merge = FastLaunch.build(split_kv_merge, merge_kernel, plan.merge_grid, merge_args, plan.merge_meta,
-                                     MERGE_TENSORS)  # fmt: skip
-        ok = partial is not None and (plan.direct or merge is not None)
-        plan.fast, plan.fast_state = (partial, merge), ("built" if ok else "off")
+        plan.fast = FastLaunch.build(_split_kv_partial, kernel, plan.grid, args, plan.meta, PARTIAL_TENSORS)
+        plan.fast_state = "built" if plan.fast is not None else "off"
     elif plan.fast_state == "built" and not torch.cuda.is_current_stream_capturing():
-        # once: the direct launches, into fresh outputs, must reproduce the JIT launches bit for bit
-        o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
-        if plan.direct:
-            parts = (lse2, lse2)
-        else:
-            work = torch.empty(plan.parts * (plan.d + 1), dtype=torch.float32, device=o.device)
-            parts = (work[: plan.parts * plan.d], work[plan.parts * plan.d :])
-        try:
-            _launch_fast(plan, (*args[:3], *parts, o2, lse2))
-            same = torch.equal(o2, o) and torch.equal(lse2, lse)
-        except Exception:  # noqa: BLE001 -- a launcher that does not take these arguments: keep the JIT
-            same = False
-        plan.fast_state = "checked" if same else "off"
+        check_fast_launch(plan, stream, tensors, 5)
 
 
-def _launch_fast(plan, tensors):
-    stream = current_stream(tensors[0].device.index)
-    partial, merge = plan.fast
-    partial(stream, *tensors)
-    if merge is not None:
-        merge(stream, *tensors[3:])
+def check_fast_launch(plan, stream, tensors, out_slot):
+    """Once per plan: the direct launch, into fresh outputs (``tensors[out_slot]`` and the next one, o and lse),
+    must reproduce the JIT launch that just wrote ``tensors``' outputs, bit for bit; ``plan.fast_state`` becomes
+    "checked" (used from now on) or "off" (the JIT launches stay)."""
+    o, lse = tensors[out_slot], tensors[out_slot + 1]
+    o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
+    fresh = (*tensors[:out_slot], o2, lse2, *tensors[out_slot + 2 :])
+    try:
+        plan.fast(stream, *fresh)
+        same = torch.equal(o2, o) and torch.equal(lse2, lse)
+    except Exception:  # noqa: BLE001 -- a launcher that does not take these arguments: keep the JIT
+        same = False
+    plan.fast_state = "checked" if same else "off"
 
 
 __all__ = [
@@ -437,17 +376,16 @@ __all__ = [
     "LaunchPlan",
     "MAX_SPLIT_QUERY_ROWS",
     "MAX_SPLITS",
-    "MERGE_TENSORS",
     "MIN_KEYS_PER_SPLIT",
     "PARTIAL_TENSORS",
+    "check_fast_launch",
     "choose_splits",
     "launch",
-    "merge",
     "packed_block_m",
     "plan_launch",
     "prune_configs",
     "run",
     "split_keys",
-    "split_kv_merge",
+    "workspace",
     "tuning_configs",
 ]
