@@ -114,9 +114,20 @@ def test_fast_launch_fills_the_tensor_slots_of_tritons_own_binding(monkeypatch):
     assert fast is not None and fast.values == [None, 7, None, 32]  # no reference kept to the first call's tensors
     q, o = torch.ones(2), torch.ones(3)
     fast("stream", q, o)
-    (args,) = calls
+    (args,) = calls[:1]
     assert args[:9] == (3, 2, 1, "stream", "fn", "meta", None, None, None)
     assert args[9] is q and args[10] == 7 and args[11] is o and args[12] == 32
+
+    # flashlab's kernels take their tensors first: then the launch passes them ahead of the fixed values
+    def leading(Q, O, n, BLOCK: int = 16):  # noqa: N803
+        return {"Q": Q, "O": O, "n": n, "BLOCK": BLOCK}, None, None
+
+    jit2 = SimpleNamespace(device_caches={0: (None, None, leading)})
+    fast2 = runtime.FastLaunch.build(jit2, kernel, (5,), (first_q, first_o, 9), {"BLOCK": 64}, ("Q", "O"))
+    assert fast2.tail == (9, 64)
+    fast2("s2", q, o)
+    assert calls[-1][:9] == (5, 1, 1, "s2", "fn", "meta", None, None, None)
+    assert calls[-1][9] is q and calls[-1][10] is o and calls[-1][11:] == (9, 64)
     monkeypatch.setattr(runtime, "FAST_LAUNCH", False)
     assert runtime.FastLaunch.build(jit, kernel, (3,), (q, 7, o), {}, ("Q", "O")) is None
 

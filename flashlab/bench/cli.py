@@ -26,8 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Defaults marked None depend on the device and mode: on a GPU, prefill runs bf16, D 64,128, N 1k..16k "
         "with 16k tokens per batch and a 2048-wide model (H = 2048 / D), so every cell does the same work per token as "
-        "a layer of a 2048-wide model and fills the GPU (warmup 25, rep 100); decode runs bf16, D 128, KV 1k,4k,32k,128k, "
-        "batches 1,8, 64 query / 8 KV heads (a Llama-70B-like GQA layer); on the CPU or with --quick, tiny grids.",
+        "a layer of a 2048-wide model and fills the GPU (warmup 25, rep 100); decode runs bf16, D 128, "
+        "KV 1k,4k,32k,128k, batches 1,8, 64 query / 8 KV heads (a Llama-70B-like GQA layer); on the CPU or with "
+        "--quick, tiny grids.",
     )
     p.add_argument(
         "--mode",

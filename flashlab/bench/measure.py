@@ -67,19 +67,24 @@ def time_ms(fn: Callable, device: str, warmup: float, rep: float) -> float:
     return statistics.median(times)
 
 
-def host_us(fn: Callable, device: str, calls: int = 50) -> float:
-    """Host microseconds per eager call: a loop of ``calls`` calls started with the GPU idle, its wall time before
-    the final synchronise, per call (the launch queue is deep, so the host never waits on the GPU); NaN on the CPU,
-    where the interpreter runs the kernel on the host."""
+def host_us(fn: Callable, device: str, calls: int = 40, rounds: int = 5, warmup: int = 10) -> float:
+    """Host microseconds per eager call: after ``warmup`` calls, ``rounds`` loops of ``calls`` calls started with
+    the GPU idle, each loop's wall time before its synchronise divided by its calls; the median loop (a garbage
+    collection or a preempted thread lands in one loop, not in the figure). The launch queue is deep, so the host
+    never waits on the GPU. NaN on the CPU, where the interpreter runs the kernel on the host."""
     if device != "cuda":
         return float("nan")
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
+    for _ in range(warmup):
         fn()
-    t1 = time.perf_counter()
+    per_call = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - t0) / calls * 1e6)
     torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+    return statistics.median(per_call)
 
 
 def peak_extra_bytes(fn: Callable, device: str) -> float:

@@ -579,6 +579,9 @@ def run_plan(plan: ForwardPlan, q, k, v, need_lse=True):
         split_kv.run(plan.split, q, k, v, o, lse)
         return o, lse
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+    if plan.fast_state == "checked" and q.device.index == torch.cuda.current_device():  # pointer loads, checked
+        plan.fast(current_stream(q.device.index), q, k, v, o, lse, q, k, v, o)  # the launcher directly
+        return o, lse
     descs = _tma_descriptors(q, k, v, o) if plan.want_tma else None
     args = (q, k, v, o, lse, *(descs if descs else (q, k, v, o)), *plan.scalars, *plan.tune)
     meta = {**plan.meta, "USE_TMA": descs is not None}
@@ -593,8 +596,6 @@ def run_plan(plan: ForwardPlan, q, k, v, need_lse=True):
             _attn_fwd_tuned[lambda m: (cdiv(nq, m["BLOCK_M"]), bh)](*args, **meta)
             config = _attn_fwd_tuned.best_config.all_kwargs()
             plan.config = (meta["USE_TMA"], config, (cdiv(nq, config["BLOCK_M"]), bh))
-        elif descs is None and plan.fast_state == "checked":  # the launcher directly (runtime.FastLaunch)
-            plan.fast(current_stream(q.device.index), q, k, v, o, lse, q, k, v, o)
         else:
             _, config, grid = plan.config
             if descs:

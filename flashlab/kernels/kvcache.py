@@ -175,6 +175,10 @@ def _kvcache_partial(
 # small blocks (a tile then spans several, each a table lookup away): on the H200, 16-token blocks with 128-key
 # tiles and two stages ran within 2-6% of contiguous decode, three stages up to a third behind (docs/kernel-notes.md).
 TUNING_SPACE = [(64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 4, 3), (128, 8, 3)]
+# Blocks smaller than this many tokens (16-bit inputs) take SMALL_BLOCK_CONFIG without autotuning: the best or
+# within 3% of it in every cell of the H200's decode sweep, where the autotuner's own pick was up to 15% slower.
+SMALL_BLOCK_TOKENS = 128
+SMALL_BLOCK_CONFIG = (128, 4, 2)
 
 _kvcache_partial_tuned = triton.autotune(
     configs=[
@@ -461,6 +465,9 @@ class KVCachePlan:
             DIRECT=self.direct,
         )
         self.grid = (num_splits, b * hk, row_blocks)
+        if q.is_cuda and q.element_size() == 2 and 0 < self.meta["PAGE_SIZE"] < SMALL_BLOCK_TOKENS:
+            bn, warps, stages = SMALL_BLOCK_CONFIG
+            self.meta.update(BLOCK_N=bn, num_warps=warps, num_stages=stages)
         self.fast, self.fast_state = None, "untried"
 
 
@@ -555,6 +562,8 @@ def paged_kv_cache(k, v, block_size: int, lengths=None, seed: int = 0):
 
 __all__ = [
     "BLOCK_SIZE_MULTIPLE",
+    "SMALL_BLOCK_CONFIG",
+    "SMALL_BLOCK_TOKENS",
     "TUNING_SPACE",
     "check_kvcache_inputs",
     "flash_attention_with_kvcache",

@@ -98,11 +98,13 @@ class FastLaunch:
     check a new FastLaunch against an ordinary launch once before relying on it.
     """
 
-    __slots__ = ("launcher", "function", "metadata", "grid", "values", "slots")
+    __slots__ = ("launcher", "function", "metadata", "grid", "values", "slots", "tail")
 
     def __init__(self, launcher, function, metadata, grid, values, slots):
         self.launcher, self.function, self.metadata = launcher, function, metadata
         self.grid, self.values, self.slots = grid, values, slots
+        # flashlab's kernels take their tensors first: then a launch passes them followed by the fixed values
+        self.tail = tuple(values[len(slots) :]) if slots == tuple(range(len(slots))) else None
 
     @classmethod
     def build(cls, jit_function, kernel, grid, args, kwargs, tensor_names):
@@ -129,10 +131,13 @@ class FastLaunch:
             return None
 
     def __call__(self, stream, *tensors):
+        g0, g1, g2 = self.grid
+        if self.tail is not None and len(tensors) == len(self.slots):
+            self.launcher(g0, g1, g2, stream, self.function, self.metadata, None, None, None, *tensors, *self.tail)
+            return
         values = self.values.copy()
         for slot, t in zip(self.slots, tensors, strict=True):
             values[slot] = t
-        g0, g1, g2 = self.grid
         self.launcher(g0, g1, g2, stream, self.function, self.metadata, None, None, None, *values)
 
 

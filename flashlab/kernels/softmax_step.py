@@ -64,28 +64,32 @@ def accumulate_pv(acc, p, v, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def merge_chunks(O_PART, LSE_PART, first, row_ok, offs_d, d_ok, NUM_SPLITS, HEAD_DIM: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr = 4):  # fmt: skip
     """Split-KV's merge for BLOCK_M rows: combine the ``NUM_SPLITS`` partial outputs (each normalised, fp32) and
     log-sum-exps (log2 units) of every row, row ``r``'s chunk ``c`` at workspace row ``first[r] + c``.
 
-    The chunks are folded in one pass with the online softmax's rescaling (``flashlab.reference.merge_partials``
-    weighs each chunk by ``exp(lse_c - lse_total)``; this is the same sum, accumulated about a running max).
-    Returns ``(o, lse2)``: the merged output (fp32) and log-sum-exp (log2 units, -inf where no chunk saw a key).
-    The loads bypass L1 (``.cg``): the partials were written by other programs, on other SMs, a moment ago.
+    ``flashlab.reference.merge_partials`` weighs each chunk by ``exp(lse_c - lse_total)``; this is the same sum,
+    accumulated about a running max (the online softmax's rescaling), ``CHUNK_S`` chunks per step so that many
+    loads are in flight at once: one program merges every chunk, and one at a time it would wait out a memory
+    latency per chunk. Returns ``(o, lse2)``: the merged output (fp32) and log-sum-exp (log2 units, -inf where no
+    chunk saw a key). The loads bypass L1 (``.cg``): other programs, on other SMs, wrote the partials.
     """
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
     o = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for c in range(0, NUM_SPLITS):
-        lse_c = tl.load(LSE_PART + first + c, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        o_ptrs = O_PART + (first + c)[:, None] * HEAD_DIM + offs_d[None, :]
-        o_c = tl.load(o_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse_c)
+    offs_c = tl.arange(0, CHUNK_S)
+    for c0 in range(0, NUM_SPLITS, CHUNK_S):
+        at = first[None, :] + (c0 + offs_c)[:, None]  # (CHUNK_S, BLOCK_M) workspace rows
+        ok = ((c0 + offs_c) < NUM_SPLITS)[:, None] & row_ok[None, :]
+        lse_c = tl.load(LSE_PART + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        o_ptrs = O_PART + at[:, :, None] * HEAD_DIM + offs_d[None, None, :]
+        o_c = tl.load(o_ptrs, mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse_c, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m - m_safe)
-        w = tl.math.exp2(lse_c - m_safe)
-        total = total * alpha + w
-        o = o * alpha[:, None] + w[:, None] * o_c
+        w = tl.math.exp2(lse_c - m_safe[None, :])  # (CHUNK_S, BLOCK_M); 0 for a chunk that saw no key
+        total = total * alpha + tl.sum(w, 0)
+        o = o * alpha[:, None] + tl.sum(w[:, :, None] * o_c, 0)
         m = m_new
     seen = total > 0.0
     total_safe = tl.where(seen, total, 1.0)
