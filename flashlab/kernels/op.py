@@ -32,6 +32,7 @@ import torch
 
 from flashlab.kernels import forward as forward_module
 from flashlab.kernels import kvcache
+from flashlab.kernels.runtime import fresh_scratch
 
 NAMESPACE = "flashlab"
 
@@ -70,7 +71,8 @@ def attention_forward(
     window = ints_to_window(window_left, window_right)
     forward_module.check_inputs(q, k, v, causal, window, scale)
     forward_module.check_num_splits(num_splits, k.shape[2])
-    return forward_module.forward(q, k, v, causal, window, scale, num_splits=num_splits)
+    with fresh_scratch():  # nothing kept alive from a CUDA-graph mode's memory pool
+        return forward_module.forward(q, k, v, causal, window, scale, num_splits=num_splits)
 
 
 @attention_forward.register_fake
@@ -108,7 +110,8 @@ def attention_with_kvcache(
     window = ints_to_window(window_left, window_right)
     checked = (q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
     capacity = kvcache.check_kvcache_inputs(*checked, check_values=check_values)
-    return kvcache.kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, capacity)
+    with fresh_scratch():  # nothing kept alive from a CUDA-graph mode's memory pool
+        return kvcache.kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, capacity)
 
 
 @attention_with_kvcache.register_fake

@@ -158,21 +158,24 @@ def current_stream(device_index: int) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 
 _SCRATCH: dict = {}  # (device index, stream handle) -> (float32 workspace, int32 counters)
+_FRESH = [0]  # > 0 inside fresh_scratch()
 
 
 def scratch(device: torch.device, stream: int, floats: int, counters: int):
-    """``(work, counters)``: a float32 workspace of at least ``floats`` elements and ``counters`` int32 counters
-    that are zero between launches, for the kernels of one call on ``stream`` (``current_stream``'s handle).
+    """``(work, counters, kept)``: a float32 workspace of at least ``floats`` elements and ``counters`` int32 counters
+    that are zero between launches, for the kernels of one call on ``stream`` (``current_stream``'s handle), and
+    whether they are the stream's kept scratch (False: fresh, to be dropped after the call).
 
     Kept per stream and grown when a call needs more: launches on one stream run one after another, so each call
     may reuse what the previous one left, and a decode step allocates nothing for it. The split-KV kernels use it
     for their chunks' partial results and for the counters that let the last chunk merge them (each program that
     raises a counter to its end puts it back to zero), and for a log-sum-exp nobody asked for. While a CUDA graph
-    is being captured, and on the CPU, the memory is fresh instead (a graph keeps its own).
+    is being captured, inside ``fresh_scratch()``, and on the CPU, the memory is fresh instead (a graph keeps its
+    own).
     """
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if _FRESH[0] or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         work = torch.empty(floats, dtype=torch.float32, device=device)
-        return work, torch.zeros(counters, dtype=torch.int32, device=device)
+        return work, torch.zeros(counters, dtype=torch.int32, device=device), False
     key = (device.index, stream)
     have = _SCRATCH.get(key)
     if have is None or have[0].numel() < floats or have[1].numel() < counters:
@@ -181,8 +184,21 @@ def scratch(device: torch.device, stream: int, floats: int, counters: int):
         have = _SCRATCH[key] = (
             torch.empty(floats, dtype=torch.float32, device=device),
             torch.zeros(counters, dtype=torch.int32, device=device),
+            True,
         )
     return have
+
+
+@contextlib.contextmanager
+def fresh_scratch():
+    """Launches inside take fresh scratch memory instead of the stream's: for the registered operators, whose
+    calls torch.compile's CUDA-graph mode runs once to warm up with its own memory pool, and which must then
+    leave nothing of that pool alive."""
+    _FRESH[0] += 1
+    try:
+        yield
+    finally:
+        _FRESH[0] -= 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -284,6 +300,7 @@ __all__ = [
     "DTYPES",
     "FAST_LAUNCH",
     "FastLaunch",
+    "fresh_scratch",
     "HEAD_DIM_MULTIPLE",
     "LOG2_E",
     "MAX_HEAD_DIM",

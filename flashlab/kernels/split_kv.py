@@ -276,13 +276,14 @@ def workspace(plan, device, stream):
     """``(o_part, lse_part, spare_lse, counters)`` for one launch of ``plan`` (a split-KV or KV-cache plan with
     ``parts``, ``d``, ``rows``, ``groups`` and ``views``), carved from the stream's ``runtime.scratch``. The views
     are kept on the plan while the scratch stays the same (cutting them costs more than a launch's arguments)."""
-    work, counters = scratch(device, stream, plan.parts * (plan.d + 1) + plan.rows, plan.groups)
+    work, counters, kept = scratch(device, stream, plan.parts * (plan.d + 1) + plan.rows, plan.groups)
     views = plan.views
     if views is not None and views[0] is work and views[1] is counters:
         return views[2]
     end = plan.parts * plan.d
     cut = (work[:end], work[end : end + plan.parts], work[end + plan.parts : end + plan.parts + plan.rows], counters)
-    plan.views = (work, counters, cut)
+    if kept:  # fresh scratch is the call's alone: nothing of it may outlive the call
+        plan.views = (work, counters, cut)
     return cut
 
 
