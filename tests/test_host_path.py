@@ -54,9 +54,9 @@ def test_single_chunk_decode_writes_the_output_directly():
     torch.testing.assert_close(o3[0], o, rtol=1e-5, atol=1e-5)
 
 
-def test_a_split_decode_step_is_one_launch_and_merges_every_chunk(monkeypatch):
-    # The chunks' merge runs in the kernel itself (the last chunk of each block to finish does it), so a decode
-    # step with many chunks is still one launch; the answer still equals the reference's.
+def test_a_few_chunks_are_merged_in_the_kernel_and_many_by_a_second(monkeypatch):
+    # A few chunks are merged in the kernel itself (the last chunk of each block to finish does it), so such a
+    # decode step is one launch; the answer still equals the reference's.
     launched = []
     real = split_kv.interpreted
 
@@ -76,6 +76,14 @@ def test_a_split_decode_step_is_one_launch_and_merges_every_chunk(monkeypatch):
     o_all, _ = forward.forward(q, k, v, False, None, None, num_splits=5, need_lse=True)
     assert forward.forward(q, k, v, False, None, None, num_splits=5, need_lse=False)[1] is None
     torch.testing.assert_close(o_all, o, rtol=0, atol=0)
+    # past MAX_MERGE_HERE_SPLITS chunks a second kernel merges them, one program per query row
+    launched.clear()
+    many = split_kv.MAX_MERGE_HERE_SPLITS + 3
+    q, k, v = make_qkv(1, 2, 1, 1, many * split_kv.KEY_ALIGN, 16, torch.float32, seed=6)
+    o = flash_attention(q, k, v, num_splits=many)
+    assert launched == ["_split_kv_partial", "split_kv_merge"]
+    ro, _ = attention(q.double().numpy(), k.double().numpy(), v.double().numpy())
+    np.testing.assert_allclose(o.double().numpy(), ro, rtol=1e-4, atol=1e-5)
 
 
 def test_remembered_signatures_still_refuse_bad_arguments():

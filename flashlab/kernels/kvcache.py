@@ -41,7 +41,6 @@ from flashlab.kernels.runtime import (
     LOG2_E,
     MAX_HEAD_DIM,
     MIN_HEAD_DIM,
-    FastLaunch,
     block_d,
     current_stream,
     device_index,
@@ -81,6 +80,7 @@ def _kvcache_partial(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     DIRECT: tl.constexpr,  # one chunk: normalise and write o and lse here, no partials, no counter
+    MERGE_HERE: tl.constexpr,  # several chunks: the last to finish merges them (else split_kv_merge does)
 ):
     # fmt: on
     pid_s = tl.program_id(0)  # which chunk of keys
@@ -167,7 +167,8 @@ def _kvcache_partial(
     first = ((off_b * HQ + off_h) * NQ + qi).to(tl.int64) * NUM_SPLITS  # (BLOCK_M,) each row's chunk 0
     counter = COUNTERS + pid_bk * tl.num_programs(2) + pid_m
     softmax_step.finish_chunk(acc, m_i, l_i, out, LSE + (off_b * HQ + off_h) * NQ + qi, row_ok, offs_d, d_ok, O_PART,
-                              LSE_PART, first, counter, pid_s, NUM_SPLITS, HEAD_DIM, BLOCK_M, BLOCK_D, DIRECT)
+                              LSE_PART, first, counter, pid_s, NUM_SPLITS, HEAD_DIM, BLOCK_M, BLOCK_D, DIRECT,
+                              MERGE_HERE)
 
 
 # (BLOCK_N, num_warps, num_stages): a subset of split_kv's space (its pruning applies), small enough that a decode
@@ -185,7 +186,7 @@ _kvcache_partial_tuned = triton.autotune(
         triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
         for bn, w, st in TUNING_SPACE + split_kv.FP32_TUNING_SPACE + [(32, 4, 1)]
     ],
-    key=["TUNE_KEY_N", "TUNE_KEY_UNITS", "HEAD_DIM", "BLOCK_M", "PAGE_SIZE", "DOT_PRECISION", "DIRECT"],
+    key=["TUNE_KEY_N", "TUNE_KEY_UNITS", "HEAD_DIM", "BLOCK_M", "PAGE_SIZE", "DOT_PRECISION", "DIRECT", "MERGE_HERE"],
     prune_configs_by={"early_config_prune": split_kv.prune_configs},
 )(_kvcache_partial)
 
@@ -418,7 +419,8 @@ class KVCachePlan:
     a JIT launch), as ``flashlab.kernels.split_kv.LaunchPlan`` does for contiguous decode."""
 
     __slots__ = ("negate", "o_shape", "lse_shape", "o_like_q", "direct", "num_splits", "parts", "d", "rows", "groups")
-    __slots__ += ("grid", "scalars", "tune", "meta", "fast", "fast_state", "views")
+    __slots__ += ("grid", "scalars", "tune", "meta", "fast", "fast_state", "views", "merge_here", "merge_grid")
+    __slots__ += ("merge_args", "merge_meta", "merge_fast")
 
     def __init__(self, q, k_cache, v_cache, table, capacity, causal, window, scale):
         b, hq, nq, d = q.shape
@@ -462,8 +464,8 @@ class KVCachePlan:
             PAGE_SIZE=k_cache.shape[1] if table is not None and table.ndim == 2 else 0,
             DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
             DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
-            DIRECT=self.direct,
         )
+        split_kv.plan_merge(self, num_splits, strides_o, hq, nq, d)
         self.grid = (num_splits, b * hk, row_blocks)
         if q.is_cuda and q.element_size() == 2 and 0 < self.meta["PAGE_SIZE"] < SMALL_BLOCK_TOKENS:
             bn, warps, stages = SMALL_BLOCK_CONFIG
@@ -503,6 +505,8 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, causal, win
         with interpreted_language(softmax_step):
             args = (*tensors, counters, *plan.scalars, *plan.tune)
             interpreted(_kvcache_partial)[plan.grid](*args, **plan.meta, BLOCK_N=CPU_CONFIG["BLOCK_N"])
+        if plan.merge_grid is not None:
+            split_kv.merge(plan, o_part, lse_part, o, tensors[8])
         return o, lse
     if q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):
@@ -516,8 +520,8 @@ def _launch_cuda(plan, q, k_cache, v_cache, table, cache_seqlens, o, lse):
     stream = current_stream(q.device.index)
     o_part, lse_part, spare, counters = split_kv.workspace(plan, q.device, stream)
     tensors = (q, k_cache, v_cache, table, cache_seqlens, o_part, lse_part, o, spare if lse is None else lse, counters)
-    if plan.fast_state == "checked":  # the launcher directly: no binding, no specialisation, no cache lookup
-        plan.fast(stream, *tensors)
+    if plan.fast_state == "checked":  # the launchers directly: no binding, no specialisation, no cache lookup
+        split_kv.launch_fast(plan, stream, tensors, 7)
         return
     args = (*tensors, *plan.scalars, *plan.tune)
     kernel = None
@@ -531,11 +535,7 @@ def _launch_cuda(plan, q, k_cache, v_cache, table, cache_seqlens, o, lse):
         else:
             kernel = _kvcache_partial[plan.grid](*args, **plan.meta, **_BEST_CONFIG[key])
         plan.meta = {**plan.meta, **_BEST_CONFIG[key]}
-    if plan.fast_state == "untried" and kernel is not None:
-        plan.fast = FastLaunch.build(_kvcache_partial, kernel, plan.grid, args, plan.meta, PARTIAL_TENSORS)
-        plan.fast_state = "built" if plan.fast is not None else "off"
-    elif plan.fast_state == "built" and not torch.cuda.is_current_stream_capturing():
-        split_kv.check_fast_launch(plan, stream, tensors, 7)  # once: bit for bit against the JIT launch
+    split_kv.after_jit_launch(plan, _kvcache_partial, kernel, args, stream, tensors, 7, PARTIAL_TENSORS)
 
 
 def paged_kv_cache(k, v, block_size: int, lengths=None, seed: int = 0):

@@ -64,32 +64,28 @@ def accumulate_pv(acc, p, v, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def merge_chunks(O_PART, LSE_PART, first, row_ok, offs_d, d_ok, NUM_SPLITS, HEAD_DIM: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr = 4):  # fmt: skip
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     """Split-KV's merge for BLOCK_M rows: combine the ``NUM_SPLITS`` partial outputs (each normalised, fp32) and
     log-sum-exps (log2 units) of every row, row ``r``'s chunk ``c`` at workspace row ``first[r] + c``.
 
-    ``flashlab.reference.merge_partials`` weighs each chunk by ``exp(lse_c - lse_total)``; this is the same sum,
-    accumulated about a running max (the online softmax's rescaling), ``CHUNK_S`` chunks per step so that many
-    loads are in flight at once: one program merges every chunk, and one at a time it would wait out a memory
-    latency per chunk. Returns ``(o, lse2)``: the merged output (fp32) and log-sum-exp (log2 units, -inf where no
-    chunk saw a key). The loads bypass L1 (``.cg``): other programs, on other SMs, wrote the partials.
+    The chunks are folded in one pass with the online softmax's rescaling (``flashlab.reference.merge_partials``
+    weighs each chunk by ``exp(lse_c - lse_total)``; this is the same sum, accumulated about a running max).
+    Returns ``(o, lse2)``: the merged output (fp32) and log-sum-exp (log2 units, -inf where no chunk saw a key).
+    The loads bypass L1 (``.cg``): the partials were written by other programs, on other SMs, a moment ago.
     """
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
     o = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    offs_c = tl.arange(0, CHUNK_S)
-    for c0 in range(0, NUM_SPLITS, CHUNK_S):
-        at = first[None, :] + (c0 + offs_c)[:, None]  # (CHUNK_S, BLOCK_M) workspace rows
-        ok = ((c0 + offs_c) < NUM_SPLITS)[:, None] & row_ok[None, :]
-        lse_c = tl.load(LSE_PART + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        o_ptrs = O_PART + at[:, :, None] * HEAD_DIM + offs_d[None, None, :]
-        o_c = tl.load(o_ptrs, mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse_c, 0))
+    for c in range(0, NUM_SPLITS):
+        lse_c = tl.load(LSE_PART + first + c, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        o_ptrs = O_PART + (first + c)[:, None] * HEAD_DIM + offs_d[None, :]
+        o_c = tl.load(o_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse_c)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m - m_safe)
-        w = tl.math.exp2(lse_c - m_safe[None, :])  # (CHUNK_S, BLOCK_M); 0 for a chunk that saw no key
-        total = total * alpha + tl.sum(w, 0)
-        o = o * alpha[:, None] + tl.sum(w[:, :, None] * o_c, 0)
+        w = tl.math.exp2(lse_c - m_safe)
+        total = total * alpha + w
+        o = o * alpha[:, None] + w[:, None] * o_c
         m = m_new
     seen = total > 0.0
     total_safe = tl.where(seen, total, 1.0)
@@ -99,14 +95,15 @@ def merge_chunks(O_PART, LSE_PART, first, row_ok, offs_d, d_ok, NUM_SPLITS, HEAD
 @triton.jit
 def finish_chunk(acc, m_i, l_i, out, lse_out, row_ok, offs_d, d_ok, O_PART, LSE_PART, first, counter, pid_s,
                  NUM_SPLITS, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                 DIRECT: tl.constexpr):  # fmt: skip
+                 DIRECT: tl.constexpr, MERGE_HERE: tl.constexpr):  # fmt: skip
     """The end of a split-KV program: its chunk's running output ``acc``, max ``m_i`` and sum ``l_i`` (log2
     units) for BLOCK_M rows become the answer, or a partial result that the chunks' last finisher merges.
 
     ``out`` and ``lse_out`` point at each row's output row and lse; ``first`` is each row's chunk 0 in the
     workspace (``O_PART`` rows of HEAD_DIM floats, ``LSE_PART`` floats); ``counter`` is this block's int32 counter
     of finished chunks, zero when the launch starts. With ``DIRECT`` (one chunk) the output is written at once.
-    Otherwise the program stores its partial, counts itself finished (an atomic add whose release makes the
+    Otherwise the program stores its partial; without ``MERGE_HERE`` a second kernel merges them
+    (``split_kv.split_kv_merge``). With it, the program counts itself finished (an atomic add whose release makes the
     partial visible, after a barrier so every thread's stores are in), and the one that finds every other chunk
     already counted (acquire) merges them all (``merge_chunks``), writes the output and sets the counter back to
     zero for the next launch. A row that saw no key gives zeros and lse -inf.
@@ -122,11 +119,13 @@ def finish_chunk(acc, m_i, l_i, out, lse_out, row_ok, offs_d, d_ok, O_PART, LSE_
         tl.store(LSE_PART + first + pid_s, lse2, mask=row_ok)
         part = O_PART + (first + pid_s)[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(part, o, mask=row_ok[:, None] & d_ok[None, :])
-        tl.debug_barrier()
-        finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")  # chunks that finished before this one
-        if finished == NUM_SPLITS - 1:
-            o, lse2 = merge_chunks(O_PART, LSE_PART, first, row_ok, offs_d, d_ok, NUM_SPLITS, HEAD_DIM, BLOCK_M,
-                                   BLOCK_D)  # fmt: skip
-            tl.store(lse_out, lse2 * LN_2, mask=row_ok)
-            tl.store(out[:, None] + offs_d[None, :], o.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-            tl.atomic_xchg(counter, 0)
+        if MERGE_HERE:
+            tl.debug_barrier()
+            finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")  # chunks that finished before this
+            if finished == NUM_SPLITS - 1:
+                o, lse2 = merge_chunks(O_PART, LSE_PART, first, row_ok, offs_d, d_ok, NUM_SPLITS, HEAD_DIM, BLOCK_M,
+                                       BLOCK_D)  # fmt: skip
+                tl.store(lse_out, lse2 * LN_2, mask=row_ok)
+                o_out = o.to(out.dtype.element_ty)
+                tl.store(out[:, None] + offs_d[None, :], o_out, mask=row_ok[:, None] & d_ok[None, :])
+                tl.atomic_xchg(counter, 0)

@@ -11,9 +11,10 @@ head that shares it. ``_split_kv_partial`` fixes both:
    kernel over its chunk and writes a partial output and its log-sum-exp.
 2. The merge: the chunks' partial outputs are combined, weighted by ``exp(lse_chunk - lse_total)`` -- the
    log-sum-exp merge of ``flashlab.reference.merge_partials``, which is the float64 reference for this step
-   (notebook 06 does it by hand). No second kernel does it: every program counts itself finished on a counter
-   of its block (an atomic add), and the one that finishes last reads the others' partials and merges them
-   (``softmax_step.merge_chunks``). A decode step is one launch, which is most of its host time.
+   (notebook 06 does it by hand). Up to ``MAX_MERGE_HERE_SPLITS`` chunks no second kernel does it: every
+   program counts itself finished on a counter of its block (an atomic add), and the one that finishes last
+   reads the others' partials and merges them (``softmax_step.merge_chunks``), so a short decode step is one
+   launch, which is most of its host time. More chunks are merged by ``split_kv_merge``, one program per row.
 
 Bytes: each K/V element is read once (plus a partial output of ``GROUP * Nq * D`` floats per chunk, written and
 read back once), so decode runs at the speed the KV cache can be streamed.
@@ -42,6 +43,7 @@ from flashlab.kernels.runtime import (
     sm_count,
     smem_limit,
 )
+from flashlab.kernels.softmax_step import LN_2
 
 # The split path is taken automatically when a sequence has at most this many query rows (decode, speculative
 # decoding's few draft tokens); longer queries give the prefill kernel enough programs on their own.
@@ -49,8 +51,12 @@ MAX_SPLIT_QUERY_ROWS = 16
 # A chunk never holds fewer keys than this (a multiple of every BLOCK_N below, one tile of the largest), so its
 # fixed cost (loading the query tile, writing a partial output) stays small next to streaming its keys.
 MIN_KEYS_PER_SPLIT = 128
-# Largest number of chunks (the merge folds them one at a time).
+# Largest number of chunks (the merge kernel holds one log-sum-exp per chunk in a single tile).
 MAX_SPLITS = 256
+MAX_MERGE_HERE_SPLITS = 16
+# Up to this many chunks the last to finish merges them in the same kernel. It folds them one at a time, a memory
+# latency each, so past this a second kernel merges them instead, one program per query row: on the H200 at 32K
+# keys and B = 1 (43 chunks) the in-kernel merge cost 8 us of a 54 us step, a second launch about 2.
 # Programs one SM holds at once with the decode configs (a 64-key tile, two stages: ~70 KB of shared memory of
 # 228 KB). The chunks are chosen so the grid fills these slots once and evenly: on the H200 a grid one program
 # per SM short of a multiple of them lost up to 10% against one that filled them (docs/kernel-notes.md).
@@ -80,6 +86,7 @@ def _split_kv_partial(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
     DOT_UPCAST: tl.constexpr,  # interpreter: feed 16-bit tiles to the dots as fp32
     DIRECT: tl.constexpr,  # one chunk: normalise and write O and LSE, no partials, no counter
+    MERGE_HERE: tl.constexpr,  # several chunks: the last to finish merges them (else split_kv_merge does)
 ):
     # fmt: on
     pid_s = tl.program_id(0)  # which chunk of keys
@@ -156,7 +163,47 @@ def _split_kv_partial(
     first = ((off_b * HQ + off_h) * NQ + qi).to(tl.int64) * NUM_SPLITS  # (BLOCK_M,) each row's chunk 0
     counter = COUNTERS + pid_bk * tl.num_programs(2) + pid_m
     softmax_step.finish_chunk(acc, m_i, l_i, out, LSE + (off_b * HQ + off_h) * NQ + qi, row_ok, offs_d, d_ok, O_PART,
-                              LSE_PART, first, counter, pid_s, NUM_SPLITS, HEAD_DIM, BLOCK_M, BLOCK_D, DIRECT)
+                              LSE_PART, first, counter, pid_s, NUM_SPLITS, HEAD_DIM, BLOCK_M, BLOCK_D, DIRECT,
+                              MERGE_HERE)
+
+
+@triton.jit
+def split_kv_merge(
+    O_PART, LSE_PART, O, LSE,  # the chunks' partial outputs and log-sum-exps; the merged output and lse
+    stride_ob, stride_oh, stride_om,
+    HQ, NQ, NUM_SPLITS,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # NUM_SPLITS rounded up to a power of two: every chunk's lse in one tile
+    CHUNK_S: tl.constexpr,  # partial outputs summed this many chunks at a time (bounds the registers used)
+):
+    row = tl.program_id(0)  # one query row: (batch entry, query head, query position)
+    off_b = row // (HQ * NQ)
+    off_h = (row // NQ) % HQ
+    qi = row % NQ
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    first = row.to(tl.int64) * NUM_SPLITS  # this row's first chunk in the workspace
+    # -- lse_total = log(sum_c exp(lse_c)), taken about the largest lse so no exp overflows
+    offs_s = tl.arange(0, BLOCK_S)
+    lse2 = tl.load(LSE_PART + first + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))  # log2 units
+    m = tl.max(lse2, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # every chunk empty: all weights 0, the row gives zeros
+    total = tl.sum(tl.math.exp2(lse2 - m_safe), 0)
+    total_safe = tl.where(total > 0.0, total, 1.0)
+    # -- o = sum_c exp(lse_c - lse_total) * o_c
+    o = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for c0 in range(0, NUM_SPLITS, CHUNK_S):
+        offs_c = c0 + tl.arange(0, CHUNK_S)
+        c_ok = offs_c < NUM_SPLITS
+        w = tl.math.exp2(tl.load(LSE_PART + first + offs_c, mask=c_ok, other=float("-inf")) - m_safe) / total_safe
+        o_ptrs = O_PART + (first + offs_c)[:, None] * HEAD_DIM + offs_d[None, :]
+        o_part = tl.load(o_ptrs, mask=c_ok[:, None] & d_ok[None, :], other=0.0)  # (CHUNK_S, BLOCK_D)
+        o += tl.sum(w[:, None] * o_part, 0)
+    lse = tl.where(total > 0.0, (m_safe + tl.math.log2(total_safe)) * LN_2, float("-inf"))
+    tl.store(LSE + row, lse)
+    out_ptrs = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + qi.to(tl.int64) * stride_om
+    tl.store(out_ptrs + offs_d, o.to(O.dtype.element_ty), mask=d_ok)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -192,7 +239,7 @@ def tuning_configs():
 
 _split_kv_partial_tuned = triton.autotune(
     configs=tuning_configs(),
-    key=["TUNE_KEY_N", "TUNE_KEY_UNITS", "HEAD_DIM", "BLOCK_M", "DOT_PRECISION", "DIRECT"],
+    key=["TUNE_KEY_N", "TUNE_KEY_UNITS", "HEAD_DIM", "BLOCK_M", "DOT_PRECISION", "DIRECT", "MERGE_HERE"],
     prune_configs_by={"early_config_prune": prune_configs},
 )(_split_kv_partial)
 
@@ -233,7 +280,7 @@ class LaunchPlan:
     launch. A decode step then costs one kernel launch (and the output's allocation)."""
 
     __slots__ = ("num_splits", "direct", "parts", "d", "rows", "groups", "grid", "scalars", "tune", "meta", "fast")
-    __slots__ += ("fast_state", "views")
+    __slots__ += ("fast_state", "views", "merge_here", "merge_grid", "merge_args", "merge_meta", "merge_fast")
 
     def __init__(self, q, k, v, o, offset, win_left, win_right, qk_scale, num_splits):
         b, hq, nq, d = q.shape
@@ -265,11 +312,32 @@ class LaunchPlan:
             BLOCK_M=block_m,
             DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
             DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
-            DIRECT=self.direct,
         )
+        plan_merge(self, num_splits, (o.stride(0), o.stride(1), o.stride(2)), hq, nq, d)
         # the direct launch (runtime.FastLaunch): "untried" -> "built" -> "checked" (bit-equal to a JIT launch
         # once) or "off"
         self.fast, self.fast_state = None, "untried"
+
+
+def plan_merge(plan, num_splits, strides_o, hq, nq, d):
+    """Set a plan's merge: none (``DIRECT``, one chunk), in the kernel (``MERGE_HERE``, a few chunks), or by
+    ``split_kv_merge`` (``merge_grid``, ``merge_args``, ``merge_meta``); shared by the KV-cache plan."""
+    plan.merge_here = 1 < num_splits <= MAX_MERGE_HERE_SPLITS
+    plan.meta.update(DIRECT=plan.direct, MERGE_HERE=plan.merge_here)
+    plan.merge_grid = None if plan.direct or plan.merge_here else (plan.rows,)
+    plan.merge_args = (*strides_o, hq, nq, num_splits)
+    plan.merge_meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_S=max(2, next_power_of_2(num_splits)), CHUNK_S=8)
+    plan.merge_fast = None
+
+
+def merge(plan, o_part, lse_part, o, lse):
+    """Launch ``split_kv_merge`` for a plan that has one (``plan.merge_grid``): the JIT launch, the first time."""
+    args = (o_part, lse_part, o, lse, *plan.merge_args)
+    if not o.is_cuda:
+        with interpreted_language(softmax_step):
+            interpreted(split_kv_merge)[plan.merge_grid](*args, **plan.merge_meta)
+        return None
+    return split_kv_merge[plan.merge_grid](*args, **plan.merge_meta)
 
 
 def workspace(plan, device, stream):
@@ -320,6 +388,8 @@ def run(plan: LaunchPlan, q, k, v, o, lse) -> None:
         args = (q, k, v, o_part, lse_part, o, spare if lse is None else lse, counters, *plan.scalars, *plan.tune)
         with interpreted_language(softmax_step):
             interpreted(_split_kv_partial)[plan.grid](*args, **plan.meta, BLOCK_N=CPU_CONFIG["BLOCK_N"])
+        if plan.merge_grid is not None:
+            merge(plan, o_part, lse_part, o, args[6])
         return
     if q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):
@@ -329,14 +399,15 @@ def run(plan: LaunchPlan, q, k, v, o, lse) -> None:
 
 
 PARTIAL_TENSORS = ("Q", "K", "V", "O_PART", "LSE_PART", "O", "LSE", "COUNTERS")
+MERGE_TENSORS = ("O_PART", "LSE_PART", "O", "LSE")
 
 
 def _launch_cuda(plan, q, k, v, o, lse):
     stream = current_stream(q.device.index)
     o_part, lse_part, spare, counters = workspace(plan, q.device, stream)
     tensors = (q, k, v, o_part, lse_part, o, spare if lse is None else lse, counters)
-    if plan.fast_state == "checked":  # the launcher directly: no binding, no specialisation, no cache lookup
-        plan.fast(stream, *tensors)
+    if plan.fast_state == "checked":  # the launchers directly: no binding, no specialisation, no cache lookup
+        launch_fast(plan, stream, tensors, 5)
         return
     args = (*tensors, *plan.scalars, *plan.tune)
     kernel = None
@@ -350,11 +421,33 @@ def _launch_cuda(plan, q, k, v, o, lse):
         else:
             kernel = _split_kv_partial[plan.grid](*args, **plan.meta, **_BEST_CONFIG[key])
         plan.meta = {**plan.meta, **_BEST_CONFIG[key]}
+    after_jit_launch(plan, _split_kv_partial, kernel, args, stream, tensors, 5, PARTIAL_TENSORS)
+
+
+def after_jit_launch(plan, jit_function, kernel, args, stream, tensors, out_slot, tensor_names):
+    """After a plan's JIT launch of its partial kernel (``kernel``: what it returned, None when the autotuner ran
+    it): launch the merge kernel if the plan has one, then move the direct launches one step on ("untried" ->
+    "built" -> "checked" or "off"). ``tensors`` are the partial kernel's ``tensor_names``, of which
+    ``tensors[out_slot - 2 : out_slot + 2]`` are o_part, lse_part, o and lse."""
+    o_part, lse_part, o, lse = tensors[out_slot - 2 : out_slot + 2]
+    merge_kernel = merge(plan, o_part, lse_part, o, lse) if plan.merge_grid is not None else None
     if plan.fast_state == "untried" and kernel is not None:
-        plan.fast = FastLaunch.build(_split_kv_partial, kernel, plan.grid, args, plan.meta, PARTIAL_TENSORS)
-        plan.fast_state = "built" if plan.fast is not None else "off"
+        plan.fast = FastLaunch.build(jit_function, kernel, plan.grid, args, plan.meta, tensor_names)
+        if merge_kernel is not None:
+            merge_args = (o_part, lse_part, o, lse, *plan.merge_args)
+            plan.merge_fast = FastLaunch.build(split_kv_merge, merge_kernel, plan.merge_grid, merge_args,
+                                               plan.merge_meta, MERGE_TENSORS)  # fmt: skip
+        ok = plan.fast is not None and (plan.merge_grid is None or plan.merge_fast is not None)
+        plan.fast_state = "built" if ok else "off"
     elif plan.fast_state == "built" and not torch.cuda.is_current_stream_capturing():
-        check_fast_launch(plan, stream, tensors, 5)
+        check_fast_launch(plan, stream, tensors, out_slot)
+
+
+def launch_fast(plan, stream, tensors, out_slot):
+    """A plan's direct launches: the partial kernel, then the merge kernel if it has one."""
+    plan.fast(stream, *tensors)
+    if plan.merge_fast is not None:
+        plan.merge_fast(stream, *tensors[out_slot - 2 : out_slot + 2])
 
 
 def check_fast_launch(plan, stream, tensors, out_slot):
@@ -365,7 +458,7 @@ def check_fast_launch(plan, stream, tensors, out_slot):
     o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
     fresh = (*tensors[:out_slot], o2, lse2, *tensors[out_slot + 2 :])
     try:
-        plan.fast(stream, *fresh)
+        launch_fast(plan, stream, fresh, out_slot)
         same = torch.equal(o2, o) and torch.equal(lse2, lse)
     except Exception:  # noqa: BLE001 -- a launcher that does not take these arguments: keep the JIT
         same = False
@@ -377,16 +470,23 @@ __all__ = [
     "LaunchPlan",
     "MAX_SPLIT_QUERY_ROWS",
     "MAX_SPLITS",
+    "MAX_MERGE_HERE_SPLITS",
+    "MERGE_TENSORS",
     "MIN_KEYS_PER_SPLIT",
     "PARTIAL_TENSORS",
     "check_fast_launch",
+    "after_jit_launch",
     "choose_splits",
     "launch",
+    "launch_fast",
+    "merge",
     "packed_block_m",
     "plan_launch",
+    "plan_merge",
     "prune_configs",
     "run",
     "split_keys",
+    "split_kv_merge",
     "workspace",
     "tuning_configs",
 ]
