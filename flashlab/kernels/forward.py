@@ -20,8 +20,10 @@ GPU and without the user setting ``TRITON_INTERPRET``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
+import warnings
 
 import torch
 
@@ -29,7 +31,7 @@ from flashlab.core.checks import as_real
 from flashlab.core.integers import cdiv
 from flashlab.core.masking import visible_band
 from flashlab.core.shapes import attention_shape
-from flashlab.kernels import autograd, skip_split, softmax_step, split_kv
+from flashlab.kernels import autograd, ladder, skip_split, softmax_step, split_kv
 from flashlab.kernels.runtime import (
     CPU_CONFIG,
     DTYPES,
@@ -129,7 +131,7 @@ def check_num_splits(num_splits, nk: int) -> None:
         raise ValueError(f"num_splits must be between 1 and min(Nk, {split_kv.MAX_SPLITS}) = {most}; got {num_splits}")
 
 
-def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=False, *, num_splits=None):
+def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=False, *, num_splits=None, rung=None):
     """FlashAttention forward: ``softmax(q k^T * scale + mask) v``, never materialising the score matrix.
 
     q ``(B, Hq, Nq, D)``, k and v ``(B, Hk, Nk, D)`` with Hq a multiple of Hk (grouped-query attention: query head h
@@ -145,10 +147,17 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
     (Flash-Decoding): the keys are cut into chunks that run in parallel and are merged by their log-sum-exps.
     ``num_splits`` forces that path with this many chunks (at any Nq); ``None`` chooses.
 
+    ``rung`` picks the prefill kernel from the kernel ladder (``flashlab.kernels.ladder.RUNGS``): ``None`` runs the
+    fastest rung that can run these inputs on their device (and split-KV for decode, as above); a name such as
+    ``"lesson_loop"`` or ``"skip_split"`` runs that rung at any Nq (not split-KV, so it cannot be combined with
+    ``num_splits``). Where the named rung cannot run here, a ``RuntimeWarning`` names it and the reason, and the
+    fastest rung that can run is used. An unknown name is a ValueError listing the rungs.
+
     Differentiable: when grad is enabled and q, k or v requires grad, backpropagating through ``o`` gives
     gradients for q, k and v from the FlashAttention-2 backward (``flashlab.kernels.backward``: the probabilities
     recomputed from q, k and the saved lse, nothing of size Nq x Nk stored; deterministic). Such calls always take
-    the prefill kernel (``num_splits`` is ignored: split-KV has no backward). ``lse`` is not differentiable: a loss
+    the prefill kernel (``num_splits`` is ignored: split-KV has no backward; a ``rung`` is kept, and the backward
+    uses the log-sum-exp that rung computed). ``lse`` is not differentiable: a loss
     that depends on it raises an error in the backward pass.
 
     Must equal ``flashlab.reference.tiled_attention`` (the NumPy tiled loop) and ``flashlab.reference.attention``
@@ -157,11 +166,18 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
     """
     check_inputs(q, k, v, causal, window, scale)
     check_num_splits(num_splits, k.shape[2])
+    if rung is not None:
+        ladder.rung_named(rung)  # an unknown name fails here, before anything runs
+        if num_splits is not None:
+            raise ValueError(
+                f"num_splits chooses the split-KV path and rung={rung!r} a prefill kernel of the ladder; pass one"
+            )
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         # differentiable: the prefill kernel (split-KV has no backward), then flashlab.kernels.backward
-        o, lse = autograd.differentiable_attention(forward, q, k, v, causal, window, scale)
+        run_forward = forward if rung is None else functools.partial(forward, rung=rung)
+        o, lse = autograd.differentiable_attention(run_forward, q, k, v, causal, window, scale)
     else:
-        o, lse = forward(q, k, v, causal, window, scale, num_splits=num_splits)
+        o, lse = forward(q, k, v, causal, window, scale, num_splits=num_splits, rung=rung)
     return (o, lse) if return_lse else o
 
 
@@ -186,14 +202,19 @@ TRACED_FORWARD = None
 
 
 class ForwardPlan:
-    """What ``forward`` decides for one call signature (shapes, strides, dtype, device, mask, scale), worked out
-    once: the path (split-KV or prefill), the band and scale as the kernels take them, the launch arguments, and on
-    a GPU the autotuner's pick after the first call. Later calls allocate the outputs and launch."""
+    """What ``forward`` decides for one call signature (shapes, strides, dtype, device, mask, scale, rung), worked
+    out once: the path (split-KV or a rung of the ladder), the band and scale as the kernels take them, the launch
+    arguments, and on a GPU the autotuner's pick after the first call. Later calls allocate the outputs and launch.
+
+    ``rung`` is the rung the call asked for (None: the fastest that can run, and split-KV for decode); ``note``
+    the warning a call repeats when that rung cannot run here. Skip-and-split, the default rung, is launched here
+    with its autotuner cache and direct relaunch (``scalars``, ``tune``, ``meta``, ``config``, ``fast``); any
+    other rung through its module's ``launch`` (``rung_launch``)."""
 
     __slots__ = ("copy", "negate", "band", "split", "o_shape", "lse_shape", "grid", "scalars", "tune", "meta")
-    __slots__ += ("config", "want_tma", "fast", "fast_state")
+    __slots__ += ("config", "want_tma", "fast", "fast_state", "rung_launch", "note")
 
-    def __init__(self, q, k, v, causal, window, scale, num_splits):
+    def __init__(self, q, k, v, causal, window, scale, num_splits, rung=None):
         b, hq, nq, d = q.shape
         hk, nk = k.shape[1], k.shape[2]
         self.copy = tuple(x.stride(-1) != 1 for x in (q, k, v))
@@ -210,9 +231,14 @@ class ForwardPlan:
         self.split = None
         self.config = None
         self.fast, self.fast_state = None, "untried"  # direct launches, as in split_kv.LaunchPlan
-        if num_splits is not None or nq <= split_kv.MAX_SPLIT_QUERY_ROWS:  # decode: split-KV
+        self.rung_launch, self.note = None, None
+        if num_splits is not None or (rung is None and nq <= split_kv.MAX_SPLIT_QUERY_ROWS):  # decode: split-KV
             o = torch.empty(self.o_shape, dtype=q.dtype, device="meta")  # for its strides only
             self.split = split_kv.plan_launch(q, k, v, o, offset, win_left, win_right, qk_scale, num_splits)
+            return
+        chosen, self.note = ladder.select(rung, q, k, v, causal, window)
+        if chosen.name != skip_split.NAME:
+            self.rung_launch = chosen.launch
             return
         # masked short sequences: TMA was erratic there on the H200 (docs/kernel-notes.md)
         self.want_tma = q.is_cuda and skip_split.wants_tma(causal, window, nk)
@@ -242,29 +268,35 @@ def _plan_key(q, k, v, causal, window, scale, num_splits):
             type(scale), num_splits)  # fmt: skip
 
 
-def forward(q, k, v, causal, window, scale, num_splits=None, config=None, reverse_m=None, use_tma=None):
+def forward(q, k, v, causal, window, scale, num_splits=None, config=None, reverse_m=None, use_tma=None, rung=None):
     """Run the forward pass on checked inputs; returns ``(o, lse)``.
 
-    ``num_splits`` as in ``flash_attention``. The other three are the benchmark's switches for studying the kernel
-    (``python -m flashlab.bench --config/--tile-order/--tma``): ``config`` (a dict of BLOCK_M, BLOCK_N, num_warps,
-    num_stages) bypasses the autotuner, ``reverse_m`` overrides the causal tile order, ``use_tma`` forces TMA
-    loads on or off where they can be used. None leaves each to the kernel's own choice.
+    ``num_splits`` and ``rung`` as in ``flash_attention``. The other three are the benchmark's switches for studying
+    the kernel (``python -m flashlab.bench --config/--tile-order/--tma``): ``config`` (a dict of BLOCK_M, BLOCK_N,
+    num_warps, num_stages) bypasses the autotuner, ``reverse_m`` overrides the causal tile order, ``use_tma`` forces
+    TMA loads on or off where they can be used. None leaves each to the kernel's own choice. ``reverse_m`` and
+    ``use_tma`` are switches of the skip-and-split rung, which is also the one a ``config`` goes to when no rung is
+    named (the backward asks for small query tiles that way).
 
     The decisions for a call signature are made once (``ForwardPlan``) and reused, so a repeated call (a decode
     step, a layer of a model) pays little more than its kernel launches.
     """
     if config is not None or reverse_m is not None or use_tma is not None:
-        return _forward_studied(q, k, v, causal, window, scale, num_splits, config, reverse_m, use_tma)
+        return _forward_studied(q, k, v, causal, window, scale, num_splits, config, reverse_m, use_tma, rung)
     if TRACED_FORWARD is not None and torch.compiler.is_compiling():
-        return TRACED_FORWARD(q, k, v, causal, window, scale, num_splits)  # one opaque operator (kernels.op)
+        return TRACED_FORWARD(q, k, v, causal, window, scale, num_splits, rung)  # one opaque operator (kernels.op)
     key = _plan_key(q, k, v, causal, window, scale, num_splits)
+    if key is not None and rung is not None:
+        key = (*key, rung)
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
-        plan = ForwardPlan(q, k, v, causal, window, scale, num_splits)
+        plan = ForwardPlan(q, k, v, causal, window, scale, num_splits, rung)
         if key is not None:
             if len(_PLANS) >= MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = plan
+    if plan.note is not None:  # the rung asked for cannot run here: said on every call, not only the first
+        warnings.warn(plan.note, RuntimeWarning, stacklevel=3)
     if True in plan.copy:
         q, k, v = (x.contiguous() if c else x for x, c in zip((q, k, v), plan.copy, strict=True))
     if plan.negate:
@@ -273,6 +305,9 @@ def forward(q, k, v, causal, window, scale, num_splits=None, config=None, revers
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     if plan.split is not None:
         split_kv.run(plan.split, q, k, v, o, lse)
+        return o, lse
+    if plan.rung_launch is not None:  # a rung other than skip-and-split: its module launches it
+        plan.rung_launch(q, k, v, o, lse, causal, window, plan.band)
         return o, lse
     descs = skip_split.tma_descriptors(q, k, v, o) if plan.want_tma else None
     args = (q, k, v, o, lse, *(descs if descs else (q, k, v, o)), *plan.scalars, *plan.tune)
@@ -323,7 +358,7 @@ def _try_fast_launch(plan, kernel, grid, args, kwargs, o, lse):
 _NO_CONTEXT = contextlib.nullcontext()
 
 
-def _forward_studied(q, k, v, causal, window, scale, num_splits, config, reverse_m, use_tma):
+def _forward_studied(q, k, v, causal, window, scale, num_splits, config, reverse_m, use_tma, rung=None):
     """``forward`` with the benchmark's switches set: decided afresh on every call."""
     b, hq, nq, d = q.shape
     nk = k.shape[2]
@@ -333,11 +368,22 @@ def _forward_studied(q, k, v, causal, window, scale, num_splits, config, reverse
     q, offset, win_left, win_right, qk_scale = kernel_args(q, k, v, causal, window, scale)
     o = torch.empty((b, hq, nq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
-    if num_splits is not None or (nq <= split_kv.MAX_SPLIT_QUERY_ROWS and config is None):  # decode: split-KV
+    split = num_splits is not None or (rung is None and nq <= split_kv.MAX_SPLIT_QUERY_ROWS and config is None)
+    if split:  # decode: split-KV
         split_kv.launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits)
         return o, lse
     band = (offset, win_left, win_right, qk_scale)
-    skip_split.launch(q, k, v, o, lse, causal, window, band, config=config, reverse_m=reverse_m, use_tma=use_tma)
+    chosen = ladder.rung_named(skip_split.NAME)  # no rung named: the switches are skip-and-split's
+    if rung is not None:
+        chosen, note = ladder.select(rung, q, k, v, causal, window)
+        if note is not None:
+            warnings.warn(note, RuntimeWarning, stacklevel=3)
+    if chosen.name == skip_split.NAME:
+        skip_split.launch(q, k, v, o, lse, causal, window, band, config=config, reverse_m=reverse_m, use_tma=use_tma)
+    elif reverse_m is not None or use_tma is not None:
+        raise ValueError(f"reverse_m and use_tma are switches of the skip_split rung, not of rung {chosen.name!r}")
+    else:
+        chosen.launch(q, k, v, o, lse, causal, window, band, config=config)
     return o, lse
 
 
