@@ -9,9 +9,9 @@ run Triton's interpreter inside the node, so the same compiled model runs in CI.
 
 - ``flashlab::attention_forward(q, k, v, causal, window_left, window_right, scale, num_splits, rung=None) ->
   (o, lse)``: the forward pass of ``flashlab.kernels.forward.forward``. A window side of ``-1`` means unbounded
-  (None), a ``scale`` of None the default ``1/sqrt(D)``, a ``rung`` of None the ladder's own choice. ``flash_attention`` calls it while it is being compiled
-  (``torch.compiler.is_compiling()``); in eager mode it launches directly, because the dispatcher's work for a
-  custom operator would add to every call's host time.
+  (None), a ``scale`` of None the default ``1/sqrt(D)``, a ``rung`` of None the kernel ladder's own choice.
+  ``flash_attention`` calls it while it is being compiled (``torch.compiler.is_compiling()``); in eager mode it
+  launches directly, because the dispatcher's work for a custom operator would add to every call's host time.
 - ``flashlab::attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, window_left,
   window_right, scale, check_values) -> (o, lse)``: ``flashlab.kernels.kvcache``'s paged-cache attention, likewise.
 
