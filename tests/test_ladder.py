@@ -294,9 +294,34 @@ def test_the_notebook_reads_a_recording_or_says_there_is_none(tmp_path):
     meta = {"is_cuda_gpu": True, "device_name": "a GPU"}
     json_path, _ = ladder_results(TIMES, meta=meta).save(tmp_path / "ladder")
     results, source = bench_ladder.notebook_ladder(json_path, live="auto", cuda=False)
-    assert source == "recorded GPU (ladder.json)" and len(results.rows) == len(ladder_results(TIMES).rows)
+    assert source == "recorded GPU" and len(results.rows) == len(ladder_results(TIMES).rows)
     results, source = bench_ladder.notebook_ladder(tmp_path / "missing.json", live=False, cuda=False)
     assert results is None and "no recording" in source
+
+
+def test_notebook_05_shows_the_steps_of_a_recording(tmp_path, monkeypatch, capsys):
+    # the notebook's ladder cells on a hand-made recording in a temporary folder (a stand-in for the H200 file)
+    import matplotlib
+    import nbformat
+
+    matplotlib.use("Agg")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # the recording, never a live GPU sweep
+    meta = dict(is_cuda_gpu=True, device_name="a GPU", torch="t", triton="tr", date="2026-12-01T00:00:00Z",
+                command="python -m flashlab.bench --backends ...")  # fmt: skip
+    ladder_results(TIMES, meta=meta).save(tmp_path / "h200-ladder-bf16-2026-12-01")
+    nb = nbformat.read(ROOT / "notebooks" / "05_timing_on_gpu.ipynb", as_version=4)
+    cells = {c.id: c.source for c in nb.cells}
+    namespace: dict = {}
+    exec(compile(cells["999323e5"], "05:imports", "exec"), namespace)
+    namespace["RESULTS_DIR"] = tmp_path
+    for cell_id in ("nb05-ladder-load", "nb05-ladder-gain"):
+        exec(compile(cells[cell_id], f"05:{cell_id}", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert namespace["LADDER_SOURCE"] == "recorded GPU"
+    assert "flashlab_skip_split over flashlab_lesson_loop -- removes masked-tile work" in out
+    causal = next(s for s in bench_ladder.steps(namespace["rung_results"]) if s.causal)
+    assert f"causal : {causal.geomean:.2f}x geo-mean over 2 lengths" in out  # computed from the file, not typed
+    assert "against PyTorch SDPA FlashAttention-2" in out and "SDPA cuDNN" not in out
 
 
 # ---- compiled, on a GPU --------------------------------------------------------------------------------------------

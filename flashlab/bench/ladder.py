@@ -45,7 +45,8 @@ def removes(results: BenchResults, backend: str) -> str:
     name = backend.removeprefix(RUNG_PREFIX)
     if name in ladder.names():
         return ladder.rung_named(name).removes
-    return results.meta.get("backends", {}).get(backend, "(not described)")
+    described = results.meta.get("backends", {}).get(backend, "(not described)")
+    return described.split("the ladder's rung that removes ", 1)[-1]  # as rung_backend describes a rung
 
 
 def panels(results: BenchResults) -> list[tuple[str, int, bool]]:
@@ -143,23 +144,28 @@ def plot_ladder(results: BenchResults, title: str | None = None):
         ax.set_title(f"{dtype}, D = {d}, {'causal' if causal else 'no mask'}", fontsize=10)
         ax.set_xlabel("sequence length N")
     axes[0, 0].set_ylabel("TFLOP/s")
-    axes[0, -1].legend(fontsize=7)
+    legend = {}  # label -> line, over every panel (a backend may be missing from some)
+    for ax in axes[0]:
+        legend.update({line.get_label(): line for line in ax.get_lines()})
+    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=min(len(legend), 5), fontsize=8)
     if title:
         fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     return fig
 
 
 # The sweeps a notebook runs when it has no recording to show: on a GPU a short one of the recorded kind; on a CPU
-# a tiny one through Triton's interpreter (its times follow the tiles each rung computes, not a GPU's speed).
+# a tiny one through Triton's interpreter (its times follow the NumPy work of each rung -- the tiles it computes
+# and the masks it applies -- not a GPU's speed).
 LIVE_GPU = BenchConfig(device="cuda", seq_lens=(512, 1024, 2048, 4096, 8192), head_dims=(128,), dtypes=("bf16",),
                        warmup=10, rep=40, ceilings=False)  # fmt: skip
-LIVE_CPU = BenchConfig(device="cpu", seq_lens=(32, 64, 128), head_dims=(16,), dtypes=("fp32",), tokens=128,
-                       model_dim=32, warmup=0.0, rep=1.0)  # fmt: skip
+LIVE_CPU = BenchConfig(device="cpu", seq_lens=(32, 64), head_dims=(16,), dtypes=("fp32",), tokens=64, model_dim=16,
+                       warmup=0.0, rep=1.0)  # fmt: skip
 
 
 def notebook_ladder(recording, live="auto", cuda=None) -> tuple[BenchResults | None, str]:
-    """What a notebook shows, and where it came from: ``(results, source)``.
+    """What a notebook shows, and where it came from: ``(results, source)``, source one of "live GPU", "recorded
+    GPU", "recorded CPU", "live CPU" (or why there is nothing).
 
     ``live="auto"``: a live sweep (``LIVE_GPU``) when this machine has a GPU, else the ``recording`` (a path to a
     sweep's ``.json``) if it exists, else a tiny CPU sweep (``LIVE_CPU``). ``live=False``: the recording or
@@ -177,7 +183,7 @@ def notebook_ladder(recording, live="auto", cuda=None) -> tuple[BenchResults | N
     recording = Path(recording)
     if recording.exists():
         results = BenchResults.load(recording)
-        return results, f"recorded {'GPU' if results.meta.get('is_cuda_gpu') else 'CPU'} ({recording.name})"
+        return results, f"recorded {'GPU' if results.meta.get('is_cuda_gpu') else 'CPU'}"
     if not live:
         return None, f"no recording at {recording}"
     config = replace(LIVE_CPU, backends=backends + ("sdpa_flash",))
