@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -226,17 +224,17 @@ def test_a_rung_that_cannot_run_a_cell_is_skipped_not_replaced():
     assert "rung 'stand_in' cannot run here: needs hardware" in row["reason"]
 
 
-def test_python_m_times_the_rungs_side_by_side(tmp_path):
+def test_the_command_line_times_the_rungs_side_by_side(tmp_path, capsys):
+    # python -m flashlab.bench's own entry point, in this process (tests/test_bench.py runs the module itself)
+    from flashlab.bench import main
+
     backends = "flashlab_lesson_loop,flashlab_skip_split,sdpa_flash"
     args = ["--device", "cpu", "--quick", "--seq-lens", "40", "--head-dims", "16", "--causal", "yes", "--tokens", "40"]
     args += ["--model-dim", "32", "--backends", backends, "--rep", "1", "--warmup", "0", "--no-progress"]
-    args += ["--out", str(tmp_path / "ladder")]
-    done = subprocess.run([sys.executable, "-m", "flashlab.bench", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    main([*args, "--out", str(tmp_path / "ladder")])
     rows = json.loads((tmp_path / "ladder.json").read_text())["rows"]
     assert [(r["backend"], r["status"]) for r in rows] == [(b, "ok") for b in backends.split(",")]
-    assert "flashlab_skip_split / flashlab_lesson_loop, fp32 D = 16, causal:" in done.stdout
+    assert "flashlab_skip_split / flashlab_lesson_loop, fp32 D = 16, causal:" in capsys.readouterr().out
 
 
 # ---- the ladder's tools for notebook 05 ----------------------------------------------------------------------------
