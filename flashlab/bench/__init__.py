@@ -34,7 +34,7 @@ CUDA versions, the date and the exact command; ``data/results/README.md`` descri
 from flashlab.bench.cli import build_parser, config_from_args, main
 from flashlab.bench.config import BenchConfig
 from flashlab.bench.grid import CAUSAL_CHOICES, DTYPES, STAMP_COLUMNS, TOLERANCE, Cell, attention_flops
-from flashlab.bench.implementations import BACKENDS, Backend, naive_attention, reference_rows
+from flashlab.bench.implementations import BACKENDS, DEFAULT_BACKENDS, Backend, naive_attention, reference_rows
 from flashlab.bench.measure import bench_cell, check_rows, measure_ceilings, peak_extra_bytes, time_ms
 from flashlab.bench.results import (
     ROW_COLUMNS,
@@ -49,7 +49,7 @@ from flashlab.bench.stamp import environment_stamp
 from flashlab.bench.sweep import run_sweep
 
 __all__ = [
-    "BACKENDS", "Backend", "naive_attention", "reference_rows",
+    "BACKENDS", "DEFAULT_BACKENDS", "Backend", "naive_attention", "reference_rows",
     "build_parser", "config_from_args", "main",
     "CAUSAL_CHOICES", "DTYPES", "STAMP_COLUMNS", "TOLERANCE", "BenchConfig", "Cell", "attention_flops",
     "bench_cell", "check_rows", "measure_ceilings", "peak_extra_bytes", "time_ms",

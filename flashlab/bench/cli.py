@@ -7,10 +7,11 @@ import shlex
 import sys
 from collections.abc import Sequence
 
+from flashlab.bench import ladder
 from flashlab.bench.args import name_list, size_list
 from flashlab.bench.config import BenchConfig
 from flashlab.bench.grid import CAUSAL_CHOICES, DTYPES
-from flashlab.bench.implementations import BACKENDS
+from flashlab.bench.implementations import BACKENDS, DEFAULT_BACKENDS
 from flashlab.bench.results import BenchResults, default_prefix, summary_table
 from flashlab.bench.sweep import run_sweep
 
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--backends",
         type=name_list,
-        help=f"backends to run, comma-separated (default: all of {','.join(BACKENDS)})",
+        help=f"backends to run, comma-separated, from {','.join(BACKENDS)} (default: {','.join(DEFAULT_BACKENDS)}; "
+        "the flashlab_<rung> backends time each rung of flashlab's kernel ladder and run when named)",
     )
     p.add_argument("--tokens", type=int, help="prefill: tokens per batch B*N; batch B = tokens // N (at least 1)")
     p.add_argument("--model-dim", type=int, help="prefill: model width H*D; heads H = model_dim // D (at least 1)")
@@ -135,5 +137,7 @@ def main(argv: Sequence[str] | None = None) -> BenchResults:
     )
     json_path, csv_path = results.save(args.out or default_prefix(results.meta))
     print(summary_table(results))
+    for line in ladder.step_lines(results):  # the kernel ladder's steps, when the sweep ran two rungs or more
+        print(line)
     print(f"wrote {json_path} and {csv_path}")
     return results

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from flashlab.bench.grid import CAUSAL_CHOICES, DTYPE_ALIASES, DTYPES, Cell
-from flashlab.bench.implementations import BACKENDS
+from flashlab.bench.implementations import DEFAULT_BACKENDS
 
 
 @dataclass
@@ -100,7 +100,7 @@ class BenchConfig:
         filled["dtypes"] = tuple(_dtype_name(d) for d in filled["dtypes"])
         filled["seq_lens"] = tuple(int(n) for n in filled["seq_lens"])
         filled["head_dims"] = tuple(int(d) for d in filled["head_dims"])
-        backends = tuple(self.backends) if self.backends is not None else tuple(BACKENDS)
+        backends = tuple(self.backends) if self.backends is not None else DEFAULT_BACKENDS
         if self.causal not in CAUSAL_CHOICES:
             raise ValueError(f"causal must be one of {sorted(CAUSAL_CHOICES)}; got {self.causal!r}")
         for name, values in (("seq_lens", filled["seq_lens"]), ("head_dims", filled["head_dims"])):

@@ -1,5 +1,6 @@
-"""The backends timed side by side: naive materialised attention, flashlab's kernel and each PyTorch SDPA backend
-pinned explicitly; and the float64 reference rows every backend is checked against."""
+"""The backends timed side by side: naive materialised attention, flashlab's kernel, each rung of flashlab's kernel
+ladder (``flashlab_<rung>``, run when named) and each PyTorch SDPA backend pinned explicitly; and the float64
+reference rows every backend is checked against."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from flashlab.bench.grid import DTYPES, Cell
-from flashlab.kernels import flash_attention, flash_attention_with_kvcache
+from flashlab.kernels import flash_attention, flash_attention_with_kvcache, ladder
 from flashlab.kernels.forward import check_inputs, forward
 from flashlab.kernels.kvcache import paged_kv_cache
 from flashlab.reference.torch_float64 import attention_float64
@@ -55,7 +56,8 @@ class Backend:
 
     ``unavailable(device, dtype)`` returns why it cannot run there (or None); ``materialises`` says it holds the
     score matrix (and, under GQA, copies of K and V), so the harness checks it fits in memory before running it;
-    ``score_bytes`` is how many bytes it holds per score entry.
+    ``score_bytes`` is how many bytes it holds per score entry; ``by_default`` whether a sweep that names no
+    backends runs it.
     """
 
     name: str
@@ -64,6 +66,7 @@ class Backend:
     unavailable: Callable = lambda device, dtype: None
     materialises: bool = False
     score_bytes: Callable = lambda dtype: 2 * dtype.itemsize  # S and P alive at once
+    by_default: bool = True
 
     def workspace_bytes(self, cell: Cell) -> int:
         """Memory a materialising backend needs beyond its inputs: S and P, plus K/V repeated per query head."""
@@ -119,6 +122,27 @@ def flashlab_variant(kernel_config=None, tile_order=None, tma=None) -> Backend:
     return Backend("flashlab", f"flashlab.flash_attention's prefill kernel with {what}", run)
 
 
+RUNG_PREFIX = "flashlab_"  # flashlab_lesson_loop, flashlab_skip_split, ...: one backend per rung of the ladder
+
+
+def rung_backend(rung: ladder.Rung) -> Backend:
+    """One rung of flashlab's kernel ladder, named explicitly (``flash_attention(..., rung=name)``: at every Nq, no
+    split-KV). A rung that cannot run a cell is skipped with its reason, never replaced by another rung: its
+    ``unavailable`` is asked once per cell signature, before the call."""
+    asked: dict = {}  # (shapes, dtype, device, causal) -> the rung's reason, or None
+
+    def run(q, k, v, causal):
+        key = (q.shape, k.shape, q.dtype, q.device, causal)
+        if key not in asked:
+            asked[key] = rung.unavailable(q, k, v, causal, None)
+        if asked[key] is not None:
+            raise NotImplementedError(f"rung {rung.name!r} cannot run here: {asked[key]}")
+        return flash_attention(q, k, v, causal=causal, rung=rung.name)
+
+    description = f"flashlab.flash_attention(rung={rung.name!r}), the ladder's rung that removes {rung.removes}"
+    return Backend(RUNG_PREFIX + rung.name, description, run, by_default=False)
+
+
 def _paged_backend(block_size: int) -> Backend:
     """flashlab's paged-cache kernel on the cell's K/V copied into a shuffled pool of ``block_size``-token blocks
     (copied once per cell, not timed), as a decode loop calls it: ``check_values=False`` (no host read of the
@@ -147,6 +171,7 @@ BACKENDS: dict[str, Backend] = {
         Backend("naive", "torch matmul -> softmax -> matmul, score matrix materialised", naive_attention,
                 materialises=True),
         Backend("flashlab", "flashlab.flash_attention (Triton; the interpreter on CPU)", _flashlab_run),
+        *(rung_backend(r) for r in ladder.RUNGS),
         _paged_backend(16),
         _paged_backend(256),
         _sdpa_backend("FLASH_ATTENTION", "FlashAttention-2 inside PyTorch", cuda_only=False),
@@ -155,3 +180,7 @@ BACKENDS: dict[str, Backend] = {
         _sdpa_backend("MATH", "PyTorch's composite fallback", cuda_only=False, materialises=True),
     )
 }  # fmt: skip
+
+# What a sweep runs when it names no backends: every backend but the ladder's rungs (``flashlab`` is already the
+# fastest rung; the others run when named, e.g. --backends flashlab_lesson_loop,flashlab_skip_split,sdpa_flash).
+DEFAULT_BACKENDS = tuple(name for name, b in BACKENDS.items() if b.by_default)

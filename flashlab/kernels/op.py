@@ -7,11 +7,11 @@ graph: the compiler sees only its schema and its fake implementation (output sha
 running anything), and at run time the node calls the same eager code as ``flashlab.flash_attention``. CPU tensors
 run Triton's interpreter inside the node, so the same compiled model runs in CI.
 
-- ``flashlab::attention_forward(q, k, v, causal, window_left, window_right, scale, num_splits) -> (o, lse)``:
-  the forward pass of ``flashlab.kernels.forward.forward``. A window side of ``-1`` means unbounded (None), a
-  ``scale`` of None the default ``1/sqrt(D)``. ``flash_attention`` calls it while it is being compiled
-  (``torch.compiler.is_compiling()``); in eager mode it launches directly, because the dispatcher's work for a
-  custom operator would add to every call's host time.
+- ``flashlab::attention_forward(q, k, v, causal, window_left, window_right, scale, num_splits, rung=None) ->
+  (o, lse)``: the forward pass of ``flashlab.kernels.forward.forward``. A window side of ``-1`` means unbounded
+  (None), a ``scale`` of None the default ``1/sqrt(D)``, a ``rung`` of None the kernel ladder's own choice.
+  ``flash_attention`` calls it while it is being compiled (``torch.compiler.is_compiling()``); in eager mode it
+  launches directly, because the dispatcher's work for a custom operator would add to every call's host time.
 - ``flashlab::attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, window_left,
   window_right, scale, check_values) -> (o, lse)``: ``flashlab.kernels.kvcache``'s paged-cache attention, likewise.
 
@@ -67,23 +67,24 @@ def attention_forward(
     window_right: int,
     scale: Optional[float],  # noqa: UP045
     num_splits: Optional[int],  # noqa: UP045
+    rung: Optional[str] = None,  # noqa: UP045
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = ints_to_window(window_left, window_right)
     forward_module.check_inputs(q, k, v, causal, window, scale)
     forward_module.check_num_splits(num_splits, k.shape[2])
     with fresh_scratch():  # nothing kept alive from a CUDA-graph mode's memory pool
-        return forward_module.forward(q, k, v, causal, window, scale, num_splits=num_splits)
+        return forward_module.forward(q, k, v, causal, window, scale, num_splits=num_splits, rung=rung)
 
 
 @attention_forward.register_fake
-def _(q, k, v, causal, window_left, window_right, scale, num_splits):
+def _(q, k, v, causal, window_left, window_right, scale, num_splits, rung=None):
     b, hq, nq, d = q.shape
     return q.new_empty((b, hq, nq, d)), q.new_empty((b, hq, nq), dtype=torch.float32)
 
 
-def traced_forward(q, k, v, causal, window, scale, num_splits=None):
+def traced_forward(q, k, v, causal, window, scale, num_splits=None, rung=None):
     """What ``flashlab.kernels.forward.forward`` calls while it is being compiled: the operator, one graph node."""
-    return attention_forward(q, k, v, causal, *window_to_ints(window), scale, num_splits)
+    return attention_forward(q, k, v, causal, *window_to_ints(window), scale, num_splits, rung)
 
 
 forward_module.TRACED_FORWARD = traced_forward
@@ -139,7 +140,7 @@ BACKWARD_MODULE = "flashlab.kernels.backward"
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, window_left, window_right, scale, _ = inputs
+    q, k, v, causal, window_left, window_right, scale, *_ = inputs  # then num_splits and rung
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.causal, ctx.window, ctx.scale = causal, ints_to_window(window_left, window_right), scale
@@ -150,7 +151,8 @@ def _attention_backward(ctx, do, dlse):
 
     q, k, v, o, lse = ctx.saved_tensors
     dq, dk, dv = attention_backward(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.window, ctx.scale)
-    return dq, dk, dv, None, None, None, None, None  # no gradient for the flags, the window, scale, num_splits
+    # no gradient for the flags, the window, scale, num_splits and rung
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 def register_attention_backward() -> bool:
