@@ -8,7 +8,8 @@ The package in layers; every import points down the list, never up (``tests/test
    tiled (FlashAttention) loop, the split-KV merge; and the same attention in float64 torch for GPU-sized checks.
    ``flashlab.calculators`` -- the lesson's arithmetic (bytes, FLOPs, seconds) and the GPU / model catalogues.
 3. ``flashlab.kernels`` -- the Triton kernels (compiled on a GPU, Triton's interpreter on a CPU), each checked
-   against the reference; ``flashlab.flash_attention`` is their entry point, and
+   against the reference; ``flashlab.flash_attention`` is their entry point (its forward kernel a ladder of
+   runnable rungs, ``flashlab.kernels.ladder``), and
    ``flashlab.flash_attention_with_kvcache`` runs them against a serving engine's (paged) KV cache.
 4. The tools: ``flashlab.bench`` (``python -m flashlab.bench``, the checked benchmark), ``flashlab.sdpa`` (which
    PyTorch SDPA backend runs, and why the others refuse), ``flashlab.exercises`` and ``flashlab.grade`` (the

@@ -64,7 +64,8 @@ def differentiable_attention(run_forward, q, k, v, causal, window, scale):
     """``(o, lse)`` with gradients for q, k and v (inputs already checked by ``forward.check_inputs``).
 
     ``run_forward`` is ``flashlab.kernels.forward.forward``, passed in by ``flash_attention`` (that module imports
-    this one, so this one cannot import it back)."""
+    this one, so this one cannot import it back), with the call's ``rung`` bound when one is named: the backward
+    then uses the log-sum-exp that rung's forward computed."""
     return FlashAttentionFunction.apply(run_forward, q, k, v, causal, window, scale)
 
 
