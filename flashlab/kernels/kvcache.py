@@ -176,8 +176,10 @@ def _kvcache_partial(
 # small blocks (a tile then spans several, each a table lookup away): on the H200, 16-token blocks with 128-key
 # tiles and two stages ran within 2-6% of contiguous decode, three stages up to a third behind (docs/kernel-notes.md).
 TUNING_SPACE = [(64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 4, 3), (128, 8, 3)]
-# Blocks smaller than this many tokens (16-bit inputs) take SMALL_BLOCK_CONFIG without autotuning: the best or
-# within 3% of it in every cell of the H200's decode sweep, where the autotuner's own pick was up to 15% slower.
+# Blocks smaller than this many tokens (16-bit inputs) take SMALL_BLOCK_CONFIG without autotuning (the best or
+# within 3% of it in every cell of the H200's decode sweep, where the autotuner's own pick was up to 15% slower),
+# and their chunks are merged by the merge kernel: with the in-kernel merge the same config ran a quarter slower
+# at B = 8 (docs/kernel-notes.md).
 SMALL_BLOCK_TOKENS = 128
 SMALL_BLOCK_CONFIG = (128, 4, 2)
 
@@ -470,6 +472,9 @@ class KVCachePlan:
         if q.is_cuda and q.element_size() == 2 and 0 < self.meta["PAGE_SIZE"] < SMALL_BLOCK_TOKENS:
             bn, warps, stages = SMALL_BLOCK_CONFIG
             self.meta.update(BLOCK_N=bn, num_warps=warps, num_stages=stages)
+            if self.merge_here:
+                self.merge_here, self.merge_grid = False, (self.rows,)
+                self.meta["MERGE_HERE"] = False
         self.fast, self.fast_state = None, "untried"
 
 
