@@ -11,6 +11,9 @@
 #   decode    one-token decode, contiguous and paged KV, host time (--mode decode) -> $OUT/h200-decode-bf16-DATE.*
 #   prefill   the forward on its grid, flashlab against every SDPA backend       -> $OUT/h200-bf16-DATE.{csv,json}
 #   quick     a short forward check against the recorded grid (3 backends, 12 cells) -> $OUT/h200-bf16-DATE-quick.*
+#   ladder    every rung of the kernel ladder beside SDPA, D = 128 (notebook 05)  -> $OUT/h200-ladder-bf16-DATE.*
+#   host      decode host time per call and ragged paged decode (scripts/decode_host_time.py)
+#                                                                                 -> $OUT/decode_host_time.json
 #   sdpa      which SDPA backend runs for which dtype / head dim (flashlab.sdpa)  -> $OUT/h200-sdpa-backends.json
 #   traffic   HBM and L2 bytes of every kernel from Nsight Compute (record_traffic.sh) -> $OUT/h200-traffic-*.{json,csv}
 #   memory    training-step memory, naive against flashlab (scripts/backward_memory.py)
@@ -18,7 +21,7 @@
 # Copy the result files into data/results/ and commit them with this script's log.
 set -uo pipefail
 OUT=${OUT:-data/results}
-STEPS=${STEPS:-"tests backward decode prefill sdpa traffic memory"}
+STEPS=${STEPS:-"tests backward decode host prefill ladder sdpa traffic memory"}
 mkdir -p "$OUT"
 DATE=$(date -u +%F)
 LOG="$OUT/record.log"
@@ -39,12 +42,17 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torc
 
 want tests && step "${TESTS_CAP:-240}" "GPU tests" python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/
 want backward && step "${BACKWARD_CAP:-200}" "backward against SDPA" env OUT="$OUT" python3 scripts/backward_gpu_check.py
-want decode && step "${DECODE_CAP:-120}" "decode benchmark" python3 -m flashlab.bench --mode decode --no-progress \
-    --out "$OUT/h200-decode-bf16-$DATE"
+want decode && step "${DECODE_CAP:-170}" "decode benchmark" python3 -m flashlab.bench --mode decode --no-progress \
+    --backends flashlab,paged16,paged256,sdpa_flash,sdpa_cudnn --out "$OUT/h200-decode-bf16-$DATE"
+want host && step "${HOST_CAP:-150}" "decode host time, ragged paged decode" env OUT="$OUT" \
+    python3 scripts/decode_host_time.py --budget-s 90
 want prefill && step "${BENCH_CAP:-300}" "prefill benchmark" python3 -m flashlab.bench --no-progress \
     --out "$OUT/h200-bf16-$DATE"
 want quick && step "${QUICK_CAP:-100}" "quick prefill check" python3 -m flashlab.bench --no-progress --no-ceilings \
     --backends flashlab,sdpa_flash,sdpa_cudnn --head-dims 64,128 --seq-lens 1k,4k,16k --out "$OUT/h200-bf16-$DATE-quick"
+want ladder && step "${LADDER_CAP:-150}" "kernel ladder" python3 -m flashlab.bench --no-progress --head-dims 128 \
+    --backends "$(python3 -c 'from flashlab.kernels import ladder; print(",".join("flashlab_" + n for n in ladder.names()))'),sdpa_flash,sdpa_cudnn" \
+    --out "$OUT/h200-ladder-bf16-$DATE"
 want sdpa && step 60 "SDPA backend probe" python3 -m flashlab.sdpa --device cuda --head-dims 64,96,100,128,192,256,512,1024 \
     --out "$OUT/h200-sdpa-backends.json"
 if want traffic; then  # ncu leaves large reports: keep them beside, copy the tables
