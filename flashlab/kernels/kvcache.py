@@ -14,8 +14,10 @@ The kernel is the split-KV partial kernel of ``flashlab.kernels.split_kv`` with 
 - each key tile's address goes through the block table: one table entry per tile when a block holds whole tiles,
   one per key otherwise. The cache is never gathered into a contiguous copy.
 
-Its chunks' partial outputs are merged as in split-KV, inside the same kernel, by the last chunk of each block to
-finish (``softmax_step.merge_chunks``); when one chunk suffices it normalises and writes the output itself.
+Its chunks' partial outputs are merged as in split-KV: by the last chunk of each block to finish, inside the same
+kernel (``softmax_step.merge_chunks``), for up to ``split_kv.MAX_MERGE_HERE_SPLITS`` chunks of blocks of at least
+``SMALL_BLOCK_TOKENS`` tokens; by ``split_kv.split_kv_merge`` otherwise. When one chunk suffices it normalises and
+writes the output itself.
 Without a block table the cache is
 ``(B, Nk_max, Hk, D)``, one slab per sequence, read the same way.
 
