@@ -469,14 +469,12 @@ class KVCachePlan:
             DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
             DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
         )
-        split_kv.plan_merge(self, num_splits, strides_o, hq, nq, d)
-        self.grid = (num_splits, b * hk, row_blocks)
-        if q.is_cuda and q.element_size() == 2 and 0 < self.meta["PAGE_SIZE"] < SMALL_BLOCK_TOKENS:
+        small_blocks = q.is_cuda and q.element_size() == 2 and 0 < self.meta["PAGE_SIZE"] < SMALL_BLOCK_TOKENS
+        if small_blocks:
             bn, warps, stages = SMALL_BLOCK_CONFIG
             self.meta.update(BLOCK_N=bn, num_warps=warps, num_stages=stages)
-            if self.merge_here:
-                self.merge_here, self.merge_grid = False, (self.rows,)
-                self.meta["MERGE_HERE"] = False
+        split_kv.plan_merge(self, num_splits, strides_o, hq, nq, d, merge_here=not small_blocks)
+        self.grid = (num_splits, b * hk, row_blocks)
         self.fast, self.fast_state = None, "untried"
 
 

@@ -1,4 +1,5 @@
-"""Split-KV attention (Flash-Decoding): the decode-time path of ``flashlab.flash_attention``, in one Triton kernel.
+"""Split-KV attention (Flash-Decoding): the decode-time path of ``flashlab.flash_attention``, in one Triton kernel
+(two when a step has many chunks).
 
 At decode a sequence offers one query row (or a few) per head. The prefill kernel (``flashlab.kernels.forward``)
 gives each program a tile of query rows, so decode would leave it ``B * Hq`` programs that each walk the whole KV
@@ -53,10 +54,10 @@ MAX_SPLIT_QUERY_ROWS = 16
 MIN_KEYS_PER_SPLIT = 128
 # Largest number of chunks (the merge kernel holds one log-sum-exp per chunk in a single tile).
 MAX_SPLITS = 256
-MAX_MERGE_HERE_SPLITS = 16
 # Up to this many chunks the last to finish merges them in the same kernel. It folds them one at a time, a memory
 # latency each, so past this a second kernel merges them instead, one program per query row: on the H200 at 32K
 # keys and B = 1 (43 chunks) the in-kernel merge cost 8 us of a 54 us step, a second launch about 2.
+MAX_MERGE_HERE_SPLITS = 16
 # Programs one SM holds at once with the decode configs (a 64-key tile, two stages: ~70 KB of shared memory of
 # 228 KB). The chunks are chosen so the grid fills these slots once and evenly: on the H200 a grid one program
 # per SM short of a multiple of them lost up to 10% against one that filled them (docs/kernel-notes.md).
@@ -277,7 +278,7 @@ def split_keys(nk: int, num_splits: int) -> tuple[int, int]:
 class LaunchPlan:
     """Everything ``launch`` decides for one call signature, worked out once and reused: the chunks, the grid, the
     scalar arguments and constexprs, and (on a GPU, after the first call) the autotuner's pick and the direct
-    launch. A decode step then costs one kernel launch (and the output's allocation)."""
+    launches. A decode step then costs one kernel launch, two with many chunks (and the output's allocation)."""
 
     __slots__ = ("num_splits", "direct", "parts", "d", "rows", "groups", "grid", "scalars", "tune", "meta", "fast")
     __slots__ += ("fast_state", "views", "merge_here", "merge_grid", "merge_args", "merge_meta", "merge_fast")
@@ -319,10 +320,11 @@ class LaunchPlan:
         self.fast, self.fast_state = None, "untried"
 
 
-def plan_merge(plan, num_splits, strides_o, hq, nq, d):
-    """Set a plan's merge: none (``DIRECT``, one chunk), in the kernel (``MERGE_HERE``, a few chunks), or by
-    ``split_kv_merge`` (``merge_grid``, ``merge_args``, ``merge_meta``); shared by the KV-cache plan."""
-    plan.merge_here = 1 < num_splits <= MAX_MERGE_HERE_SPLITS
+def plan_merge(plan, num_splits, strides_o, hq, nq, d, merge_here=True):
+    """Set a plan's merge: none (``DIRECT``, one chunk), in the kernel (``MERGE_HERE``, a few chunks, unless
+    ``merge_here`` is False), or by ``split_kv_merge`` (``merge_grid``, ``merge_args``, ``merge_meta``); shared by
+    the KV-cache plan."""
+    plan.merge_here = merge_here and 1 < num_splits <= MAX_MERGE_HERE_SPLITS
     plan.meta.update(DIRECT=plan.direct, MERGE_HERE=plan.merge_here)
     plan.merge_grid = None if plan.direct or plan.merge_here else (plan.rows,)
     plan.merge_args = (*strides_o, hq, nq, num_splits)
@@ -374,8 +376,9 @@ def plan_launch(q, k, v, o, offset, win_left, win_right, qk_scale, num_splits=No
 def launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits=None):
     """Run the split-KV path on checked inputs (``flashlab.kernels.forward.forward`` prepares them): writes ``o``
     and ``lse`` (None: not wanted); returns the number of chunks. ``num_splits=None`` picks it with
-    ``choose_splits``. One kernel either way: with one chunk it writes ``o`` and ``lse`` itself, with several the
-    last chunk of each block to finish merges them."""
+    ``choose_splits``. With one chunk the kernel writes ``o`` and ``lse`` itself; with up to
+    ``MAX_MERGE_HERE_SPLITS`` the last chunk of each block to finish merges them; with more, ``split_kv_merge``
+    does."""
     plan = plan_launch(q, k, v, o, offset, win_left, win_right, qk_scale, num_splits)
     run(plan, q, k, v, o, lse)
     return plan.num_splits
@@ -389,7 +392,7 @@ def run(plan: LaunchPlan, q, k, v, o, lse) -> None:
         with interpreted_language(softmax_step):
             interpreted(_split_kv_partial)[plan.grid](*args, **plan.meta, BLOCK_N=CPU_CONFIG["BLOCK_N"])
         if plan.merge_grid is not None:
-            merge(plan, o_part, lse_part, o, args[6])
+            merge(plan, o_part, lse_part, o, spare if lse is None else lse)
         return
     if q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):
