@@ -54,9 +54,9 @@ def test_single_chunk_decode_writes_the_output_directly():
     torch.testing.assert_close(o3[0], o, rtol=1e-5, atol=1e-5)
 
 
-def test_a_few_chunks_are_merged_in_the_kernel_and_many_by_a_second(monkeypatch):
-    # A few chunks are merged in the kernel itself (the last chunk of each block to finish does it), so such a
-    # decode step is one launch; the answer still equals the reference's.
+def test_chunks_are_merged_in_the_same_launch(monkeypatch):
+    # The chunks' last finishers merge them in the kernel itself, so a decode step is one launch, however many
+    # chunks it has (19: three groups of the merge's tree); the answer still equals the reference's.
     launched = []
     real = split_kv.interpreted
 
@@ -76,14 +76,33 @@ def test_a_few_chunks_are_merged_in_the_kernel_and_many_by_a_second(monkeypatch)
     o_all, _ = forward.forward(q, k, v, False, None, None, num_splits=5, need_lse=True)
     assert forward.forward(q, k, v, False, None, None, num_splits=5, need_lse=False)[1] is None
     torch.testing.assert_close(o_all, o, rtol=0, atol=0)
-    # past MAX_MERGE_HERE_SPLITS chunks a second kernel merges them, one program per query row
     launched.clear()
-    many = split_kv.MAX_MERGE_HERE_SPLITS + 3
+    many = 2 * split_kv.TREE_GROUP + 3
     q, k, v = make_qkv(1, 2, 1, 1, many * split_kv.KEY_ALIGN, 16, torch.float32, seed=6)
     o = flash_attention(q, k, v, num_splits=many)
-    assert launched == ["_split_kv_partial", "split_kv_merge"]
+    assert launched == ["_split_kv_partial"]
     ro, _ = attention(q.double().numpy(), k.double().numpy(), v.double().numpy())
     np.testing.assert_allclose(o.double().numpy(), ro, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [5, split_kv.MAX_FOLD_SPLITS, split_kv.MAX_FOLD_SPLITS + 3])
+def test_the_one_level_fold_and_the_merge_kernel_match_the_reference(monkeypatch, num_splits):
+    # Without the tree (the paged kernel's small blocks, on a GPU) one program folds up to MAX_FOLD_SPLITS chunks;
+    # more go to the merge kernel, a second launch. Forced here on a contiguous plan, so the CPU runs both.
+    launched = []
+    real = split_kv.interpreted
+    monkeypatch.setattr(split_kv, "interpreted", lambda kernel: launched.append(kernel.fn.__name__) or real(kernel))
+    q, k, v = make_qkv(1, 4, 2, 2, num_splits * split_kv.KEY_ALIGN - 7, 16, torch.float32, seed=num_splits)
+    _, offset, win_left, win_right, qk_scale = forward.kernel_args(q, k, v, True, None, None)
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32)
+    plan = split_kv.LaunchPlan(q, k, v, o, offset, win_left, win_right, qk_scale, num_splits)
+    split_kv.plan_merge(plan, num_splits, 2, (o.stride(0), o.stride(1), o.stride(2)), 4, 2, 16, tree=False)
+    split_kv.run(plan, q, k, v, o, lse)
+    folds = num_splits <= split_kv.MAX_FOLD_SPLITS
+    assert launched == ["_split_kv_partial"] if folds else ["_split_kv_partial", "split_kv_merge"]
+    ro, rlse = attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=True)
+    np.testing.assert_allclose(o.double().numpy(), ro, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(lse.double().numpy(), rlse, rtol=1e-5, atol=1e-5)
 
 
 def test_remembered_signatures_still_refuse_bad_arguments():

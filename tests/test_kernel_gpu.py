@@ -76,6 +76,17 @@ def test_forced_splits_on_gpu(num_splits):
     check(q, k, v, causal=True, window=(500, None), num_splits=num_splits)
 
 
+@pytest.mark.parametrize("num_splits", [9, 49, 256])
+def test_merge_tree_is_exact_and_repeatable_on_gpu(num_splits):
+    # One launch merges every chunk (groups, then the groups); its counters must be back at zero after each
+    # launch, or the next launch of the same plan would merge early or never: 20 repeats give the same bits.
+    q, k, v = make(2, 16, 2, 1, num_splits * 128 - 37, 128, torch.bfloat16, seed=num_splits)
+    check(q, k, v, num_splits=num_splits)
+    first = flash_attention(q, k, v, num_splits=num_splits)
+    for _ in range(20):
+        assert torch.equal(flash_attention(q, k, v, num_splits=num_splits), first)
+
+
 def test_non_contiguous_on_gpu():
     qkv = torch.randn(2, 1000, 3, 8, 128, device="cuda", dtype=torch.bfloat16)  # (B, N, 3, H, D)
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, N, D) views

@@ -11,9 +11,11 @@ import pytest
 import torch
 from test_kernel import check_against_reference, make_qkv
 
-from flashlab.kernels.forward import flash_attention
+from flashlab.kernels import split_kv
+from flashlab.kernels.forward import flash_attention, kernel_args
 from flashlab.kernels.split_kv import MAX_SPLIT_QUERY_ROWS, MAX_SPLITS, MIN_KEYS_PER_SPLIT, choose_splits
 from flashlab.reference import attention
+from flashlab.reference.torch_float64 import attention_float64
 
 
 def random_decode_case(seed):
@@ -49,6 +51,23 @@ def test_forced_splits_at_any_length(num_splits, causal, window):
     o = flash_attention(q, k, v, causal=causal, window=window)
     o_split = flash_attention(q, k, v, causal=causal, window=window, num_splits=num_splits)
     torch.testing.assert_close(o_split, o, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "num_splits, causal, window", [(8, False, None), (9, True, (700, None)), (17, False, (400, 300)), (23, True, None)]
+)
+def test_merge_tree_over_several_groups_matches_reference(num_splits, causal, window):
+    # More chunks than one merge group (split_kv.TREE_GROUP): the groups merge, then the last group merges
+    # the groups; a group whose chunks the window hides entirely carries lse -inf and weighs nothing.
+    assert num_splits >= split_kv.TREE_GROUP
+    nk = num_splits * split_kv.KEY_ALIGN - 50  # the last chunk is short
+    q, k, v = make_qkv(1, 4, 2, 2, nk, 16, torch.float32, seed=num_splits)
+    plan = split_kv.plan_launch(q, k, v, q, *kernel_args(q, k, v, causal, window, None)[1:], num_splits)
+    assert plan.num_splits == num_splits and plan.merge_here
+    o, lse = flash_attention(q, k, v, causal=causal, window=window, num_splits=num_splits, return_lse=True)
+    ro, rl = attention_float64(q, k, v, causal=causal, window=window)
+    torch.testing.assert_close(o.double(), ro, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), rl, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -14,10 +14,11 @@ The kernel is the split-KV partial kernel of ``flashlab.kernels.split_kv`` with 
 - each key tile's address goes through the block table: one table entry per tile when a block holds whole tiles,
   one per key otherwise. The cache is never gathered into a contiguous copy.
 
-Its chunks' partial outputs are merged as in split-KV: by the last chunk of each block to finish, inside the same
-kernel (``softmax_step.merge_chunks``), for up to ``split_kv.MAX_MERGE_HERE_SPLITS`` chunks of blocks of at least
-``SMALL_BLOCK_TOKENS`` tokens; by ``split_kv.split_kv_merge`` otherwise. When one chunk suffices it normalises and
-writes the output itself.
+Its chunks' partial outputs are merged as in split-KV, inside the same launch, by the chunks' last finishers
+(``softmax_step.finish_chunk``): as a tree of groups for blocks of at least ``SMALL_BLOCK_TOKENS`` tokens, folded
+in one level for smaller blocks up to ``split_kv.MAX_FOLD_SPLITS`` chunks, and past that by
+``split_kv.split_kv_merge`` in a second launch. When one chunk suffices it normalises and writes the output
+itself.
 Without a block table the cache is
 ``(B, Nk_max, Hk, D)``, one slab per sequence, read the same way.
 
@@ -83,6 +84,7 @@ def _kvcache_partial(
     DOT_UPCAST: tl.constexpr,
     DIRECT: tl.constexpr,  # one chunk: normalise and write o and lse here, no partials, no counter
     MERGE_HERE: tl.constexpr,  # several chunks: the last to finish merges them (else split_kv_merge does)
+    MERGE_GROUP: tl.constexpr,  # chunks per group of the merge's tree; 0: one level (softmax_step.finish_chunk)
 ):
     # fmt: on
     pid_s = tl.program_id(0)  # which chunk of keys
@@ -167,10 +169,10 @@ def _kvcache_partial(
     # -- a sequence of length 0, or a chunk past its end, gives zeros and lse = -inf
     out = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + qi.to(tl.int64) * stride_om
     first = ((off_b * HQ + off_h) * NQ + qi).to(tl.int64) * NUM_SPLITS  # (BLOCK_M,) each row's chunk 0
-    counter = COUNTERS + pid_bk * tl.num_programs(2) + pid_m
+    block = pid_bk * tl.num_programs(2) + pid_m  # this block of rows' merge counters
     softmax_step.finish_chunk(acc, m_i, l_i, out, LSE + (off_b * HQ + off_h) * NQ + qi, row_ok, offs_d, d_ok, O_PART,
-                              LSE_PART, first, counter, pid_s, NUM_SPLITS, HEAD_DIM, BLOCK_M, BLOCK_D, DIRECT,
-                              MERGE_HERE)
+                              LSE_PART, first, COUNTERS, block, pid_s, NUM_SPLITS, HEAD_DIM, BLOCK_M, BLOCK_D, DIRECT,
+                              MERGE_HERE, MERGE_GROUP)
 
 
 # (BLOCK_N, num_warps, num_stages): a subset of split_kv's space (its pruning applies), small enough that a decode
@@ -179,9 +181,10 @@ def _kvcache_partial(
 # tiles and two stages ran within 2-6% of contiguous decode, three stages up to a third behind (docs/kernel-notes.md).
 TUNING_SPACE = [(64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 4, 3), (128, 8, 3)]
 # Blocks smaller than this many tokens (16-bit inputs) take SMALL_BLOCK_CONFIG without autotuning (the best or
-# within 3% of it in every cell of the H200's decode sweep, where the autotuner's own pick was up to 15% slower),
-# and their chunks are merged by the merge kernel: with the in-kernel merge the same config ran a quarter slower
-# at B = 8 (docs/kernel-notes.md).
+# within 3% of it in every cell of the H200's decode sweep, where the autotuner's own pick was up to 15% slower).
+# Their kernel merges its chunks in one level (split_kv.plan_merge's tree=False): the tree's second fold took it
+# from 156 to 196 registers a thread, two programs an SM instead of three, a quarter slower; capping it at 168
+# spilled and was no faster (docs/kernel-notes.md).
 SMALL_BLOCK_TOKENS = 128
 SMALL_BLOCK_CONFIG = (128, 4, 2)
 
@@ -190,7 +193,8 @@ _kvcache_partial_tuned = triton.autotune(
         triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
         for bn, w, st in TUNING_SPACE + split_kv.FP32_TUNING_SPACE + [(32, 4, 1)]
     ],
-    key=["TUNE_KEY_N", "TUNE_KEY_UNITS", "HEAD_DIM", "BLOCK_M", "PAGE_SIZE", "DOT_PRECISION", "DIRECT", "MERGE_HERE"],
+    key=["TUNE_KEY_N", "TUNE_KEY_UNITS", "HEAD_DIM", "BLOCK_M", "PAGE_SIZE", "DOT_PRECISION", "DIRECT", "MERGE_HERE",
+         "MERGE_GROUP"],
     prune_configs_by={"early_config_prune": split_kv.prune_configs},
 )(_kvcache_partial)
 
@@ -391,6 +395,10 @@ def flash_attention_with_kvcache(
         key = None
     else:
         key = call_signature(*args)
+        plan = _PLANS.get(key) if key is not None else None
+        if plan is not None and check_values is False:  # a plan exists only for a signature that was checked
+            o, lse = run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, return_lse)
+            return (o, lse) if return_lse else o
         capacity = check_kvcache_inputs(*args, check_values=check_values, key=key)
     o, lse = kvcache_forward(*args, capacity, need_lse=return_lse, key=key)
     return (o, lse) if return_lse else o
@@ -422,7 +430,7 @@ class KVCachePlan:
     and constexprs, the autotuner's pick, and the direct launch (``runtime.FastLaunch``, after one check against
     a JIT launch), as ``flashlab.kernels.split_kv.LaunchPlan`` does for contiguous decode."""
 
-    __slots__ = ("negate", "o_shape", "lse_shape", "o_like_q", "direct", "num_splits", "parts", "d", "rows", "groups")
+    __slots__ = ("negate", "o_shape", "lse_shape", "o_like_q", "direct", "num_splits", "parts", "d", "rows", "counters")
     __slots__ += ("grid", "scalars", "tune", "meta", "fast", "fast_state", "views", "merge_here", "merge_grid")
     __slots__ += ("merge_args", "merge_meta", "merge_fast")
 
@@ -449,8 +457,8 @@ class KVCachePlan:
         self.o_shape, self.lse_shape, self.d = (b, hq, nq, d), (b, hq, nq), d
         self.o_like_q = q.is_contiguous()  # o is allocated contiguous: then like q, which is quicker
         self.direct, self.num_splits = num_splits == 1, num_splits
-        # scratch (split_kv.workspace): partial outputs and lse, an lse nobody asked for, one counter per block
-        self.parts, self.rows, self.groups = b * hq * nq * num_splits, b * hq * nq, b * hk * row_blocks
+        # scratch (split_kv.workspace): partial outputs and lse, an lse nobody asked for, the merge's counters
+        self.parts, self.rows = b * hq * nq * num_splits, b * hq * nq
         self.views = None
         strides_o = (hq * nq * d, nq * d, d)  # o is allocated contiguous
         q_strides = q.stride() if q.stride(-1) == 1 else (hq * nq * d, nq * d, d, 1)  # a copy when D is strided
@@ -473,7 +481,7 @@ class KVCachePlan:
         if small_blocks:
             bn, warps, stages = SMALL_BLOCK_CONFIG
             self.meta.update(BLOCK_N=bn, num_warps=warps, num_stages=stages)
-        split_kv.plan_merge(self, num_splits, strides_o, hq, nq, d, merge_here=not small_blocks)
+        split_kv.plan_merge(self, num_splits, b * hk * row_blocks, strides_o, hq, nq, d, tree=not small_blocks)
         self.grid = (num_splits, b * hk, row_blocks)
         self.fast, self.fast_state = None, "untried"
 
@@ -491,13 +499,19 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, causal, win
     if key is None:
         key = call_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
     plan = _PLANS.get(key) if key is not None else None
-    table = block_table if block_table is not None else cache_seqlens  # never read without a table
     if plan is None:
+        table = block_table if block_table is not None else cache_seqlens
         plan = KVCachePlan(q, k_cache, v_cache, table, capacity, causal, window, scale)
         if key is not None:
             if len(_PLANS) >= MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = plan
+    return run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, need_lse)
+
+
+def run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, need_lse):
+    """``kvcache_forward`` for checked tensors of a planned signature: allocate the outputs and launch."""
+    table = block_table if block_table is not None else cache_seqlens  # never read without a table
     if q.stride(-1) != 1:
         q = q.contiguous()
     if plan.negate:

@@ -9,6 +9,14 @@ import triton
 import triton.language as tl
 
 LN_2 = tl.constexpr(0.6931471805599453)  # log(x) = log2(x) * ln(2): turns a log2-unit lse into a natural one
+# Chunks the in-kernel merge loads at once (``merge_chunks``): one memory latency per four chunks, not per chunk.
+MERGE_UNROLL = tl.constexpr(4)
+
+
+def merge_counters(num_splits: int, merge_group: int) -> int:
+    """The int32 counters one block of rows needs for ``finish_chunk``'s merge of ``num_splits`` chunks: one for a
+    one-level merge (``merge_group`` 0), else one per group of ``merge_group`` chunks and one for the groups."""
+    return 1 if merge_group == 0 else -(-num_splits // merge_group) + 1
 
 
 @triton.jit
@@ -63,29 +71,62 @@ def accumulate_pv(acc, p, v, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def merge_chunks(O_PART, LSE_PART, first, row_ok, offs_d, d_ok, NUM_SPLITS, HEAD_DIM: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    """Split-KV's merge for BLOCK_M rows: combine the ``NUM_SPLITS`` partial outputs (each normalised, fp32) and
-    log-sum-exps (log2 units) of every row, row ``r``'s chunk ``c`` at workspace row ``first[r] + c``.
+def _load_chunk(O_PART, LSE_PART, first, c, valid, row_ok, offs_d, d_ok, HEAD_DIM: tl.constexpr):
+    """Chunk ``c``'s partial lse (BLOCK_M,) and output (BLOCK_M, BLOCK_D) for every row; -inf and zeros where
+    ``valid`` (a scalar) is False. The loads bypass L1 (``.cg``): other programs, on other SMs, wrote them a
+    moment ago."""
+    ok = row_ok & ((tl.zeros_like(first) + valid) != 0)
+    lse_c = tl.load(LSE_PART + first + c, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    o_ptrs = O_PART + (first + c)[:, None] * HEAD_DIM + offs_d[None, :]
+    o_c = tl.load(o_ptrs, mask=ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+    return lse_c, o_c
 
-    The chunks are folded in one pass with the online softmax's rescaling (``flashlab.reference.merge_partials``
-    weighs each chunk by ``exp(lse_c - lse_total)``; this is the same sum, accumulated about a running max).
-    Returns ``(o, lse2)``: the merged output (fp32) and log-sum-exp (log2 units, -inf where no chunk saw a key).
-    The loads bypass L1 (``.cg``): the partials were written by other programs, on other SMs, a moment ago.
+
+@triton.jit
+def merge_chunks(O_PART, LSE_PART, first, c_lo, count, stride, row_ok, offs_d, d_ok, HEAD_DIM: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """Split-KV's merge for BLOCK_M rows: combine ``count`` partial outputs (each normalised, fp32) and
+    log-sum-exps (log2 units) of every row, those of row ``r`` at workspace rows ``first[r] + c_lo + i * stride``
+    for ``i < count``.
+
+    The chunks are folded with the online softmax's rescaling (``flashlab.reference.merge_partials`` weighs each
+    chunk by ``exp(lse_c - lse_total)``; this is the same sum, accumulated about a running max), ``MERGE_UNROLL``
+    chunks per step: their loads are all issued before the first is used, so a step waits for one memory latency
+    instead of one per chunk. Returns ``(o, lse2)``: the merged output (fp32) and log-sum-exp (log2 units, -inf
+    where no chunk saw a key).
     """
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
     o = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for c in range(0, NUM_SPLITS):
-        lse_c = tl.load(LSE_PART + first + c, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        o_ptrs = O_PART + (first + c)[:, None] * HEAD_DIM + offs_d[None, :]
-        o_c = tl.load(o_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse_c)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    for i in range(0, count, MERGE_UNROLL):
+        c = c_lo + i * stride
+        l0, o0 = _load_chunk(O_PART, LSE_PART, first, c, True, row_ok, offs_d, d_ok, HEAD_DIM)
+        if MERGE_UNROLL >= 2:
+            l1, o1 = _load_chunk(O_PART, LSE_PART, first, c + stride, i + 1 < count, row_ok, offs_d, d_ok, HEAD_DIM)
+        if MERGE_UNROLL >= 4:
+            l2, o2 = _load_chunk(O_PART, LSE_PART, first, c + 2 * stride, i + 2 < count, row_ok, offs_d, d_ok,
+                                 HEAD_DIM)  # fmt: skip
+            l3, o3 = _load_chunk(O_PART, LSE_PART, first, c + 3 * stride, i + 3 < count, row_ok, offs_d, d_ok,
+                                 HEAD_DIM)  # fmt: skip
+        m_new = tl.maximum(m, l0)
+        if MERGE_UNROLL >= 2:
+            m_new = tl.maximum(m_new, l1)
+        if MERGE_UNROLL >= 4:
+            m_new = tl.maximum(m_new, tl.maximum(l2, l3))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no chunk saw a key yet: every weight is 0
         alpha = tl.math.exp2(m - m_safe)
-        w = tl.math.exp2(lse_c - m_safe)
-        total = total * alpha + w
-        o = o * alpha[:, None] + w[:, None] * o_c
+        w0 = tl.math.exp2(l0 - m_safe)
+        total = total * alpha + w0
+        o = o * alpha[:, None] + w0[:, None] * o0
+        if MERGE_UNROLL >= 2:
+            w1 = tl.math.exp2(l1 - m_safe)
+            total += w1
+            o += w1[:, None] * o1
+        if MERGE_UNROLL >= 4:
+            w2 = tl.math.exp2(l2 - m_safe)
+            w3 = tl.math.exp2(l3 - m_safe)
+            total += w2 + w3
+            o += w2[:, None] * o2 + w3[:, None] * o3
         m = m_new
     seen = total > 0.0
     total_safe = tl.where(seen, total, 1.0)
@@ -93,39 +134,78 @@ def merge_chunks(O_PART, LSE_PART, first, row_ok, offs_d, d_ok, NUM_SPLITS, HEAD
 
 
 @triton.jit
-def finish_chunk(acc, m_i, l_i, out, lse_out, row_ok, offs_d, d_ok, O_PART, LSE_PART, first, counter, pid_s,
-                 NUM_SPLITS, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                 DIRECT: tl.constexpr, MERGE_HERE: tl.constexpr):  # fmt: skip
+def _write_answer(o, lse2, out, lse_out, row_ok, offs_d, d_ok):
+    tl.store(lse_out, lse2 * LN_2, mask=row_ok)
+    tl.store(out[:, None] + offs_d[None, :], o.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _count_finished(counter):
+    # every thread's stores are in (barrier), then counted; the release makes them visible to the acquirer
+    tl.debug_barrier()
+    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
+def finish_chunk(acc, m_i, l_i, out, lse_out, row_ok, offs_d, d_ok, O_PART, LSE_PART, first, COUNTERS, block,
+                 pid_s, NUM_SPLITS, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                 DIRECT: tl.constexpr, MERGE_HERE: tl.constexpr, MERGE_GROUP: tl.constexpr):  # fmt: skip
     """The end of a split-KV program: its chunk's running output ``acc``, max ``m_i`` and sum ``l_i`` (log2
-    units) for BLOCK_M rows become the answer, or a partial result that the chunks' last finisher merges.
+    units) for BLOCK_M rows become the answer, or a partial result that the chunks' last finishers merge.
 
     ``out`` and ``lse_out`` point at each row's output row and lse; ``first`` is each row's chunk 0 in the
-    workspace (``O_PART`` rows of HEAD_DIM floats, ``LSE_PART`` floats); ``counter`` is this block's int32 counter
-    of finished chunks, zero when the launch starts. With ``DIRECT`` (one chunk) the output is written at once.
-    Otherwise the program stores its partial; without ``MERGE_HERE`` a second kernel merges them
-    (``split_kv.split_kv_merge``). With it, the program counts itself finished (an atomic add whose release makes the
-    partial visible, after a barrier so every thread's stores are in), and the one that finds every other chunk
-    already counted (acquire) merges them all (``merge_chunks``), writes the output and sets the counter back to
-    zero for the next launch. A row that saw no key gives zeros and lse -inf.
+    workspace (``O_PART`` rows of HEAD_DIM floats, ``LSE_PART`` floats); block ``block`` of rows owns
+    ``merge_counters(NUM_SPLITS, MERGE_GROUP)`` int32 counters of ``COUNTERS``, zero when the launch starts. With
+    ``DIRECT`` (one chunk) the output is written at once. Otherwise the program stores its partial; without
+    ``MERGE_HERE`` a second kernel merges them (``split_kv.split_kv_merge``).
+
+    With it, the chunks' last finishers merge them in the same launch. A program counts itself finished on a
+    counter (an atomic add whose release makes its partial visible, after a barrier so every thread's stores are
+    in), and the one that finds the others already counted (acquire) merges them (``merge_chunks``). With
+    ``MERGE_GROUP`` 0 the last of all the chunks folds them all. Otherwise the merge is a two-level tree: the
+    chunks form groups of ``MERGE_GROUP``, each group's last finisher merges the group, its merged partial replaces
+    the group's first chunk's and is counted on the block's last counter, and the last group to arrive merges the
+    groups. Groups merge in parallel, on different SMs, so a long cache's 50 chunks cost two short folds instead of
+    one long one. Each merger sets its counter back to zero for the next launch. A row that saw no key gives zeros
+    and lse -inf.
     """
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     lse2 = tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))
     o = acc / l_safe[:, None]
     if DIRECT:
-        tl.store(lse_out, lse2 * LN_2, mask=row_ok)
-        tl.store(out[:, None] + offs_d[None, :], o.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        _write_answer(o, lse2, out, lse_out, row_ok, offs_d, d_ok)
     else:
         tl.store(LSE_PART + first + pid_s, lse2, mask=row_ok)
         part = O_PART + (first + pid_s)[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(part, o, mask=row_ok[:, None] & d_ok[None, :])
         if MERGE_HERE:
-            tl.debug_barrier()
-            finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")  # chunks that finished before this
-            if finished == NUM_SPLITS - 1:
-                o, lse2 = merge_chunks(O_PART, LSE_PART, first, row_ok, offs_d, d_ok, NUM_SPLITS, HEAD_DIM, BLOCK_M,
-                                       BLOCK_D)  # fmt: skip
-                tl.store(lse_out, lse2 * LN_2, mask=row_ok)
-                o_out = o.to(out.dtype.element_ty)
-                tl.store(out[:, None] + offs_d[None, :], o_out, mask=row_ok[:, None] & d_ok[None, :])
-                tl.atomic_xchg(counter, 0)
+            if MERGE_GROUP == 0:  # one level: the last chunk to finish folds them all
+                counter = COUNTERS + block
+                if _count_finished(counter) == NUM_SPLITS - 1:
+                    o, lse2 = merge_chunks(O_PART, LSE_PART, first, 0, NUM_SPLITS, 1, row_ok, offs_d, d_ok, HEAD_DIM,
+                                           BLOCK_M, BLOCK_D)  # fmt: skip
+                    _write_answer(o, lse2, out, lse_out, row_ok, offs_d, d_ok)
+                    tl.atomic_xchg(counter, 0)
+            else:  # a tree: groups of MERGE_GROUP chunks, then the groups
+                group = pid_s // MERGE_GROUP
+                g_lo = group * MERGE_GROUP
+                g_count = tl.minimum(NUM_SPLITS - g_lo, MERGE_GROUP)
+                num_groups = (NUM_SPLITS + MERGE_GROUP - 1) // MERGE_GROUP
+                counters = COUNTERS + block * (num_groups + 1)  # merge_counters(NUM_SPLITS, MERGE_GROUP) per block
+                if _count_finished(counters + group) == g_count - 1:  # the rest of the group finished before this
+                    o, lse2 = merge_chunks(O_PART, LSE_PART, first, g_lo, g_count, 1, row_ok, offs_d, d_ok, HEAD_DIM,
+                                           BLOCK_M, BLOCK_D)  # fmt: skip
+                    tl.atomic_xchg(counters + group, 0)
+                    if num_groups == 1:
+                        _write_answer(o, lse2, out, lse_out, row_ok, offs_d, d_ok)
+                    else:
+                        tl.debug_barrier()  # every thread has read the group's chunks before its first is overwritten
+                        tl.store(LSE_PART + first + g_lo, lse2, mask=row_ok)
+                        tl.store(O_PART + (first + g_lo)[:, None] * HEAD_DIM + offs_d[None, :], o,
+                                 mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
+                        if _count_finished(counters + num_groups) == num_groups - 1:  # the last group to finish
+                            o, lse2 = merge_chunks(O_PART, LSE_PART, first, 0, num_groups, MERGE_GROUP, row_ok, offs_d,
+                                                   d_ok, HEAD_DIM, BLOCK_M, BLOCK_D)  # fmt: skip
+                            _write_answer(o, lse2, out, lse_out, row_ok, offs_d, d_ok)
+                            tl.atomic_xchg(counters + num_groups, 0)

@@ -1,5 +1,5 @@
 """Split-KV attention (Flash-Decoding): the decode-time path of ``flashlab.flash_attention``, in one Triton kernel
-(two when a step has many chunks).
+launch.
 
 At decode a sequence offers one query row (or a few) per head. The prefill kernel (``flashlab.kernels.forward``)
 gives each program a tile of query rows, so decode would leave it ``B * Hq`` programs that each walk the whole KV
@@ -12,10 +12,11 @@ head that shares it. ``_split_kv_partial`` fixes both:
    kernel over its chunk and writes a partial output and its log-sum-exp.
 2. The merge: the chunks' partial outputs are combined, weighted by ``exp(lse_chunk - lse_total)`` -- the
    log-sum-exp merge of ``flashlab.reference.merge_partials``, which is the float64 reference for this step
-   (notebook 06 does it by hand). Up to ``MAX_MERGE_HERE_SPLITS`` chunks no second kernel does it: every
-   program counts itself finished on a counter of its block (an atomic add), and the one that finishes last
-   reads the others' partials and merges them (``softmax_step.merge_chunks``), so a short decode step is one
-   launch, which is most of its host time. More chunks are merged by ``split_kv_merge``, one program per row.
+   (notebook 06 does it by hand). No second kernel does it: every program counts itself finished on a counter
+   of its group of ``TREE_GROUP`` chunks (an atomic add); the last of a group to finish merges the group
+   (``softmax_step.merge_chunks``), and the last group to finish merges the groups. So a decode step is one
+   launch, whose host time is most of a short step's time. (``split_kv_merge``, a merge kernel of one program per
+   query row, remains for the paged kernel's small blocks, whose registers cannot afford the tree.)
 
 Bytes: each K/V element is read once (plus a partial output of ``GROUP * Nq * D`` floats per chunk, written and
 read back once), so decode runs at the speed the KV cache can be streamed.
@@ -54,10 +55,14 @@ MAX_SPLIT_QUERY_ROWS = 16
 MIN_KEYS_PER_SPLIT = 128
 # Largest number of chunks (the merge kernel holds one log-sum-exp per chunk in a single tile).
 MAX_SPLITS = 256
-# Up to this many chunks the last to finish merges them in the same kernel. It folds them one at a time, a memory
-# latency each, so past this a second kernel merges them instead, one program per query row: on the H200 at 32K
-# keys and B = 1 (43 chunks) the in-kernel merge cost 8 us of a 54 us step, a second launch about 2.
-MAX_MERGE_HERE_SPLITS = 16
+# The chunks are merged in the partial kernel's own launch (softmax_step.finish_chunk), as a two-level tree of
+# groups of TREE_GROUP chunks: on the H200 at 128K keys and B = 1 (49 chunks) one launch with the tree took 141-143
+# us where a second merge kernel's launch made it 145, and a one-level fold of all 49 in one program 148.
+TREE_GROUP = 8
+# A kernel whose registers the tree's second fold would push past PROGRAMS_PER_SM programs an SM (the paged kernel
+# with 16-token blocks: 196 registers against 156) folds its chunks in one level instead, up to this many; more are
+# merged by split_kv_merge, one program per query row, in a second launch (docs/kernel-notes.md).
+MAX_FOLD_SPLITS = 16
 # Programs one SM holds at once with the decode configs (a 64-key tile, two stages: ~70 KB of shared memory of
 # 228 KB). The chunks are chosen so the grid fills these slots once and evenly: on the H200 a grid one program
 # per SM short of a multiple of them lost up to 10% against one that filled them (docs/kernel-notes.md).
@@ -88,6 +93,7 @@ def _split_kv_partial(
     DOT_UPCAST: tl.constexpr,  # interpreter: feed 16-bit tiles to the dots as fp32
     DIRECT: tl.constexpr,  # one chunk: normalise and write O and LSE, no partials, no counter
     MERGE_HERE: tl.constexpr,  # several chunks: the last to finish merges them (else split_kv_merge does)
+    MERGE_GROUP: tl.constexpr,  # chunks per group of the merge's tree; 0: one level (softmax_step.finish_chunk)
 ):
     # fmt: on
     pid_s = tl.program_id(0)  # which chunk of keys
@@ -162,10 +168,10 @@ def _split_kv_partial(
     # -- the answer (one chunk), or this chunk's partial result, merged by the block's last chunk to finish
     out = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + qi.to(tl.int64) * stride_om
     first = ((off_b * HQ + off_h) * NQ + qi).to(tl.int64) * NUM_SPLITS  # (BLOCK_M,) each row's chunk 0
-    counter = COUNTERS + pid_bk * tl.num_programs(2) + pid_m
+    block = pid_bk * tl.num_programs(2) + pid_m  # this block of rows' merge counters
     softmax_step.finish_chunk(acc, m_i, l_i, out, LSE + (off_b * HQ + off_h) * NQ + qi, row_ok, offs_d, d_ok, O_PART,
-                              LSE_PART, first, counter, pid_s, NUM_SPLITS, HEAD_DIM, BLOCK_M, BLOCK_D, DIRECT,
-                              MERGE_HERE)
+                              LSE_PART, first, COUNTERS, block, pid_s, NUM_SPLITS, HEAD_DIM, BLOCK_M, BLOCK_D, DIRECT,
+                              MERGE_HERE, MERGE_GROUP)
 
 
 @triton.jit
@@ -240,7 +246,7 @@ def tuning_configs():
 
 _split_kv_partial_tuned = triton.autotune(
     configs=tuning_configs(),
-    key=["TUNE_KEY_N", "TUNE_KEY_UNITS", "HEAD_DIM", "BLOCK_M", "DOT_PRECISION", "DIRECT", "MERGE_HERE"],
+    key=["TUNE_KEY_N", "TUNE_KEY_UNITS", "HEAD_DIM", "BLOCK_M", "DOT_PRECISION", "DIRECT", "MERGE_HERE", "MERGE_GROUP"],
     prune_configs_by={"early_config_prune": prune_configs},
 )(_split_kv_partial)
 
@@ -280,7 +286,7 @@ class LaunchPlan:
     scalar arguments and constexprs, and (on a GPU, after the first call) the autotuner's pick and the direct
     launches. A decode step then costs one kernel launch, two with many chunks (and the output's allocation)."""
 
-    __slots__ = ("num_splits", "direct", "parts", "d", "rows", "groups", "grid", "scalars", "tune", "meta", "fast")
+    __slots__ = ("num_splits", "direct", "parts", "d", "rows", "counters", "grid", "scalars", "tune", "meta", "fast")
     __slots__ += ("fast_state", "views", "merge_here", "merge_grid", "merge_args", "merge_meta", "merge_fast")
 
     def __init__(self, q, k, v, o, offset, win_left, win_right, qk_scale, num_splits):
@@ -298,8 +304,8 @@ class LaunchPlan:
         keys_per_split, num_splits = split_keys(nk, num_splits)
         self.num_splits, self.direct, self.d = num_splits, num_splits == 1, d
         # scratch (runtime.scratch): partial outputs (b, hq, nq, num_splits, d), their log-sum-exps, then room
-        # for an lse the caller did not ask for; one counter per program group
-        self.parts, self.rows, self.groups = b * hq * nq * num_splits, b * hq * nq, b * hk * row_blocks
+        # for an lse the caller did not ask for; the merge's counters for every block of rows
+        self.parts, self.rows = b * hq * nq * num_splits, b * hq * nq
         self.views = None  # workspace()'s cut of the scratch
         self.grid = (num_splits, b * hk, row_blocks)
         self.scalars = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
@@ -314,18 +320,21 @@ class LaunchPlan:
             DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
             DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
         )
-        plan_merge(self, num_splits, (o.stride(0), o.stride(1), o.stride(2)), hq, nq, d)
+        plan_merge(self, num_splits, b * hk * row_blocks, (o.stride(0), o.stride(1), o.stride(2)), hq, nq, d)
         # the direct launch (runtime.FastLaunch): "untried" -> "built" -> "checked" (bit-equal to a JIT launch
         # once) or "off"
         self.fast, self.fast_state = None, "untried"
 
 
-def plan_merge(plan, num_splits, strides_o, hq, nq, d, merge_here=True):
-    """Set a plan's merge: none (``DIRECT``, one chunk), in the kernel (``MERGE_HERE``, a few chunks, unless
-    ``merge_here`` is False), or by ``split_kv_merge`` (``merge_grid``, ``merge_args``, ``merge_meta``); shared by
-    the KV-cache plan."""
-    plan.merge_here = merge_here and 1 < num_splits <= MAX_MERGE_HERE_SPLITS
-    plan.meta.update(DIRECT=plan.direct, MERGE_HERE=plan.merge_here)
+def plan_merge(plan, num_splits, blocks, strides_o, hq, nq, d, tree=True):
+    """Set a plan's merge of ``num_splits`` chunks for ``blocks`` blocks of rows: none (``DIRECT``, one chunk); in
+    the kernel (``MERGE_HERE``), as a tree of ``TREE_GROUP``-chunk groups or, with ``tree`` False, folded in one
+    level up to ``MAX_FOLD_SPLITS`` chunks; else by ``split_kv_merge`` (``merge_grid``, ``merge_args``,
+    ``merge_meta``). Sets ``plan.counters``, the merge's int32 counters. Shared by the KV-cache plan."""
+    group = TREE_GROUP if tree else 0
+    plan.merge_here = 1 < num_splits and (tree or num_splits <= MAX_FOLD_SPLITS)
+    plan.meta.update(DIRECT=plan.direct, MERGE_HERE=plan.merge_here, MERGE_GROUP=group)
+    plan.counters = blocks * softmax_step.merge_counters(num_splits, group)
     plan.merge_grid = None if plan.direct or plan.merge_here else (plan.rows,)
     plan.merge_args = (*strides_o, hq, nq, num_splits)
     plan.merge_meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_S=max(2, next_power_of_2(num_splits)), CHUNK_S=8)
@@ -344,9 +353,9 @@ def merge(plan, o_part, lse_part, o, lse):
 
 def workspace(plan, device, stream):
     """``(o_part, lse_part, spare_lse, counters)`` for one launch of ``plan`` (a split-KV or KV-cache plan with
-    ``parts``, ``d``, ``rows``, ``groups`` and ``views``), carved from the stream's ``runtime.scratch``. The views
+    ``parts``, ``d``, ``rows``, ``counters`` and ``views``), carved from the stream's ``runtime.scratch``. The views
     are kept on the plan while the scratch stays the same (cutting them costs more than a launch's arguments)."""
-    work, counters, kept = scratch(device, stream, plan.parts * (plan.d + 1) + plan.rows, plan.groups)
+    work, counters, kept = scratch(device, stream, plan.parts * (plan.d + 1) + plan.rows, plan.counters)
     views = plan.views
     if views is not None and views[0] is work and views[1] is counters:
         return views[2]
@@ -376,9 +385,8 @@ def plan_launch(q, k, v, o, offset, win_left, win_right, qk_scale, num_splits=No
 def launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits=None):
     """Run the split-KV path on checked inputs (``flashlab.kernels.forward.forward`` prepares them): writes ``o``
     and ``lse`` (None: not wanted); returns the number of chunks. ``num_splits=None`` picks it with
-    ``choose_splits``. With one chunk the kernel writes ``o`` and ``lse`` itself; with up to
-    ``MAX_MERGE_HERE_SPLITS`` the last chunk of each block to finish merges them; with more, ``split_kv_merge``
-    does."""
+    ``choose_splits``. With one chunk the kernel writes ``o`` and ``lse`` itself; with more, the chunks' last
+    finishers merge them in the same launch (``plan_merge``)."""
     plan = plan_launch(q, k, v, o, offset, win_left, win_right, qk_scale, num_splits)
     run(plan, q, k, v, o, lse)
     return plan.num_splits
@@ -473,7 +481,8 @@ __all__ = [
     "LaunchPlan",
     "MAX_SPLIT_QUERY_ROWS",
     "MAX_SPLITS",
-    "MAX_MERGE_HERE_SPLITS",
+    "MAX_FOLD_SPLITS",
+    "TREE_GROUP",
     "MERGE_TENSORS",
     "MIN_KEYS_PER_SPLIT",
     "PARTIAL_TENSORS",
