@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 LN_2 = tl.constexpr(0.6931471805599453)  # log(x) = log2(x) * ln(2): turns a log2-unit lse into a natural one
-# Chunks the in-kernel merge loads at once (``merge_chunks``): one memory latency per four chunks, not per chunk.
+# Chunks the in-kernel merge loads at once (``merge_chunks``, written for four): one memory latency per four chunks.
 MERGE_UNROLL = tl.constexpr(4)
 
 
@@ -98,35 +98,19 @@ def merge_chunks(O_PART, LSE_PART, first, c_lo, count, stride, row_ok, offs_d, d
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
     o = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for i in range(0, count, MERGE_UNROLL):
+    for i in range(0, count, MERGE_UNROLL):  # four chunks a step: loads first, then one rescale for all four
         c = c_lo + i * stride
         l0, o0 = _load_chunk(O_PART, LSE_PART, first, c, True, row_ok, offs_d, d_ok, HEAD_DIM)
-        if MERGE_UNROLL >= 2:
-            l1, o1 = _load_chunk(O_PART, LSE_PART, first, c + stride, i + 1 < count, row_ok, offs_d, d_ok, HEAD_DIM)
-        if MERGE_UNROLL >= 4:
-            l2, o2 = _load_chunk(O_PART, LSE_PART, first, c + 2 * stride, i + 2 < count, row_ok, offs_d, d_ok,
-                                 HEAD_DIM)  # fmt: skip
-            l3, o3 = _load_chunk(O_PART, LSE_PART, first, c + 3 * stride, i + 3 < count, row_ok, offs_d, d_ok,
-                                 HEAD_DIM)  # fmt: skip
-        m_new = tl.maximum(m, l0)
-        if MERGE_UNROLL >= 2:
-            m_new = tl.maximum(m_new, l1)
-        if MERGE_UNROLL >= 4:
-            m_new = tl.maximum(m_new, tl.maximum(l2, l3))
+        l1, o1 = _load_chunk(O_PART, LSE_PART, first, c + stride, i + 1 < count, row_ok, offs_d, d_ok, HEAD_DIM)
+        l2, o2 = _load_chunk(O_PART, LSE_PART, first, c + 2 * stride, i + 2 < count, row_ok, offs_d, d_ok, HEAD_DIM)
+        l3, o3 = _load_chunk(O_PART, LSE_PART, first, c + 3 * stride, i + 3 < count, row_ok, offs_d, d_ok, HEAD_DIM)
+        m_new = tl.maximum(tl.maximum(tl.maximum(m, l0), l1), tl.maximum(l2, l3))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no chunk saw a key yet: every weight is 0
         alpha = tl.math.exp2(m - m_safe)
-        w0 = tl.math.exp2(l0 - m_safe)
-        total = total * alpha + w0
-        o = o * alpha[:, None] + w0[:, None] * o0
-        if MERGE_UNROLL >= 2:
-            w1 = tl.math.exp2(l1 - m_safe)
-            total += w1
-            o += w1[:, None] * o1
-        if MERGE_UNROLL >= 4:
-            w2 = tl.math.exp2(l2 - m_safe)
-            w3 = tl.math.exp2(l3 - m_safe)
-            total += w2 + w3
-            o += w2[:, None] * o2 + w3[:, None] * o3
+        w0, w1 = tl.math.exp2(l0 - m_safe), tl.math.exp2(l1 - m_safe)
+        w2, w3 = tl.math.exp2(l2 - m_safe), tl.math.exp2(l3 - m_safe)
+        total = total * alpha + w0 + w1 + (w2 + w3)
+        o = o * alpha[:, None] + w0[:, None] * o0 + w1[:, None] * o1 + (w2[:, None] * o2 + w3[:, None] * o3)
         m = m_new
     seen = total > 0.0
     total_safe = tl.where(seen, total, 1.0)

@@ -59,8 +59,8 @@ MAX_SPLITS = 256
 # groups of TREE_GROUP chunks: on the H200 at 128K keys and B = 1 (49 chunks) one launch with the tree took 141-143
 # us where a second merge kernel's launch made it 145, and a one-level fold of all 49 in one program 148.
 TREE_GROUP = 8
-# A kernel whose registers the tree's second fold would push past PROGRAMS_PER_SM programs an SM (the paged kernel
-# with 16-token blocks: 196 registers against 156) folds its chunks in one level instead, up to this many; more are
+# A kernel whose registers the tree would push past PROGRAMS_PER_SM programs an SM (the paged kernel with 16-token
+# blocks: 196 registers against 156) folds its chunks in one level instead, up to this many; more are
 # merged by split_kv_merge, one program per query row, in a second launch (docs/kernel-notes.md).
 MAX_FOLD_SPLITS = 16
 # Programs one SM holds at once with the decode configs (a 64-key tile, two stages: ~70 KB of shared memory of
@@ -165,7 +165,7 @@ def _split_kv_partial(
             acc = softmax_step.accumulate_pv(acc, p.to(v.dtype), v, DOT_PRECISION)  # hidden keys add nothing
         m_i = m_new
 
-    # -- the answer (one chunk), or this chunk's partial result, merged by the block's last chunk to finish
+    # -- the answer (one chunk), or this chunk's partial result, merged by the chunks' last finishers
     out = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + qi.to(tl.int64) * stride_om
     first = ((off_b * HQ + off_h) * NQ + qi).to(tl.int64) * NUM_SPLITS  # (BLOCK_M,) each row's chunk 0
     block = pid_bk * tl.num_programs(2) + pid_m  # this block of rows' merge counters
