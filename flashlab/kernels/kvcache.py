@@ -182,9 +182,9 @@ def _kvcache_partial(
 TUNING_SPACE = [(64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 4, 3), (128, 8, 3)]
 # Blocks smaller than this many tokens (16-bit inputs) take SMALL_BLOCK_CONFIG without autotuning (the best or
 # within 3% of it in every cell of the H200's decode sweep, where the autotuner's own pick was up to 15% slower).
-# Their kernel merges its chunks in one level (split_kv.plan_merge's tree=False): the tree's second fold took it
-# from 156 to 196 registers a thread, two programs an SM instead of three, a quarter slower; capping it at 168
-# spilled and was no faster (docs/kernel-notes.md).
+# Their kernel merges its chunks in one level (split_kv.plan_merge's tree=False): the tree took it from 156 to 196
+# registers a thread, two programs an SM instead of three, a quarter slower; capping it at 168 spilled and was no
+# faster (docs/kernel-notes.md).
 SMALL_BLOCK_TOKENS = 128
 SMALL_BLOCK_CONFIG = (128, 4, 2)
 
@@ -396,10 +396,12 @@ def flash_attention_with_kvcache(
     else:
         key = call_signature(*args)
         plan = _PLANS.get(key) if key is not None else None
-        if plan is not None and check_values is False:  # a plan exists only for a signature that was checked
+        # a plan exists only for a signature whose shapes passed: then only the values are left to check
+        if plan is None or check_values is not False:
+            capacity = check_kvcache_inputs(*args, check_values=check_values, key=key)
+        if plan is not None:
             o, lse = run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, return_lse)
             return (o, lse) if return_lse else o
-        capacity = check_kvcache_inputs(*args, check_values=check_values, key=key)
     o, lse = kvcache_forward(*args, capacity, need_lse=return_lse, key=key)
     return (o, lse) if return_lse else o
 
