@@ -54,17 +54,23 @@ def test_single_chunk_decode_writes_the_output_directly():
     torch.testing.assert_close(o3[0], o, rtol=1e-5, atol=1e-5)
 
 
-def test_chunks_are_merged_in_the_same_launch(monkeypatch):
-    # The chunks' last finishers merge them in the kernel itself, so a decode step is one launch, however many
-    # chunks it has (19: three groups of the merge's tree); the answer still equals the reference's.
-    launched = []
+@pytest.fixture
+def launched(monkeypatch):
+    """The names of the split-KV kernels the interpreter launches, in order."""
+    names = []
     real = split_kv.interpreted
 
     def counting(kernel):
-        launched.append(kernel.fn.__name__)
+        names.append(kernel.fn.__name__)
         return real(kernel)
 
     monkeypatch.setattr(split_kv, "interpreted", counting)
+    return names
+
+
+def test_chunks_are_merged_in_the_same_launch(launched):
+    # The chunks' last finishers merge them in the kernel itself, so a decode step is one launch, however many
+    # chunks it has (19: three groups of the merge's tree); the answer still equals the reference's.
     q, k, v = make_qkv(2, 8, 2, 1, 300, 24, torch.float32, seed=5)  # GQA, D = 24 (padded to 32)
     o, lse = flash_attention(q, k, v, return_lse=True, num_splits=5)
     assert launched == ["_split_kv_partial"]
@@ -86,12 +92,9 @@ def test_chunks_are_merged_in_the_same_launch(monkeypatch):
 
 
 @pytest.mark.parametrize("num_splits", [5, split_kv.MAX_FOLD_SPLITS, split_kv.MAX_FOLD_SPLITS + 3])
-def test_the_one_level_fold_and_the_merge_kernel_match_the_reference(monkeypatch, num_splits):
+def test_the_one_level_fold_and_the_merge_kernel_match_the_reference(launched, num_splits):
     # Without the tree (the paged kernel's small blocks, on a GPU) one program folds up to MAX_FOLD_SPLITS chunks;
     # more go to the merge kernel, a second launch. Forced here on a contiguous plan, so the CPU runs both.
-    launched = []
-    real = split_kv.interpreted
-    monkeypatch.setattr(split_kv, "interpreted", lambda kernel: launched.append(kernel.fn.__name__) or real(kernel))
     q, k, v = make_qkv(1, 4, 2, 2, num_splits * split_kv.KEY_ALIGN - 7, 16, torch.float32, seed=num_splits)
     _, offset, win_left, win_right, qk_scale = forward.kernel_args(q, k, v, True, None, None)
     o, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32)
@@ -99,7 +102,7 @@ def test_the_one_level_fold_and_the_merge_kernel_match_the_reference(monkeypatch
     split_kv.plan_merge(plan, num_splits, 2, (o.stride(0), o.stride(1), o.stride(2)), 4, 2, 16, tree=False)
     split_kv.run(plan, q, k, v, o, lse)
     folds = num_splits <= split_kv.MAX_FOLD_SPLITS
-    assert launched == ["_split_kv_partial"] if folds else ["_split_kv_partial", "split_kv_merge"]
+    assert launched == (["_split_kv_partial"] if folds else ["_split_kv_partial", "split_kv_merge"])
     ro, rlse = attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=True)
     np.testing.assert_allclose(o.double().numpy(), ro, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(lse.double().numpy(), rlse, rtol=1e-5, atol=1e-5)
