@@ -34,6 +34,9 @@ class Rung:
     removes: str  # one line: the cost this rung removes against the rung below it
     module: str  # where its kernel and ``launch`` live
     unavailable: Callable  # (q, k, v, causal, window) -> str | None: why it cannot run here, or None
+    # (q, k, v, causal, window) -> bool: whether, among the rungs that can run these inputs, this one is the one to
+    # pick by default (measured faster there); None: wherever it can run
+    preferred: Callable | None = None
 
     def load(self):
         """The rung's module (imported on first use)."""
@@ -62,8 +65,18 @@ RUNGS: tuple[Rung, ...] = (
         "flashlab.kernels.skip_split",
         runs_everywhere,
     ),
-    # the next rung goes here, fastest last: Rung("hopper", "...", "flashlab.kernels.hopper", its_unavailable)
+    Rung(
+        "hopper",
+        "load latency: whole tiles copied by the tensor-memory accelerator, issued by warps of their own",
+        "flashlab.kernels.hopper",
+        lambda q, k, v, causal, window: _hopper().unavailable(q, k, v, causal, window),
+        lambda q, k, v, causal, window: _hopper().preferred(q, k, v, causal, window),
+    ),
 )
+
+
+def _hopper():
+    return importlib.import_module("flashlab.kernels.hopper")
 
 
 def names() -> tuple[str, ...]:
@@ -83,7 +96,8 @@ def rung_named(name) -> Rung:
 def select(name, q, k, v, causal, window) -> tuple[Rung, str | None]:
     """The rung a call runs, and a note to warn with (or None).
 
-    ``name`` None: the fastest rung that can run these inputs on their device, silently. A name: that rung; where
+    ``name`` None: the fastest rung that can run these inputs on their device and is preferred for them (a rung's
+    ``preferred``: where the benchmark measured it faster than the rungs below), silently. A name: that rung; where
     it cannot run, the fastest rung that can, and a note naming the rung asked for and the reason, for the caller
     to raise as a ``RuntimeWarning`` -- never a silent substitute."""
     asked = None if name is None else rung_named(name)
@@ -95,6 +109,8 @@ def select(name, q, k, v, causal, window) -> tuple[Rung, str | None]:
         reasons[r.name] = why if r is asked else r.unavailable(q, k, v, causal, window)
         if reasons[r.name] is None:
             if asked is None:
+                if r.preferred is not None and not r.preferred(q, k, v, causal, window) and r is not RUNGS[0]:
+                    continue  # it can run, but a rung below it is faster here
                 return r, None
             return r, f"rung {asked.name!r} cannot run here ({why}); running rung {r.name!r} instead"
     listed = "; ".join(f"{n}: {w}" for n, w in reasons.items())

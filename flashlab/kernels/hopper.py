@@ -1,0 +1,480 @@
+"""Rung 3 of the kernel ladder, "Hopper": skip-and-split's loop, fed by the tensor-memory accelerator, with the
+loads of the unmasked stage handed to their own warps.
+
+It computes what rung 2 (``flashlab.kernels.skip_split``) computes, tile for tile: one program per tile of
+``BLOCK_M`` query rows of one head, the key tiles split by the mask band into a left-edge stage, an unmasked stage
+and a diagonal/tail stage, tiles outside the band never loaded. What it changes is how the tiles arrive and who
+waits for them:
+
+- **TMA tensor descriptors, made on the device.** Each program describes its head's Q, K, V and O as 2-D tensors
+  (rows x head dim) with ``tl.make_tensor_descriptor``; one instruction then copies a whole tile into shared memory,
+  and rows or columns outside the tensor arrive as zeros. No address arithmetic per element, no load masks, no
+  registers spent on pointers.
+- **Warp specialisation of the unmasked stage** (``tl.range(..., warp_specialize=True)``, Triton >= 3.4). The
+  compiler splits the loop into a producer, a few warps that only issue the TMA copies for the tiles ahead, and
+  consumers that run the two matrix products and the softmax; they hand tiles over through shared-memory buffers
+  and barriers. The consumers never stall on a load they issued themselves.
+- **A cheaper guard on the masked edge tiles.** A hidden key must add nothing even when its V row holds inf or NaN
+  (0 * inf is NaN inside a plain dot). Rung 2 cleans V before every masked ``P V`` (a pass over the tile in
+  registers and back to shared memory). Here the edge tile's ``P V`` runs as a plain dot, and only when the result
+  holds a non-finite value -- which a finite V never produces -- is it recomputed with the guard. On finite inputs
+  the guard costs one check of the accumulator.
+
+The scale is folded into ``exp2`` (scores in log2 units), causal query tiles start with the longest
+(``REVERSE_M``), GQA reads K/V head ``h // group`` without copying, as in rung 2.
+
+Where it runs: compiled on a CUDA GPU with compute capability >= 9 (Hopper), 16-bit inputs, strides the TMA can
+describe (16-byte aligned). On CPU tensors the same source runs through Triton's interpreter, descriptors and all
+(the warp specialisation is a compiler schedule, so the interpreter runs the loop as written).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashlab.core.integers import cdiv
+from flashlab.kernels import softmax_step
+from flashlab.kernels.runtime import (
+    CPU_CONFIG,
+    block_d,
+    device_index,
+    dot_precision,
+    dot_upcast,
+    fits_smem,
+    interpreted,
+    interpreted_language,
+    smem_limit,
+)
+from flashlab.kernels.skip_split import tune_key
+from flashlab.kernels.softmax_step import LN_2
+
+NAME = "hopper"  # the rung's name in flashlab.kernels.ladder
+MIN_CAPABILITY = 9  # TMA and warp specialisation: Hopper (sm_90) or newer
+TMA_ALIGN_BYTES = 16  # a TMA descriptor's base address and every stride but the last must be multiples of this
+
+# ----------------------------------------------------------------------------------------------------------------
+# The kernel
+# ----------------------------------------------------------------------------------------------------------------
+
+
+# fmt: off
+@triton.jit
+def _attn_fwd_hopper(
+    Q, K, V, O, LSE,  # tensors: q, k, v, the output, the log-sum-exp
+    stride_qb, stride_qh, stride_qm,  # strides (elements) of q over batch, head, row; D has stride 1
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    HQ, GROUP, NQ, NK,  # query heads, query heads per K/V head, query and key lengths
+    offset, win_left, win_right,  # the band: query i sees keys [i + offset - win_left, i + offset + win_right]
+    qk_scale,  # softmax scale * log2(e)
+    TUNE_KEY_N, TUNE_KEY_ROWS, TUNE_KEY_BAND,  # only read by the autotuner (its cache key)
+    HEAD_DIM: tl.constexpr,  # D
+    BLOCK_D: tl.constexpr,  # D rounded up to a power of two (the tile's width)
+    BLOCK_M: tl.constexpr,  # query rows per program
+    BLOCK_N: tl.constexpr,  # keys per inner-loop step
+    DOT_PRECISION: tl.constexpr,  # "ieee" on the interpreter; "tf32" (ignored for 16-bit inputs) on a GPU
+    DOT_UPCAST: tl.constexpr,  # interpreter: feed 16-bit tiles to the dots as fp32 (NumPy has no bf16 matmul)
+    REVERSE_M: tl.constexpr,  # causal: start the query tiles with the most work first
+    MASK_LEFT: tl.constexpr,  # the window's left edge can cut a tile: mask keys before it
+    MASK_RIGHT: tl.constexpr,  # the diagonal, the window's right edge or the end of the keys can cut a tile
+    FLAG_NONFINITE: tl.constexpr,  # the mask hides real keys: flag rows that came out non-finite (see below)
+    EVEN_M: tl.constexpr,  # NQ is a multiple of every BLOCK_M: O goes out through the copy engine
+    WARP_SPECIALIZE: tl.constexpr,  # the loads in warps of their own
+):
+    # fmt: on
+    pid_m = tl.program_id(0)
+    if REVERSE_M:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)  # (batch, query head); GQA: it reads K/V head (batch, h // GROUP), never copied
+
+    # -- Q, K, V, O as 2-D tensors, the rows of every head one after another (``unavailable`` checks that the
+    # strides allow it), which the copy engine reads and writes a tile at a time. Rows past the last head arrive as
+    # zeros; a tile that runs past its own head reads the next head's first rows, which the mask hides (keys) or
+    # nobody writes (queries). Built from each program's own head instead, or as 3-D/4-D tensors, the
+    # warp-specialised loop failed to compile or came out wrong on Triton 3.6 (docs/kernel-notes.md).
+    q_row0 = pid_bh * NQ  # this head's first row
+    kv_row0 = (pid_bh // GROUP) * NK  # = (batch * HK + off_hk) * NK
+    desc_q = tl.make_tensor_descriptor(Q, [tl.num_programs(1) * NQ, HEAD_DIM], [stride_qm, 1], [BLOCK_M, BLOCK_D])
+    desc_k = tl.make_tensor_descriptor(K, [tl.num_programs(1) // GROUP * NK, HEAD_DIM], [stride_kn, 1],
+                                       [BLOCK_N, BLOCK_D])  # fmt: skip
+    desc_v = tl.make_tensor_descriptor(V, [tl.num_programs(1) // GROUP * NK, HEAD_DIM], [stride_vn, 1],
+                                       [BLOCK_N, BLOCK_D])  # fmt: skip
+    desc_o = tl.make_tensor_descriptor(O, [tl.num_programs(1) * NQ, HEAD_DIM], [stride_om, 1], [BLOCK_M, BLOCK_D])
+
+    row_lo = pid_m * BLOCK_M
+    offs_m = row_lo + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q = desc_q.load([q_row0 + row_lo, 0])  # kept for the whole loop
+    if DOT_UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # -- the key tiles any row of this tile sees, from the band; tiles outside it are never loaded
+    row_hi = tl.minimum(row_lo + BLOCK_M, NQ) - 1
+    lo = tl.maximum(row_lo + offset - win_left, 0)
+    hi = tl.minimum(row_hi + offset + win_right + 1, NK)
+    hi = tl.maximum(hi, lo)
+    # each row's first and last visible key: the element mask is two compares against them
+    first_key = offs_m + offset - win_left
+    last_key = tl.minimum(offs_m + offset + win_right, NK - 1)
+
+    # One loop, with no branch in it: the warp-specialising compiler pass takes a single loop whose body is
+    # straight-line code, so the edge tiles' mask is applied arithmetically, on every tile when the mask has an
+    # edge at all (a tile every row sees passes it unchanged).
+    for start_n in tl.range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        k = desc_k.load([kv_row0 + start_n, 0])  # (BLOCK_N, BLOCK_D)
+        if DOT_UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k.T, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        if MASK_LEFT or MASK_RIGHT:
+            cols = start_n + offs_n
+            if MASK_LEFT and MASK_RIGHT:
+                visible = (cols[None, :] >= first_key[:, None]) & (cols[None, :] <= last_key[:, None])
+            elif MASK_RIGHT:
+                visible = cols[None, :] <= last_key[:, None]
+            else:
+                visible = cols[None, :] >= first_key[:, None]
+            s = tl.where(visible, s * qk_scale, float("-inf"))
+            p, m_new, alpha, l_i = softmax_step.online_softmax_step(s, m_i, l_i)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.math.exp2(s * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+        v = desc_v.load([kv_row0 + start_n, 0])
+        if DOT_UPCAST:
+            v = v.to(tl.float32)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # -- epilogue: normalise, write O (the copy engine drops rows past NQ and columns past D) and the lse
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN_2, float("-inf"))
+    if FLAG_NONFINITE:
+        # A hidden key's inf or NaN in V reaches its whole tile through the plain P V (0 * inf is NaN). Such a
+        # row is marked with a NaN lse; ``launch`` then has rung 2, whose edge tiles guard P V, redo its tile.
+        row_bad = tl.max(tl.where(tl.abs(acc) < float("inf"), 0, 1), 1)
+        lse = tl.where(row_bad > 0, float("nan"), lse)
+    tl.store(LSE + pid_bh.to(tl.int64) * NQ + offs_m, lse, mask=offs_m < NQ)
+    if EVEN_M:  # every tile lies inside its head: the copy engine writes it
+        desc_o.store([q_row0 + row_lo, 0], o.to(O.dtype.element_ty))
+    else:  # the last tile would spill into the next head's rows: masked stores
+        offs_d = tl.arange(0, BLOCK_D)
+        o_ptrs = O + (q_row0 + offs_m).to(tl.int64)[:, None] * stride_om + offs_d[None, :]
+        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(offs_m < NQ)[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _repair_flagged(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    HQ, GROUP, NQ, NK, offset, win_left, win_right, qk_scale,
+    NUM_TILES, M_TILES,  # query tiles of BLOCK_M rows in all, and per head
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr,  # query tiles one program checks with one load
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """The repair pass: redo, with the guarded ``P V`` of the masked tiles, every query tile that has a row with a
+    NaN lse (the main kernel's mark for a row that came out non-finite). Each program reads the lse of
+    ``TILES_PER_PROGRAM`` query tiles at once and returns when none is marked -- the whole pass, on finite
+    inputs. The marked tiles are redone key tile by key tile inside the band, each with the element mask."""
+    pid = tl.program_id(0)
+    tiles = pid * TILES_PER_PROGRAM + tl.arange(0, TILES_PER_PROGRAM)  # (T,)
+    bh = tiles // M_TILES
+    rows = (tiles % M_TILES)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]  # (T, BLOCK_M)
+    ok = (tiles[:, None] < NUM_TILES) & (rows < NQ)
+    marks = tl.load(LSE + bh[:, None].to(tl.int64) * NQ + rows, mask=ok, other=0.0)
+    marked = tl.max(tl.where(marks != marks, 1, 0), 1)  # (T,) 1 where a row of the tile is marked
+    if tl.max(marked, 0) == 0:
+        return
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    for i in range(TILES_PER_PROGRAM):
+        tile = pid * TILES_PER_PROGRAM + i
+        if (tl.sum(tl.where(tl.arange(0, TILES_PER_PROGRAM) == i, marked, 0), 0) > 0) & (tile < NUM_TILES):
+            pid_bh = tile // M_TILES
+            off_b = pid_bh // HQ
+            off_h = pid_bh % HQ
+            off_hk = off_h // GROUP
+            q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+            k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+            v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+            o_base = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+            row_lo = (tile % M_TILES) * BLOCK_M
+            offs_m = row_lo + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < NQ
+            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                        other=0.0)  # fmt: skip
+            if DOT_UPCAST:
+                q = q.to(tl.float32)
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            row_hi = tl.minimum(row_lo + BLOCK_M, NQ) - 1
+            lo = tl.maximum(row_lo + offset - win_left, 0)
+            hi = tl.maximum(tl.minimum(row_hi + offset + win_right + 1, NK), lo)
+            diag = offs_m + offset
+            for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+                cols = start_n + offs_n
+                kv_ok = (cols[:, None] < NK) & d_ok[None, :]
+                k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_ok, other=0.0)
+                v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_ok, other=0.0)
+                if DOT_UPCAST:
+                    k = k.to(tl.float32)
+                    v = v.to(tl.float32)
+                s = tl.dot(q, k.T, input_precision=DOT_PRECISION)
+                visible = softmax_step.band_mask(diag, cols, win_left, win_right, NK)
+                s = tl.where(visible, s * qk_scale, float("-inf"))
+                p, m_new, alpha, l_i = softmax_step.online_softmax_step(s, m_i, l_i)
+                acc = softmax_step.accumulate_pv(acc * alpha[:, None], p.to(v.dtype), v, DOT_PRECISION)
+                m_i = m_new
+            seen = l_i > 0.0
+            l_safe = tl.where(seen, l_i, 1.0)
+            o = acc / l_safe[:, None]
+            lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN_2, float("-inf"))
+            tl.store(LSE + pid_bh.to(tl.int64) * NQ + offs_m, lse, mask=row_ok)
+            tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], o.to(O.dtype.element_ty),
+                     mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
+
+
+# The repair pass's tiles: small, since it only runs for inputs with inf or NaN in hidden V rows.
+REPAIR_CONFIG = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
+REPAIR_TILES_PER_PROGRAM = 64  # query tiles whose marks one program reads in one load
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configs
+# ----------------------------------------------------------------------------------------------------------------
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class, measured on the H200 (docs/kernel-notes.md).
+# Four warps mean warp-specialised: the compiler adds a producer warpgroup for the loads and splits the 128 rows
+# between two consumer warpgroups of 64 (384 threads in all), so the K/V ring needs only two stages -- and with
+# three it came out wrong (NaN) and slow on Triton 3.6, so none has three. Eight warps are the same loop without
+# the specialisation (Triton's Hopper pass takes four-warp programs only).
+TUNING_SPACE = {
+    "d<=64": [(128, 128, 4, 2), (128, 64, 4, 2), (128, 64, 8, 3)],
+    "d=128": [(128, 128, 4, 2), (128, 64, 4, 2), (128, 64, 8, 3)],
+    "d=256": [(64, 64, 4, 2), (64, 64, 8, 2)],
+}
+FALLBACK_SPACE = [(64, 64, 4, 2), (64, 32, 4, 2)]  # for GPUs with less shared memory, when no config above fits
+
+
+def tuning_class(block_d: int) -> str:
+    return "d<=64" if block_d <= 64 else ("d=128" if block_d == 128 else "d=256")
+
+
+def _config(bm, bn, warps, stages):
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": warps == WARP_SPECIALIZED_WARPS},
+        num_warps=warps,
+        num_stages=stages,
+    )
+
+
+WARP_SPECIALIZED_WARPS = 4  # the num_warps of a warp-specialised config
+
+
+def prune_configs(configs, named_args, **kwargs):
+    """Keep this head dim's configs whose Q tile plus pipelined K/V tiles fit the chip's shared memory."""
+    bd = named_args["BLOCK_D"] if "BLOCK_D" in named_args else kwargs["BLOCK_D"]
+    q = named_args["Q"]
+    limit = smem_limit(device_index(q))
+
+    def fits(bm, bn, warps, stages):
+        # warp-specialised, the output tile is staged in shared memory too (measured: 197 KB at D = 128, 128 x 128)
+        resident = 2 * bm if warps == WARP_SPECIALIZED_WARPS else bm
+        return fits_smem(resident, 2 * bn, stages, bd, q.element_size(), limit)
+
+    wanted = set(TUNING_SPACE[tuning_class(bd)])
+    kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
+    kept = [c for c in kept if fits(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)]
+    if not kept:
+        small = [c for c in FALLBACK_SPACE if fits(*c)] or FALLBACK_SPACE[-1:]
+        kept = [_config(*c) for c in small]
+    return kept
+
+
+hopper_fwd_tuned = triton.autotune(
+    configs=[_config(*c) for c in sorted({c for configs in TUNING_SPACE.values() for c in configs})],
+    key=["TUNE_KEY_N", "TUNE_KEY_ROWS", "TUNE_KEY_BAND", "HEAD_DIM", "MASK_LEFT", "MASK_RIGHT"],
+    prune_configs_by={"early_config_prune": prune_configs},
+)(_attn_fwd_hopper)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Where it runs, and the launch
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _rows_stacked(x: torch.Tensor) -> bool:
+    """Whether ``x`` (B, H, N, D) is one 2-D tensor of B*H*N rows the copy engine can describe: heads and batches
+    one after another at the row stride, rows 16-byte aligned, unit stride along D."""
+    b, h, n, _ = x.shape
+    row = x.stride(2) if n > 1 else x.shape[3]
+    if x.stride(3) != 1 or x.data_ptr() % TMA_ALIGN_BYTES or row * x.element_size() % TMA_ALIGN_BYTES:
+        return False
+    heads_stacked = h == 1 or x.stride(1) == n * row
+    return heads_stacked and (b == 1 or x.stride(0) == h * n * row)
+
+
+def unavailable(q, k, v, causal, window) -> str | None:
+    """Why this rung cannot run these inputs here, or None."""
+    if q.dtype == torch.float32:
+        return "it runs 16-bit inputs only (its dots are the tensor cores'); float32 goes to skip_split"
+    if not hasattr(tl, "make_tensor_descriptor"):
+        return f"Triton {triton.__version__} has no device-side tensor descriptors (needs Triton >= 3.4)"
+    if q.is_cuda:
+        major, minor = torch.cuda.get_device_capability(q.device)
+        if major < MIN_CAPABILITY:
+            return f"it needs a Hopper GPU or newer (compute capability >= {MIN_CAPABILITY}.0), not {major}.{minor}"
+        if not all(_rows_stacked(x) for x in (q, k, v)):
+            return "its copy engine reads q, k, v as rows of heads one after another (contiguous, 16-byte aligned)"
+    return None
+
+
+# Where the benchmark measured this rung faster than skip-and-split (H200, bf16, docs/kernel-notes.md): head dims
+# 65-128 from 1K keys up. At D <= 64 and D = 256 skip-and-split was faster; below 1K the launch, not the loop, costs.
+PREFERRED_BLOCK_D = 128
+PREFERRED_MIN_KEYS = 1024
+
+
+def preferred(q, k, v, causal, window) -> bool:
+    """Whether ``flash_attention`` picks this rung by default for these inputs (see ``PREFERRED_BLOCK_D``)."""
+    return (q.is_cuda and block_d(q.shape[-1]) == PREFERRED_BLOCK_D and k.shape[2] >= PREFERRED_MIN_KEYS
+            and q.shape[2] >= PREFERRED_MIN_KEYS)  # fmt: skip
+
+
+def _allocator(size: int, alignment: int, stream):
+    """Global scratch for the descriptors the programs build (128 bytes each), as Triton asks for it."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator():
+    """Device-side descriptors need somewhere to live: install an allocator unless the user has set one."""
+    from triton.runtime import _allocation
+
+    current = _allocation._allocator.get()
+    if isinstance(current, _allocation.NullAllocator):
+        triton.set_allocator(_allocator)
+
+
+# Keys (query rows) per tile in every config (TUNING_SPACE): a key count that is a multiple of MAX_BLOCK_N needs no
+# tail mask, a query count that is a multiple of MAX_BLOCK_M no masked store.
+MAX_BLOCK_N = MAX_BLOCK_M = 128
+
+
+def hidden_sides(nq: int, nk: int, band) -> tuple[bool, bool]:
+    """Whether the band hides real keys from some query row on its left (the window's left edge) and on its right
+    (the diagonal or the window's right edge). Query i sees keys ``[i + offset - win_left, i + offset + win_right]``."""
+    offset, win_left, win_right, _ = band
+    return nq - 1 + offset - win_left > 0, offset + win_right < nk - 1
+
+
+def launch(q, k, v, o, lse, causal, window, band, config=None, warp_specialize=None):
+    """Run the kernel once on prepared inputs, writing ``o (B, Hq, Nq, D)`` and ``lse (B, Hq, Nq)``.
+
+    Inputs as ``flashlab.kernels.skip_split.launch`` takes them (``forward`` checks and prepares them). ``config``
+    (a dict of BLOCK_M, BLOCK_N, num_warps, num_stages) bypasses the autotuner; ``warp_specialize`` (None: on
+    with four warps) turns the loop's warp specialisation on or off. CPU tensors run the interpreter with
+    ``CPU_CONFIG``.
+
+    Where the mask hides real keys, a second launch follows: rung 2's kernel, which redoes only the query tiles
+    this kernel marked (a row whose output came out inf or NaN, which on finite inputs none does) and otherwise
+    returns at once.
+    """
+    why = unavailable(q, k, v, causal, window)
+    if why is not None:
+        raise RuntimeError(f"the hopper rung cannot run these inputs: {why}")
+    if q.is_cuda and not _rows_stacked(o):
+        raise RuntimeError("the hopper rung writes o as rows of heads one after another: o must be contiguous")
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    offset, win_left, win_right, qk_scale = band
+    left, right = hidden_sides(nq, nk, band)
+    args = (q, k, v, o, lse)
+    args += (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+    args += (v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2))
+    args += (hq, hq // hk, nq, nk, offset, win_left, win_right, qk_scale)
+    args += tune_key(b, hq, nq, nk, causal, window)
+    tile_n = CPU_CONFIG["BLOCK_N"] if not q.is_cuda else MAX_BLOCK_N
+    meta = dict(
+        HEAD_DIM=d,
+        BLOCK_D=block_d(d),
+        DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
+        DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
+        REVERSE_M=bool(causal),
+        MASK_LEFT=left,
+        MASK_RIGHT=right or nk % tile_n != 0,  # the last tile's keys past the end of K are masked too
+        FLAG_NONFINITE=left or right,
+        EVEN_M=nq % MAX_BLOCK_M == 0,
+    )
+    if not q.is_cuda:
+        grid = (cdiv(nq, CPU_CONFIG["BLOCK_M"]), b * hq)
+        with interpreted_language(softmax_step):  # no warps to specialise on the interpreter
+            interpreted(_attn_fwd_hopper)[grid](*args, **meta, **CPU_CONFIG, WARP_SPECIALIZE=False)
+    else:
+
+        def grid(meta):
+            return (cdiv(nq, meta["BLOCK_M"]), b * hq)
+
+        _ensure_allocator()
+        with torch.cuda.device(q.device):
+            if config is None:
+                hopper_fwd_tuned[grid](*args, **meta)
+            else:
+                if warp_specialize is None:
+                    warp_specialize = config["num_warps"] == WARP_SPECIALIZED_WARPS
+                _attn_fwd_hopper[grid](*args, **meta, **config, WARP_SPECIALIZE=bool(warp_specialize))
+    if left or right:  # redo the tiles with a row marked non-finite (none, on finite inputs)
+        repair(args[:-3], q, meta)
+
+
+def repair(args, q, meta) -> None:
+    """Launch the repair pass (``_repair_flagged``) over the output of a main launch with ``args``."""
+    b, hq, nq, _ = q.shape
+    bm = CPU_CONFIG["BLOCK_M"] if not q.is_cuda else REPAIR_CONFIG["BLOCK_M"]
+    m_tiles = cdiv(nq, bm)
+    num_tiles = b * hq * m_tiles
+    grid = (cdiv(num_tiles, REPAIR_TILES_PER_PROGRAM),)
+    keep = ("HEAD_DIM", "BLOCK_D", "DOT_PRECISION", "DOT_UPCAST")
+    rmeta = {key: meta[key] for key in keep} | dict(TILES_PER_PROGRAM=REPAIR_TILES_PER_PROGRAM)
+    if not q.is_cuda:
+        with interpreted_language(softmax_step):
+            interpreted(_repair_flagged)[grid](*args, num_tiles, m_tiles, **rmeta, **CPU_CONFIG)
+        return
+    with torch.cuda.device(q.device):
+        _repair_flagged[grid](*args, num_tiles, m_tiles, **rmeta, **REPAIR_CONFIG)
+
+
+def best_config() -> str:
+    """The autotuner's last pick for this kernel (for the benchmark's records)."""
+    return str(hopper_fwd_tuned.best_config)
+
+
+hopper_fwd = _attn_fwd_hopper
+
+__all__ = [
+    "FALLBACK_SPACE",
+    "MIN_CAPABILITY",
+    "NAME",
+    "TUNING_SPACE",
+    "best_config",
+    "hopper_fwd",
+    "hopper_fwd_tuned",
+    "launch",
+    "prune_configs",
+    "tuning_class",
+    "preferred",
+    "unavailable",
+]
