@@ -1,31 +1,35 @@
-"""Rung 3 of the kernel ladder, "Hopper": skip-and-split's loop, fed by the tensor-memory accelerator, with the
-loads of the unmasked stage handed to their own warps.
+"""Rung 3 of the kernel ladder, "Hopper": the band's key tiles in one loop, fed by the tensor-memory accelerator,
+with the loads handed to warps of their own.
 
-It computes what rung 2 (``flashlab.kernels.skip_split``) computes, tile for tile: one program per tile of
-``BLOCK_M`` query rows of one head, the key tiles split by the mask band into a left-edge stage, an unmasked stage
-and a diagonal/tail stage, tiles outside the band never loaded. What it changes is how the tiles arrive and who
-waits for them:
+It computes what rung 2 (``flashlab.kernels.skip_split``) computes: one program per tile of ``BLOCK_M`` query rows
+of one head, only the key tiles inside the mask band visited, the online softmax in registers. What it changes is
+how the tiles arrive and who waits for them:
 
-- **TMA tensor descriptors, made on the device.** Each program describes its head's Q, K, V and O as 2-D tensors
-  (rows x head dim) with ``tl.make_tensor_descriptor``; one instruction then copies a whole tile into shared memory,
-  and rows or columns outside the tensor arrive as zeros. No address arithmetic per element, no load masks, no
-  registers spent on pointers.
-- **Warp specialisation of the unmasked stage** (``tl.range(..., warp_specialize=True)``, Triton >= 3.4). The
-  compiler splits the loop into a producer, a few warps that only issue the TMA copies for the tiles ahead, and
-  consumers that run the two matrix products and the softmax; they hand tiles over through shared-memory buffers
-  and barriers. The consumers never stall on a load they issued themselves.
-- **A cheaper guard on the masked edge tiles.** A hidden key must add nothing even when its V row holds inf or NaN
-  (0 * inf is NaN inside a plain dot). Rung 2 cleans V before every masked ``P V`` (a pass over the tile in
-  registers and back to shared memory). Here the edge tile's ``P V`` runs as a plain dot, and only when the result
-  holds a non-finite value -- which a finite V never produces -- is it recomputed with the guard. On finite inputs
-  the guard costs one check of the accumulator.
+- **TMA tensor descriptors, made on the device.** Q, K, V and O are each described as one 2-D tensor, the rows of
+  all heads one after another, with ``tl.make_tensor_descriptor``; one instruction then copies a whole tile into
+  shared memory, rows past the end of the tensor and columns past D arriving as zeros. No address arithmetic per
+  element, no load masks, no registers spent on pointers.
+- **A warp-specialised loop** (``tl.range(..., warp_specialize=True)``). With four-warp programs, Triton's Hopper
+  pass splits the loop into a producer warpgroup that only issues the copies for the tiles ahead and two consumer
+  warpgroups, 64 query rows each, that run the matrix products and the softmax; tiles are handed over through
+  shared-memory buffers and barriers, and registers are moved from the producer to the consumers (``setmaxnreg``).
+
+What that costs. The pass takes one loop with no branch in it, so rung 2's three stages (masked edge, unmasked
+middle, masked edge) cannot stay: when the band has an edge at all (``MASK_LEFT``, ``MASK_RIGHT``), every tile gets
+the element mask, two compares and a select per score. And a hidden key whose V row holds inf or NaN would reach its
+whole tile through the plain ``P V`` (0 * inf is NaN), where rung 2 guards its edge tiles. Here the epilogue marks
+every row whose output came out non-finite with a NaN lse (on finite inputs, none), and a second, short launch
+(``_repair_flagged``) redoes the marked query tiles with the guard -- and, with nothing marked, only reads the lse and
+returns.
 
 The scale is folded into ``exp2`` (scores in log2 units), causal query tiles start with the longest
 (``REVERSE_M``), GQA reads K/V head ``h // group`` without copying, as in rung 2.
 
-Where it runs: compiled on a CUDA GPU with compute capability >= 9 (Hopper), 16-bit inputs, strides the TMA can
-describe (16-byte aligned). On CPU tensors the same source runs through Triton's interpreter, descriptors and all
-(the warp specialisation is a compiler schedule, so the interpreter runs the loop as written).
+Where it runs: compiled on a CUDA GPU with compute capability >= 9 (Hopper), 16-bit inputs whose heads are stacked
+row after row (contiguous, 16-byte aligned rows: ``unavailable`` says why not otherwise). ``preferred`` says where
+``flash_attention`` picks it by default: where it measured faster than rung 2. On CPU tensors the same source runs
+through Triton's interpreter, descriptors and all (warp specialisation is a compiler schedule: the interpreter runs
+the loop as written). What the compiler accepted and what it did not is in ``docs/kernel-notes.md``.
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ def _attn_fwd_hopper(
     REVERSE_M: tl.constexpr,  # causal: start the query tiles with the most work first
     MASK_LEFT: tl.constexpr,  # the window's left edge can cut a tile: mask keys before it
     MASK_RIGHT: tl.constexpr,  # the diagonal, the window's right edge or the end of the keys can cut a tile
-    FLAG_NONFINITE: tl.constexpr,  # the mask hides real keys: flag rows that came out non-finite (see below)
+    FLAG_NONFINITE: tl.constexpr,  # some tile holds keys a row must ignore: flag rows that came out non-finite
     EVEN_M: tl.constexpr,  # NQ is a multiple of every BLOCK_M: O goes out through the copy engine
     WARP_SPECIALIZE: tl.constexpr,  # the loads in warps of their own
 ):
@@ -154,14 +158,14 @@ def _attn_fwd_hopper(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # -- epilogue: normalise, write O (the copy engine drops rows past NQ and columns past D) and the lse
+    # -- epilogue: normalise, write O (the copy engine drops the columns past D) and the lse
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN_2, float("-inf"))
     if FLAG_NONFINITE:
         # A hidden key's inf or NaN in V reaches its whole tile through the plain P V (0 * inf is NaN). Such a
-        # row is marked with a NaN lse; ``launch`` then has rung 2, whose edge tiles guard P V, redo its tile.
+        # row is marked with a NaN lse; ``launch`` then has the repair pass redo its tile with the guard.
         row_bad = tl.max(tl.where(tl.abs(acc) < float("inf"), 0, 1), 1)
         lse = tl.where(row_bad > 0, float("nan"), lse)
     tl.store(LSE + pid_bh.to(tl.int64) * NQ + offs_m, lse, mask=offs_m < NQ)
@@ -389,9 +393,9 @@ def launch(q, k, v, o, lse, causal, window, band, config=None, warp_specialize=N
     with four warps) turns the loop's warp specialisation on or off. CPU tensors run the interpreter with
     ``CPU_CONFIG``.
 
-    Where the mask hides real keys, a second launch follows: rung 2's kernel, which redoes only the query tiles
-    this kernel marked (a row whose output came out inf or NaN, which on finite inputs none does) and otherwise
-    returns at once.
+    Where some tile holds keys a row must ignore (the mask hides real keys, or the last key tile runs into the
+    next head's rows), a second launch follows: the repair pass, which redoes only the query tiles this kernel
+    marked (a row whose output came out inf or NaN, which on finite inputs none does) and otherwise returns at once.
     """
     why = unavailable(q, k, v, causal, window)
     if why is not None:
@@ -416,7 +420,8 @@ def launch(q, k, v, o, lse, causal, window, band, config=None, warp_specialize=N
         REVERSE_M=bool(causal),
         MASK_LEFT=left,
         MASK_RIGHT=right or nk % tile_n != 0,  # the last tile's keys past the end of K are masked too
-        FLAG_NONFINITE=left or right,
+        # the keys a row must ignore: those the band hides, and past the end of K the next head's first rows
+        FLAG_NONFINITE=left or right or nk % tile_n != 0,
         EVEN_M=nq % MAX_BLOCK_M == 0,
     )
     if not q.is_cuda:
@@ -436,7 +441,7 @@ def launch(q, k, v, o, lse, causal, window, band, config=None, warp_specialize=N
                 if warp_specialize is None:
                     warp_specialize = config["num_warps"] == WARP_SPECIALIZED_WARPS
                 _attn_fwd_hopper[grid](*args, **meta, **config, WARP_SPECIALIZE=bool(warp_specialize))
-    if left or right:  # redo the tiles with a row marked non-finite (none, on finite inputs)
+    if meta["FLAG_NONFINITE"]:  # redo the tiles with a row marked non-finite (none, on finite inputs)
         repair(args[:-3], q, meta)
 
 
