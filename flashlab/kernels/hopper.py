@@ -342,8 +342,8 @@ def unavailable(q, k, v, causal, window) -> str | None:
         major, minor = torch.cuda.get_device_capability(q.device)
         if major < MIN_CAPABILITY:
             return f"it needs a Hopper GPU or newer (compute capability >= {MIN_CAPABILITY}.0), not {major}.{minor}"
-        if not all(_rows_stacked(x) for x in (q, k, v)):
-            return "its copy engine reads q, k, v as rows of heads one after another (contiguous, 16-byte aligned)"
+    if not all(_rows_stacked(x) for x in (q, k, v)):  # the interpreter reads the same descriptors
+        return "its copy engine reads q, k, v as rows of heads one after another (contiguous, 16-byte aligned)"
     return None
 
 
@@ -400,7 +400,7 @@ def launch(q, k, v, o, lse, causal, window, band, config=None, warp_specialize=N
     why = unavailable(q, k, v, causal, window)
     if why is not None:
         raise RuntimeError(f"the hopper rung cannot run these inputs: {why}")
-    if q.is_cuda and not _rows_stacked(o):
+    if not _rows_stacked(o):
         raise RuntimeError("the hopper rung writes o as rows of heads one after another: o must be contiguous")
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
