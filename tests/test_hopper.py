@@ -394,3 +394,22 @@ def test_interleaved_heads_are_refused_and_the_next_rung_runs_them_right():
     with pytest.warns(RuntimeWarning, match="rung 'hopper' cannot run here .*'skip_split'"):
         o, lse = flash_attention(q, k, v, causal=True, return_lse=True, rung="hopper")
     assert_matches_reference(o, lse, *attention_float64(q, k, v, True), torch.bfloat16)
+
+
+def test_the_default_rung_per_head_dim_is_the_one_the_recording_measured_faster():
+    # flash_attention's default (``preferred``) against the H200 ladder recording: at the head dim where the hopper
+    # rung is preferred it was faster than skip-and-split over the grid (geo-mean), at the other one slower
+    import json
+    import math
+
+    from conftest import ROOT
+
+    recording = json.loads((ROOT / "data" / "results" / "h200-ladder-bf16-2026-12-01-hopper.json").read_text())
+    tflops = {(r["backend"], r["head_dim"], r["causal"], r["seq_len"]): r["tflops"]
+              for r in recording["rows"] if r["status"] == "ok"}  # fmt: skip
+    for d in (64, 128):
+        cells = [key[2:] for key in tflops if key[:2] == ("flashlab_hopper", d)]
+        ratios = [tflops[("flashlab_hopper", d, *c)] / tflops[("flashlab_skip_split", d, *c)] for c in cells]
+        geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        fake = SimpleNamespace(is_cuda=True, shape=(1, 1, 4096, d))
+        assert hopper.preferred(fake, fake, fake, False, None) == (geomean > 1.0), (d, geomean)
