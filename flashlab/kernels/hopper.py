@@ -263,9 +263,9 @@ REPAIR_TILES_PER_PROGRAM = 64  # query tiles whose marks one program reads in on
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class, measured on the H200 (docs/kernel-notes.md).
 # Four warps mean warp-specialised: the compiler adds a producer warpgroup for the loads and splits the 128 rows
-# between two consumer warpgroups of 64 (384 threads in all), so the K/V ring needs only two stages -- and with
-# three it came out wrong (NaN) and slow on Triton 3.6, so none has three. Eight warps are the same loop without
-# the specialisation (Triton's Hopper pass takes four-warp programs only).
+# between two consumer warpgroups of 64 (384 threads in all), so the K/V ring needs only two stages: with three it
+# ran at a fraction of the speed on Triton 3.6 (and came out NaN in an earlier version), so none has three. Eight
+# warps are the same loop without the specialisation (Triton's Hopper pass takes four-warp programs only).
 TUNING_SPACE = {
     "d<=64": [(128, 128, 4, 2), (128, 64, 4, 2), (128, 64, 8, 3)],
     "d=128": [(128, 128, 4, 2), (128, 64, 4, 2), (128, 64, 8, 3)],
