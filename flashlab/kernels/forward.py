@@ -147,7 +147,8 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
     ``num_splits`` forces that path with this many chunks (at any Nq); ``None`` chooses.
 
     ``rung`` picks the prefill kernel from the kernel ladder (``flashlab.kernels.ladder.RUNGS``): ``None`` runs the
-    fastest rung that can run these inputs on their device (and split-KV for decode, as above); a name such as
+    rung measured fastest for these inputs on their device -- ``"hopper"`` for 16-bit inputs at head dims 65-128
+    from 1K keys on a Hopper GPU, ``"skip_split"`` otherwise -- (and split-KV for decode, as above); a name such as
     ``"lesson_loop"`` or ``"skip_split"`` runs that rung at any Nq (not split-KV, so it cannot be combined with
     ``num_splits``). Where the named rung cannot run here, a ``RuntimeWarning`` names it and the reason, and the
     fastest rung that can run is used. An unknown name is a ValueError listing the rungs.
@@ -213,9 +214,9 @@ class ForwardPlan:
     arguments, and on a GPU the autotuner's pick after the first call. Later calls allocate the outputs and launch.
 
     ``rung`` is the rung the call asked for (None: the fastest that can run, and split-KV for decode); ``note``
-    the warning a call repeats when that rung cannot run here. Skip-and-split, the default rung, is launched here
-    with its autotuner cache and direct relaunch (``scalars``, ``tune``, ``meta``, ``config``, ``fast``); any
-    other rung through its module's ``launch`` (``rung_launch``)."""
+    the warning a call repeats when that rung cannot run here. Skip-and-split, the default rung on most inputs, is
+    launched here with its autotuner cache and direct relaunch (``scalars``, ``tune``, ``meta``, ``config``,
+    ``fast``); any other rung through its module's ``launch`` (``rung_launch``)."""
 
     __slots__ = ("copy", "negate", "band", "split", "o_shape", "lse_shape", "grid", "scalars", "tune", "meta")
     __slots__ += ("config", "want_tma", "fast", "fast_state", "rung_launch", "note", "mask", "o_like_q")
