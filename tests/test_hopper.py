@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from test_ladder import LSE_TOL, assert_matches_float64, make_qkv
 
 from flashlab import flash_attention
 from flashlab.core.masking import visible_mask
@@ -33,15 +34,9 @@ from flashlab.kernels import forward, hopper, ladder
 from flashlab.kernels.runtime import CPU_CONFIG
 from flashlab.reference.torch_float64 import attention_float64
 
-LSE_TOL = 1e-4  # lse in fp32 from exact products of the rounded inputs; relative where |lse| > 1
 BLOCK_M, BLOCK_N = CPU_CONFIG["BLOCK_M"], CPU_CONFIG["BLOCK_N"]
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy's warnings for the NaN inputs below
-
-
-def make_qkv(b, hq, hk, nq, nk, d, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(b, h, n, d, generator=g).to(dtype) for h, n in ((hq, nq), (hk, nk), (hk, nk))]
 
 
 def band_of(nq, nk, causal, window):
@@ -54,20 +49,6 @@ def run_hopper(q, k, v, causal=False, window=None):
     """``(o, lse)`` from the hopper rung, which must run here (no fallback warning)."""
     assert ladder.rung_named(hopper.NAME).unavailable(q, k, v, causal, window) is None
     return flash_attention(q, k, v, causal=causal, window=window, return_lse=True, rung=hopper.NAME)
-
-
-def assert_matches_reference(o, lse, ref_o, ref_lse, dtype):
-    """o within the dtype's relative error of the reference, lse within LSE_TOL, rows that see no key exactly zero
-    with lse = -inf."""
-    assert torch.isfinite(o).all()
-    err = relative_error(o, ref_o)
-    assert err <= tolerance(dtype), f"relative error {err:.2e} over {tolerance(dtype):.0e} ({dtype})"
-    empty = torch.isneginf(ref_lse)
-    assert torch.equal(torch.isneginf(lse), empty), "lse must be -inf exactly where a row sees no key"
-    assert (o[empty] == 0).all()
-    if (~empty).any():
-        gap = (lse.double()[~empty] - ref_lse[~empty]).abs() / ref_lse[~empty].abs().clamp_min(1.0)
-        assert gap.max().item() < LSE_TOL, f"lse off by {gap.max().item():.1e}"
 
 
 def finite_rows(o):
@@ -271,7 +252,7 @@ def test_on_finite_inputs_the_repair_pass_changes_no_bit(repair_calls, causal, w
     assert repair_calls.calls == 2
     assert not torch.isnan(lse_main).any(), "finite inputs: no row marked"
     assert torch.equal(o, o_main) and torch.equal(lse, lse_main)
-    assert_matches_reference(o, lse, *attention_float64(q, k, v, causal, window), torch.bfloat16)
+    assert_matches_float64(o, lse, *attention_float64(q, k, v, causal, window), torch.bfloat16)
 
 
 # ---- where it runs, and when it is picked --------------------------------------------------------------------------
@@ -352,7 +333,7 @@ def test_odd_shapes_match_the_float64_reference(case):
     ref_o, ref_lse = attention_float64(q, k, v, causal, window)
     if causal and nq > nk:
         assert torch.isneginf(ref_lse).any(), "the case has rows that see no key"
-    assert_matches_reference(o, lse, ref_o, ref_lse, dtype)
+    assert_matches_float64(o, lse, ref_o, ref_lse, dtype)
 
 
 def test_rows_at_a_padded_row_stride_match_the_float64_reference():
@@ -360,7 +341,7 @@ def test_rows_at_a_padded_row_stride_match_the_float64_reference():
     q, k, v = (x[..., :24] for x in make_qkv(2, 2, 2, 29, 35, 32, torch.bfloat16, seed=20))
     assert all(hopper._rows_stacked(x) for x in (q, k, v)) and not q.is_contiguous()
     o, lse = run_hopper(q, k, v, True, None)
-    assert_matches_reference(o, lse, *attention_float64(q, k, v, True), torch.bfloat16)
+    assert_matches_float64(o, lse, *attention_float64(q, k, v, True), torch.bfloat16)
 
 
 # ---- keys past the end of a head, and heads that interleave in memory ------------------------------------------------
@@ -378,7 +359,7 @@ def test_nan_values_of_the_next_heads_keys_change_nothing_without_a_mask(hq, hk)
     group = hq // hk
     assert not finite_rows(o[:, group : 2 * group]).any()  # the query heads of K/V head 1 see them
     reads_head_0 = slice(0, group)
-    assert_matches_reference(o[:, reads_head_0], lse[:, reads_head_0], ref_o[:, reads_head_0],
+    assert_matches_float64(o[:, reads_head_0], lse[:, reads_head_0], ref_o[:, reads_head_0],
                              ref_lse[:, reads_head_0], torch.bfloat16)  # fmt: skip
 
 
@@ -393,7 +374,7 @@ def test_interleaved_heads_are_refused_and_the_next_rung_runs_them_right():
     assert "rows of heads one after another" in hopper.unavailable(q, k, v, True, None)  # refused, with its reason
     with pytest.warns(RuntimeWarning, match="rung 'hopper' cannot run here .*'skip_split'"):
         o, lse = flash_attention(q, k, v, causal=True, return_lse=True, rung="hopper")
-    assert_matches_reference(o, lse, *attention_float64(q, k, v, True), torch.bfloat16)
+    assert_matches_float64(o, lse, *attention_float64(q, k, v, True), torch.bfloat16)
 
 
 def test_the_default_rung_per_head_dim_is_the_one_the_recording_measured_faster():
