@@ -15,10 +15,9 @@ The kernel is the split-KV partial kernel of ``flashlab.kernels.split_kv`` with 
   one per key otherwise. The cache is never gathered into a contiguous copy.
 
 Its chunks' partial outputs are merged as in split-KV, inside the same launch, by the chunks' last finishers
-(``softmax_step.finish_chunk``): as a tree of groups for blocks of at least ``SMALL_BLOCK_TOKENS`` tokens, folded
-in one level for smaller blocks up to ``split_kv.MAX_FOLD_SPLITS`` chunks, and past that by
-``split_kv.split_kv_merge`` in a second launch. When one chunk suffices it normalises and writes the output
-itself.
+(``softmax_step.finish_chunk``): as a tree of groups, or, for blocks smaller than ``SMALL_BLOCK_TOKENS`` tokens
+and up to ``split_kv.MAX_FOLD_SPLITS`` chunks, folded in one level (fewer registers). When one chunk suffices it
+normalises and writes the output itself.
 Without a block table the cache is
 ``(B, Nk_max, Hk, D)``, one slab per sequence, read the same way.
 
@@ -45,6 +44,7 @@ from flashlab.kernels.runtime import (
     MAX_HEAD_DIM,
     MIN_HEAD_DIM,
     block_d,
+    current_device_index,
     current_stream,
     device_index,
     dot_precision,
@@ -182,11 +182,13 @@ def _kvcache_partial(
 TUNING_SPACE = [(64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 4, 3), (128, 8, 3)]
 # Blocks smaller than this many tokens (16-bit inputs) take SMALL_BLOCK_CONFIG without autotuning (the best or
 # within 3% of it in every cell of the H200's decode sweep, where the autotuner's own pick was up to 15% slower).
-# Their kernel merges its chunks in one level (split_kv.plan_merge's tree=False): the tree took it from 156 to 196
-# registers a thread, two programs an SM instead of three, a quarter slower; capping it at 168 spilled and was no
-# faster (docs/kernel-notes.md).
+# Their kernel merges up to split_kv.MAX_FOLD_SPLITS chunks in one level (split_kv.plan_merge's tree=False, 160
+# registers a thread: three programs an SM). Where more chunks would fill three programs an SM, it takes the tree
+# instead, which needs 196 registers (two programs an SM), and chunks for SMALL_BLOCK_TREE_PROGRAMS_PER_SM programs
+# an SM: one launch, where the fold's chunk limit used to leave a second merge kernel (docs/kernel-notes.md).
 SMALL_BLOCK_TOKENS = 128
 SMALL_BLOCK_CONFIG = (128, 4, 2)
+SMALL_BLOCK_TREE_PROGRAMS_PER_SM = 2
 
 _kvcache_partial_tuned = triton.autotune(
     configs=[
@@ -454,7 +456,13 @@ class KVCachePlan:
         # Chunks cover the capacity, chosen without reading the lengths (no synchronisation, so a decode step can
         # be captured in a CUDA graph); a chunk past a sequence's end, or outside its window, exits at once.
         sms = sm_count(device_index(q)) if q.is_cuda else split_kv.CPU_SM_COUNT
+        page_size = k_cache.shape[1] if table is not None and table.ndim == 2 else 0
+        small_blocks = q.is_cuda and q.element_size() == 2 and 0 < page_size < SMALL_BLOCK_TOKENS
         num_splits = split_kv.choose_splits(b * hk * row_blocks, capacity, sms)
+        tree = not small_blocks or num_splits > split_kv.MAX_FOLD_SPLITS
+        if small_blocks and tree:  # more chunks than one program folds: the tree, at its registers' occupancy
+            per_sm = SMALL_BLOCK_TREE_PROGRAMS_PER_SM
+            num_splits = split_kv.choose_splits(b * hk * row_blocks, capacity, sms, programs_per_sm=per_sm)
         keys_per_split, num_splits = split_kv.split_keys(capacity, num_splits)
         self.o_shape, self.lse_shape, self.d = (b, hq, nq, d), (b, hq, nq), d
         self.o_like_q = q.is_contiguous()  # o is allocated contiguous: then like q, which is quicker
@@ -475,15 +483,14 @@ class KVCachePlan:
             HEAD_DIM=d,
             BLOCK_D=block_d(d),
             BLOCK_M=block_m,
-            PAGE_SIZE=k_cache.shape[1] if table is not None and table.ndim == 2 else 0,
+            PAGE_SIZE=page_size,
             DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
             DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
         )
-        small_blocks = q.is_cuda and q.element_size() == 2 and 0 < self.meta["PAGE_SIZE"] < SMALL_BLOCK_TOKENS
         if small_blocks:
             bn, warps, stages = SMALL_BLOCK_CONFIG
             self.meta.update(BLOCK_N=bn, num_warps=warps, num_stages=stages)
-        split_kv.plan_merge(self, num_splits, b * hk * row_blocks, strides_o, hq, nq, d, tree=not small_blocks)
+        split_kv.plan_merge(self, num_splits, b * hk * row_blocks, strides_o, hq, nq, d, tree=tree)
         self.grid = (num_splits, b * hk, row_blocks)
         self.fast, self.fast_state = None, "untried"
 
@@ -529,7 +536,7 @@ def run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, need_lse):
         if plan.merge_grid is not None:
             split_kv.merge(plan, o_part, lse_part, o, tensors[8])
         return o, lse
-    if q.device.index != torch.cuda.current_device():
+    if q.get_device() != current_device_index():
         with torch.cuda.device(q.device):
             _launch_cuda(plan, q, k_cache, v_cache, table, cache_seqlens, o, lse)
     else:
@@ -538,7 +545,7 @@ def run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, need_lse):
 
 
 def _launch_cuda(plan, q, k_cache, v_cache, table, cache_seqlens, o, lse):
-    stream = current_stream(q.device.index)
+    stream = current_stream(q.get_device())
     o_part, lse_part, spare, counters = split_kv.workspace(plan, q.device, stream)
     tensors = (q, k_cache, v_cache, table, cache_seqlens, o_part, lse_part, o, spare if lse is None else lse, counters)
     if plan.fast_state == "checked":  # the launchers directly: no binding, no specialisation, no cache lookup

@@ -16,7 +16,8 @@ head that shares it. ``_split_kv_partial`` fixes both:
    of its group of ``TREE_GROUP`` chunks (an atomic add); the last of a group to finish merges the group
    (``softmax_step.merge_chunks``), and the last group to finish merges the groups. So a decode step is one
    launch, whose host time is most of a short step's time. (``split_kv_merge``, a merge kernel of one program per
-   query row, remains for the paged kernel's small blocks, whose registers cannot afford the tree.)
+   query row, is the two-launch form of the same merge: ``plan_merge`` keeps it for a plan that folds in one
+   level and has more chunks than ``MAX_FOLD_SPLITS``, which flashlab's own plans no longer make.)
 
 Bytes: each K/V element is read once (plus a partial output of ``GROUP * Nq * D`` floats per chunk, written and
 read back once), so decode runs at the speed the KV cache can be streamed.
@@ -34,6 +35,7 @@ from flashlab.kernels.runtime import (
     CPU_CONFIG,
     FastLaunch,
     block_d,
+    current_device_index,
     current_stream,
     device_index,
     dot_precision,
@@ -60,8 +62,9 @@ MAX_SPLITS = 256
 # us where a second merge kernel's launch made it 145, and a one-level fold of all 49 in one program 148.
 TREE_GROUP = 8
 # A kernel whose registers the tree would push past PROGRAMS_PER_SM programs an SM (the paged kernel with 16-token
-# blocks: 196 registers against 156) folds its chunks in one level instead, up to this many; more are
-# merged by split_kv_merge, one program per query row, in a second launch (docs/kernel-notes.md).
+# blocks: 196 registers against 160) folds its chunks in one level instead, up to this many (one program merging
+# more waits on too many loads in a row); a plan with more takes the tree at the occupancy its registers allow
+# (kvcache.SMALL_BLOCK_TREE_PROGRAMS_PER_SM). split_kv_merge, a second launch, merges a fold past this many.
 MAX_FOLD_SPLITS = 16
 # Programs one SM holds at once with the decode configs (a 64-key tile, two stages: ~70 KB of shared memory of
 # 228 KB). The chunks are chosen so the grid fills these slots once and evenly: on the H200 a grid one program
@@ -254,17 +257,20 @@ _split_kv_partial_tuned = triton.autotune(
 _BEST_CONFIG: dict = {}  # (device, dtype, tune key, meta) -> the autotuner's pick, so later calls skip its bookkeeping
 
 
-def choose_splits(units: int, band_keys: int, sm_count: int) -> int:
+def choose_splits(units: int, band_keys: int, sm_count: int, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """How many key chunks to cut a decode step into.
 
     ``units``: programs the grid has without splitting (batch entries x K/V heads x packed-row blocks);
-    ``band_keys``: how many keys the queries can see at most. As many chunks as fit ``PROGRAMS_PER_SM`` programs
+    ``band_keys``: how many keys the queries can see at most. As many chunks as fit ``programs_per_sm`` programs
     per SM in one wave (rounded down: a wave that spills over leaves most SMs idle at its end), but none shorter
     than ``MIN_KEYS_PER_SPLIT`` keys, at least one and at most ``MAX_SPLITS``.
     """
-    if units < 1 or band_keys < 1 or sm_count < 1:
-        raise ValueError(f"units, band_keys and sm_count must be >= 1; got {units}, {band_keys}, {sm_count}")
-    wanted = PROGRAMS_PER_SM * sm_count // units
+    if units < 1 or band_keys < 1 or sm_count < 1 or programs_per_sm < 1:
+        raise ValueError(
+            f"units, band_keys, sm_count and programs_per_sm must be >= 1; got {units}, {band_keys}, {sm_count}, "
+            f"{programs_per_sm}"
+        )
+    wanted = programs_per_sm * sm_count // units
     most = cdiv(band_keys, MIN_KEYS_PER_SPLIT)
     return max(1, min(wanted, most, MAX_SPLITS))
 
@@ -402,7 +408,7 @@ def run(plan: LaunchPlan, q, k, v, o, lse) -> None:
         if plan.merge_grid is not None:
             merge(plan, o_part, lse_part, o, spare if lse is None else lse)
         return
-    if q.device.index != torch.cuda.current_device():
+    if q.get_device() != current_device_index():
         with torch.cuda.device(q.device):
             _launch_cuda(plan, q, k, v, o, lse)
     else:
@@ -414,7 +420,7 @@ MERGE_TENSORS = ("O_PART", "LSE_PART", "O", "LSE")
 
 
 def _launch_cuda(plan, q, k, v, o, lse):
-    stream = current_stream(q.device.index)
+    stream = current_stream(q.get_device())
     o_part, lse_part, spare, counters = workspace(plan, q.device, stream)
     tensors = (q, k, v, o_part, lse_part, o, spare if lse is None else lse, counters)
     if plan.fast_state == "checked":  # the launchers directly: no binding, no specialisation, no cache lookup
