@@ -40,6 +40,7 @@ from flashlab.kernels.runtime import (
     MAX_HEAD_DIM,
     MIN_HEAD_DIM,
     FastLaunch,
+    current_device_index,
     current_stream,
     interpreted,
     interpreted_language,
@@ -327,8 +328,8 @@ def run_plan(plan: ForwardPlan, q, k, v, need_lse=True):
     if plan.rung_launch is not None:  # a rung other than skip-and-split: its module launches it
         plan.rung_launch(q, k, v, o, lse, *plan.mask, plan.band)
         return o, lse
-    if plan.fast_state == "checked" and q.device.index == torch.cuda.current_device():  # pointer loads, checked
-        plan.fast(current_stream(q.device.index), q, k, v, o, lse, q, k, v, o)  # the launcher directly
+    if plan.fast_state == "checked" and q.get_device() == current_device_index():  # pointer loads, checked
+        plan.fast(current_stream(q.get_device()), q, k, v, o, lse, q, k, v, o)  # the launcher directly
         return o, lse
     descs = skip_split.tma_descriptors(q, k, v, o) if plan.want_tma else None
     args = (q, k, v, o, lse, *(descs if descs else (q, k, v, o)), *plan.scalars, *plan.tune)
