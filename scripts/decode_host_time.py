@@ -8,8 +8,9 @@ against the float64 reference (``attention_float64`` on the first and last seque
 then timed two ways:
 
 - host time: microseconds of Python and launch work per eager call, measured like SDPA's: a tiny cell (B = 1,
-  N = 1K) called in a loop with the GPU idle at the start, the loop's wall time before the final synchronise
-  divided by the calls (the GPU runs each call faster than the host issues the next, so the loop is host-bound);
+  N = 1K) called in loops of 200 calls, each with the GPU idle at the start, a loop's wall time before its
+  synchronise divided by its calls, the fastest of 11 loops (the GPU runs each call faster than the host issues
+  the next, so the loops are host-bound);
 - bandwidth: KV bytes read / median time (``triton.testing.do_bench``), eager; and for flashlab also replayed from
   a CUDA graph, which shows the GPU work alone.
 
