@@ -121,6 +121,11 @@ def test_choose_splits():
     assert choose_splits(units=1, band_keys=MIN_KEYS_PER_SPLIT, sm_count=132) == 1
     with pytest.raises(ValueError, match="must be >= 1"):
         choose_splits(units=0, band_keys=10, sm_count=132)
+    # a kernel whose registers allow two programs an SM (the paged tree with 16-token blocks): 264 slots
+    assert choose_splits(units=8, band_keys=131072, sm_count=132, programs_per_sm=2) == 33  # 264 // 8
+    assert choose_splits(units=8, band_keys=4096, sm_count=132, programs_per_sm=2) == 32  # 4096 / 128 keys
+    with pytest.raises(ValueError, match="programs_per_sm must be >= 1"):
+        choose_splits(units=8, band_keys=10, sm_count=132, programs_per_sm=0)
 
 
 def test_bad_num_splits_raise_clear_errors():
