@@ -69,9 +69,10 @@ def time_ms(fn: Callable, device: str, warmup: float, rep: float) -> float:
 
 def host_us_rounds(fn: Callable, device: str, calls: int = 40, rounds: int = 11, warmup: int = 10) -> list[float]:
     """Host microseconds per eager call, once per round: after ``warmup`` calls, ``rounds`` loops of ``calls``
-    calls, each started with the GPU idle, each loop's wall time before its synchronise divided by its calls. The
-    launch queue is deep, so the host never waits on the GPU. Empty on the CPU, where the interpreter runs the
-    kernel on the host."""
+    calls, each started with the GPU idle, each loop's wall time before its synchronise divided by its calls.
+    Where a call's GPU work is longer than its host work, the launches queue up behind the GPU (the queue is deep
+    enough that the host does not wait; on some hosts each launch then costs more). Empty on the CPU, where the
+    interpreter runs the kernel on the host."""
     if device != "cuda":
         return []
     for _ in range(warmup):
