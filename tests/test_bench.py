@@ -406,8 +406,38 @@ def test_paged_cache_backends():
     results = run_sweep(cfg, progress=False)
     for r in results.rows:
         assert r["status"] == "ok" and r["rel_err"] < 1e-5, r
-        assert math.isnan(r["host_us"])  # measured on GPUs only
+        assert math.isnan(r["host_us"]) and math.isnan(r["host_us_median"])  # measured on GPUs only
     assert "paged16 vs flashlab (contiguous): geo-mean" in bench.summary_table(results)
     prefill = run_sweep(tiny_config(backends=("paged16",)), progress=False)
     assert {r["status"] for r in prefill.rows} == {"skipped"}
     assert "decode cells" in prefill.rows[0]["reason"]
+
+
+def test_host_time_is_the_fastest_round(monkeypatch):
+    # host_us reads the fastest of its 11 rounds of 40 calls: stalls that land in six of them (one call each
+    # sleeping 20 ms) move the median round, not the fastest one; a slower host (every call sleeping) moves
+    # both. The GPU's synchronise is stubbed.
+    import statistics
+    import time
+
+    from flashlab.bench import measure
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def stalled_in_six_rounds():
+        calls = [0]
+
+        def fn():
+            i = calls[0] - 10  # after the 10 warm-up calls
+            calls[0] += 1
+            if i >= 0 and i % 40 == 0 and i // 40 < 6:
+                time.sleep(0.02)
+
+        return fn
+
+    rounds = measure.host_us_rounds(stalled_in_six_rounds(), "cuda", calls=40, rounds=11, warmup=10)
+    assert len(rounds) == 11 and statistics.median(rounds) > 400  # 20 ms over a round's 40 calls
+    assert measure.host_us(stalled_in_six_rounds(), "cuda") < 100
+    assert measure.host_us(lambda: time.sleep(0.001), "cuda", calls=5, rounds=3) > 900  # 1 ms every call
+    assert math.isnan(measure.host_us(stalled_in_six_rounds(), "cpu"))
+    assert measure.host_us_rounds(stalled_in_six_rounds(), "cpu") == []
