@@ -283,10 +283,7 @@ def _bwd_dq(
 
     # -- the key tiles this query tile sees: exactly the forward's ranges and stages
     row_lo = pid_m * BLOCK_M
-    row_hi = tl.minimum(row_lo + BLOCK_M, NQ) - 1
-    lo = tl.maximum(row_lo + offset - win_left, 0)
-    hi = tl.minimum(row_hi + offset + win_right + 1, NK)
-    hi = tl.maximum(hi, lo)
+    lo, hi, row_hi = softmax_step.band_keys(row_lo, BLOCK_M, NQ, NK, offset, win_left, win_right)
     full_lo = tl.maximum(row_hi + offset - win_left, 0)
     full_hi = tl.minimum(row_lo + offset + win_right + 1, NK)
     t_lo = lo // BLOCK_N

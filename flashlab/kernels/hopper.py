@@ -52,7 +52,6 @@ from flashlab.kernels.runtime import (
     smem_limit,
 )
 from flashlab.kernels.skip_split import tune_key
-from flashlab.kernels.softmax_step import LN_2
 
 NAME = "hopper"  # the rung's name in flashlab.kernels.ladder
 MIN_CAPABILITY = 9  # TMA and warp specialisation: Hopper (sm_90) or newer
@@ -121,10 +120,7 @@ def _attn_fwd_hopper(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # -- the key tiles any row of this tile sees, from the band; tiles outside it are never loaded
-    row_hi = tl.minimum(row_lo + BLOCK_M, NQ) - 1
-    lo = tl.maximum(row_lo + offset - win_left, 0)
-    hi = tl.minimum(row_hi + offset + win_right + 1, NK)
-    hi = tl.maximum(hi, lo)
+    lo, hi, _ = softmax_step.band_keys(row_lo, BLOCK_M, NQ, NK, offset, win_left, win_right)
     # each row's first and last visible key: the element mask is two compares against them
     first_key = offs_m + offset - win_left
     last_key = tl.minimum(offs_m + offset + win_right, NK - 1)
@@ -159,10 +155,7 @@ def _attn_fwd_hopper(
         m_i = m_new
 
     # -- epilogue: normalise, write O (the copy engine drops the columns past D) and the lse
-    seen = l_i > 0.0
-    l_safe = tl.where(seen, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN_2, float("-inf"))
+    o, lse = softmax_step.normalise(acc, m_i, l_i)
     if FLAG_NONFINITE:
         # A hidden key's inf or NaN in V reaches its whole tile through the plain P V (0 * inf is NaN). Such a
         # row is marked with a NaN lse; ``launch`` then has the repair pass redo its tile with the guard.
@@ -225,9 +218,7 @@ def _repair_flagged(
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            row_hi = tl.minimum(row_lo + BLOCK_M, NQ) - 1
-            lo = tl.maximum(row_lo + offset - win_left, 0)
-            hi = tl.maximum(tl.minimum(row_hi + offset + win_right + 1, NK), lo)
+            lo, hi, _ = softmax_step.band_keys(row_lo, BLOCK_M, NQ, NK, offset, win_left, win_right)
             diag = offs_m + offset
             for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
                 cols = start_n + offs_n
@@ -243,10 +234,7 @@ def _repair_flagged(
                 p, m_new, alpha, l_i = softmax_step.online_softmax_step(s, m_i, l_i)
                 acc = softmax_step.accumulate_pv(acc * alpha[:, None], p.to(v.dtype), v, DOT_PRECISION)
                 m_i = m_new
-            seen = l_i > 0.0
-            l_safe = tl.where(seen, l_i, 1.0)
-            o = acc / l_safe[:, None]
-            lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN_2, float("-inf"))
+            o, lse = softmax_step.normalise(acc, m_i, l_i)
             tl.store(LSE + pid_bh.to(tl.int64) * NQ + offs_m, lse, mask=row_ok)
             tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], o.to(O.dtype.element_ty),
                      mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip

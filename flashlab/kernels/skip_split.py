@@ -55,7 +55,6 @@ from flashlab.kernels.runtime import (
     interpreted_language,
     smem_limit,
 )
-from flashlab.kernels.softmax_step import LN_2
 
 NAME = "skip_split"  # the rung's name in flashlab.kernels.ladder
 
@@ -125,10 +124,8 @@ def _attn_fwd(
 
     # -- the key range this tile needs, from the band (flashlab.core.masking.visible_band / tile_state)
     row_lo = pid_m * BLOCK_M  # first query row of the tile
-    row_hi = tl.minimum(row_lo + BLOCK_M, NQ) - 1  # last real query row of the tile
-    lo = tl.maximum(row_lo + offset - win_left, 0)  # first key any row sees
-    hi = tl.minimum(row_hi + offset + win_right + 1, NK)  # one past the last key any row sees
-    hi = tl.maximum(hi, lo)  # empty band (e.g. causal with Nq > Nk): no tile at all
+    # [lo, hi): the keys any row sees (hi == lo for an empty band, e.g. causal with Nq > Nk: no tile at all)
+    lo, hi, row_hi = softmax_step.band_keys(row_lo, BLOCK_M, NQ, NK, offset, win_left, win_right)
     full_lo = tl.maximum(row_hi + offset - win_left, 0)  # every row sees keys >= full_lo ...
     full_hi = tl.minimum(row_lo + offset + win_right + 1, NK)  # ... and < full_hi
     # in tiles: [t_lo, t_full_lo) stage 0, [t_full_lo, t_full_hi) stage 1, [t_full_hi, t_hi) stage 2
@@ -201,10 +198,7 @@ def _attn_fwd(
             m_i = m_new
 
     # -- epilogue: normalise, write O (BLOCK_M * D * bytes) and lse (BLOCK_M * 4 bytes) once per query tile
-    seen = l_i > 0.0  # rows with no visible key keep l = 0: they give zeros and lse = -inf
-    l_safe = tl.where(seen, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN_2, float("-inf"))  # natural log
+    o, lse = softmax_step.normalise(acc, m_i, l_i)  # rows with no visible key: zeros and lse = -inf
     row_ok = offs_m < NQ
     tl.store(LSE + pid_bh.to(tl.int64) * NQ + offs_m, lse, mask=row_ok)
     if USE_TMA:

@@ -32,6 +32,26 @@ def band_mask(rows_diag, cols, win_left, win_right, key_end):
 
 
 @triton.jit
+def band_keys(row_lo, BLOCK_M: tl.constexpr, NQ, NK, offset, win_left, win_right):
+    """The keys a tile of query rows needs: ``(lo, hi, row_hi)`` with ``[lo, hi)`` the keys any of the rows
+    ``row_lo .. row_hi`` sees (``row_hi`` the tile's last row inside ``NQ``), from the band ``[i + offset -
+    win_left, i + offset + win_right]`` cut to ``[0, NK)``; an empty band gives ``hi == lo``."""
+    row_hi = tl.minimum(row_lo + BLOCK_M, NQ) - 1
+    lo = tl.maximum(row_lo + offset - win_left, 0)
+    hi = tl.minimum(row_hi + offset + win_right + 1, NK)
+    return lo, tl.maximum(hi, lo), row_hi
+
+
+@triton.jit
+def normalise(acc, m_i, l_i):
+    """The end of the online softmax: ``(o, lse)`` from the running output, max and sum (log2 units), with
+    ``o = acc / l`` and lse the natural log-sum-exp; a row that saw no key (``l == 0``) gives zeros and -inf."""
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    return acc / l_safe[:, None], tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN_2, float("-inf"))
+
+
+@triton.jit
 def online_softmax_step(s, m_i, l_i):
     """One tile of the online softmax, on scores ``s`` (BLOCK_M, BLOCK_N) already scaled (log2 units) and masked
     to -inf where a key is hidden. Returns ``(p, m_new, alpha, l_new)``:
