@@ -202,7 +202,11 @@ def test_explorer_slider_changes_the_score_memory_shown(jupyterlab):
                     timeout=30_000,
                 )
             after = _score_text(page)
-            plot_after = plot.inner_text()
+            # the readout and the plot are redrawn one after the other: give the plot up to 10 s to follow
+            plot_after, redraw_deadline = plot.inner_text(), time.monotonic() + 10
+            while plot_after == plot_before and time.monotonic() < redraw_deadline:
+                page.wait_for_timeout(100)
+                plot_after = plot.inner_text()
             page.wait_for_timeout(500)  # let the plot redraw before the picture is taken
             explorer.screenshot(path=str(ARTIFACTS / "explorer.png"))
         except Exception:
