@@ -162,6 +162,52 @@ def test_fast_launch_fills_the_tensor_slots_of_tritons_own_binding(monkeypatch):
     assert runtime.FastLaunch.build(jit, kernel, (3,), (q, 7, o), {}, ("Q", "O")) is None
 
 
+def test_direct_launch_packs_each_parameter_at_its_size_in_signature_order():
+    # Triton's signature types: constexprs are not parameters; pointers are the tensor slots (8 bytes); scalars
+    # take their own sizes; Triton's launcher appends two null scratch pointers, and so does the packing.
+    import struct
+
+    from flashlab.kernels import direct_launch
+
+    types = ["*bf16", "i32", "constexpr", "fp32", "*fp32", "i64", "bf16", "u1"]
+    values = [None, -7, 64, 0.5, None, 2**40, 1.5, True]
+    cells, sizes, tensor_params = direct_launch.pack(types, values, (4, 0))
+    assert list(sizes) == [8, 4, 4, 8, 8, 2, 1, 8, 8]  # no cell for the constexpr; two scratch pointers last
+    assert tensor_params == (3, 0)  # slot 4 of the arguments is parameter 3, slot 0 parameter 0
+    cell = [cells[8 * i : 8 * i + 8] for i in range(len(sizes))]
+    assert cell[1] == struct.pack("<i", -7) + bytes(4)
+    assert cell[2] == struct.pack("<f", 0.5) + bytes(4)
+    assert cell[4] == (2**40).to_bytes(8, "little")
+    assert cell[5] == bytes.fromhex("c03f") + bytes(6)  # bf16 1.5: the top half of float32 0x3fc00000
+    assert cell[6] == b"\x01" + bytes(7)
+    assert cell[0] == cell[3] == cell[7] == cell[8] == bytes(8)
+    # what it does not pack exactly is left to Triton's launcher
+    assert direct_launch.pack(["*bf16", "i32"], [None, 3], ()) is None  # a pointer that is no tensor slot
+    assert direct_launch.pack(["constexpr", "i32"], [None, 3], (0,)) is None  # a tensor specialised away
+    assert direct_launch.pack(["*bf16", "tensordesc<bf16[64, 64]>"], [None, 3], (0,)) is None
+
+
+def test_direct_launch_writes_each_tensors_address_into_its_parameter():
+    from flashlab.kernels import direct_launch
+
+    module = direct_launch.native()
+    if module is None:
+        pytest.skip("no C compiler here to build flashlab's launcher")
+    cells, sizes, slots = direct_launch.pack(["*fp32", "i32", "*fp32"], [None, 5, None], (2, 0))
+    handle = module.make(0, 1, 1, 1, 128, 0, cells, sizes, slots)
+    a, b = torch.zeros(3), torch.zeros(4)
+    filled = module.packed(handle, a, b)  # a goes to argument 2 (parameter 2), b to argument 0
+    words = [int.from_bytes(filled[i : i + 8], "little") for i in range(0, len(filled), 8)]
+    assert words[:3] == [b.data_ptr(), 5, a.data_ptr()] and words[3:] == [0, 0]
+    with pytest.raises(TypeError, match="takes 2 tensors; got 1"):
+        module.packed(handle, a)
+    with pytest.raises(ValueError, match="not a pointer parameter"):
+        module.make(0, 1, 1, 1, 128, 0, cells, sizes, (1,))  # the i32
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA driver"):
+            module.launch(handle, 0, a, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("nk", [100, 1024, 32768])  # 100 keys: one chunk, the kernel writes o without partials
 def test_decode_relaunches_directly_and_stays_exact_on_gpu(nk):
@@ -179,6 +225,7 @@ def test_decode_relaunches_directly_and_stays_exact_on_gpu(nk):
         torch.testing.assert_close(lse.double(), rlse, rtol=1e-3, atol=1e-3)
         plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[2] == k.shape)
     assert plan.split.fast_state == "checked", plan.split.fast_state  # the direct launches are in use
+    assert is_flashlab_launch(plan.split.fast)  # packed once, launched by flashlab's own launcher
     assert plan.split.direct == (nk == 100)
     work, counters, kept = runtime.scratch(q.device, runtime.current_stream(q.device.index), 0, 0)
     assert kept
@@ -199,3 +246,68 @@ def test_prefill_relaunches_directly_and_stays_exact_on_gpu(d, causal):
         assert err < 1.5e-2, (step, err)
     plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[8] is causal)
     assert plan.fast_state == "checked", plan.fast_state
+    assert is_flashlab_launch(plan.fast)
+
+
+def is_flashlab_launch(fast) -> bool:
+    """Whether a plan's direct launch is flashlab's own packed launcher (direct_launch), not Triton's."""
+    from flashlab.kernels import direct_launch
+
+    return getattr(fast, "func", None) is direct_launch.native().launch
+
+
+@pytest.mark.gpu
+def test_direct_launch_refuses_a_packing_the_compiled_kernel_does_not_take():
+    # The driver knows the size of every parameter of the compiled function: a packing that disagrees (one
+    # parameter too few, or an i32 packed as 8 bytes) is refused when the handle is made, never launched.
+    from flashlab.kernels import direct_launch
+
+    q, k, v = (x.cuda() for x in make_qkv(1, 8, 8, 1, 4096, 128, torch.bfloat16, seed=9))
+    for _ in range(4):
+        forward.forward(q, k, v, False, None, None)
+    plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[2] == k.shape).split
+    assert is_flashlab_launch(plan.fast)
+    kernel = next(iter(split_kv._split_kv_partial.device_caches[q.get_device()][0].values()))
+    types = list(kernel.src.signature.values())
+    names = list(kernel.src.signature)
+    values = [None if n in split_kv.PARTIAL_TENSORS else 1 for n in names]
+    slots = tuple(names.index(n) for n in split_kv.PARTIAL_TENSORS)
+    cells, sizes, params = direct_launch.pack(types, values, slots)
+    module = direct_launch.native()
+    with pytest.raises(ValueError, match="more parameters than were packed"):
+        module.make(kernel.function, 1, 1, 1, 128, 0, cells[:-8], sizes[:-1], params)
+    wrong = bytearray(sizes)
+    wrong[wrong.index(4)] = 8
+    with pytest.raises(ValueError, match="not the size packed"):
+        module.make(kernel.function, 1, 1, 1, 128, 0, cells, bytes(wrong), params)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, (300, 40))])
+def test_hopper_prefill_is_planned_and_relaunches_directly_on_gpu(causal, window):
+    # The Hopper rung (the default for bf16 at D = 128 from 1K keys on sm_90) is planned once per signature, then
+    # launched directly with its descriptors' global scratch from the stream's scratch; 1100 keys leave a partial
+    # last tile, so its repair pass runs after it every time. Each call still equals float64.
+    from flashlab.kernels import hopper
+    from flashlab.reference.torch_float64 import attention_float64
+
+    if torch.cuda.get_device_capability()[0] < hopper.MIN_CAPABILITY:
+        pytest.skip("the Hopper rung needs sm_90 or newer")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for step in range(6):  # autotune; JIT launch (direct launch built); checked against the JIT once; direct
+        q = torch.randn(2, 16, 1100, 128, device="cuda", generator=g).bfloat16()
+        k, v = (torch.randn(2, 4, 1100, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+        o = flash_attention(q, k, v, causal=causal, window=window)
+        ro, _ = attention_float64(q, k, v, causal=causal, window=window)
+        err = float((o.double() - ro).norm() / ro.norm())
+        assert err < 1.5e-2, (step, err)
+    plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[8] is causal and key[9] == window)
+    planned = plan.rung_launch
+    assert isinstance(planned, hopper.Planned) and planned.fast_state == "checked", planned.fast_state
+    assert is_flashlab_launch(planned.fast) and planned.scratch_bytes > 0
+    assert planned.repair_fast is not None
+    # the same signature at an address the copy engine cannot take (2 bytes off 16): skip-and-split runs it
+    buf = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)
+    q_odd = buf[1:].view(q.shape).copy_(q)
+    assert q_odd.stride() == q.stride() and q_odd.data_ptr() % 16
+    torch.testing.assert_close(flash_attention(q_odd, k, v, causal=causal, window=window), o, rtol=2e-2, atol=2e-2)

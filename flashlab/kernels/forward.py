@@ -217,7 +217,7 @@ class ForwardPlan:
     ``rung`` is the rung the call asked for (None: the fastest that can run, and split-KV for decode); ``note``
     the warning a call repeats when that rung cannot run here. Skip-and-split, the default rung on most inputs, is
     launched here with its autotuner cache and direct relaunch (``scalars``, ``tune``, ``meta``, ``config``,
-    ``fast``); any other rung through its module's ``launch`` (``rung_launch``)."""
+    ``fast``); any other rung through what its module plans for the signature (``rung_launch``, ``Rung.planned``)."""
 
     __slots__ = ("copy", "negate", "band", "split", "o_shape", "lse_shape", "grid", "scalars", "tune", "meta")
     __slots__ += ("config", "want_tma", "fast", "fast_state", "rung_launch", "note", "mask", "o_like_q")
@@ -248,7 +248,7 @@ class ForwardPlan:
             return
         chosen, self.note = ladder.select(rung, q, k, v, causal, window)
         if chosen.name != skip_split.NAME:
-            self.rung_launch = chosen.launch
+            self.rung_launch = chosen.planned(q, k, v, causal, window, self.band)
             return
         # masked short sequences: TMA was erratic there on the H200 (docs/kernel-notes.md)
         self.want_tma = q.is_cuda and skip_split.wants_tma(causal, window, nk)
@@ -326,7 +326,7 @@ def run_plan(plan: ForwardPlan, q, k, v, need_lse=True):
         return o, lse
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     if plan.rung_launch is not None:  # a rung other than skip-and-split: its module launches it
-        plan.rung_launch(q, k, v, o, lse, *plan.mask, plan.band)
+        plan.rung_launch(q, k, v, o, lse)
         return o, lse
     if plan.fast_state == "checked" and q.get_device() == current_device_index():  # pointer loads, checked
         plan.fast(current_stream(q.get_device()), q, k, v, o, lse, q, k, v, o)  # the launcher directly

@@ -39,17 +39,22 @@ import triton
 import triton.language as tl
 
 from flashlab.core.integers import cdiv
-from flashlab.kernels import softmax_step
+from flashlab.kernels import direct_launch, skip_split, softmax_step
 from flashlab.kernels.runtime import (
     CPU_CONFIG,
+    FastLaunch,
     block_d,
+    current_device_index,
+    current_stream,
     device_index,
     dot_precision,
     dot_upcast,
     fits_smem,
     interpreted,
     interpreted_language,
+    scratch,
     smem_limit,
+    stream_capturing,
 )
 from flashlab.kernels.skip_split import tune_key
 
@@ -433,6 +438,125 @@ def launch(q, k, v, o, lse, causal, window, band, config=None, warp_specialize=N
         repair(args[:-3], q, meta)
 
 
+class Planned:
+    """``launch`` for one call signature (shapes, strides, dtype, device, mask, band), decided once: the arguments
+    and constexprs, the autotuner's pick, and direct relaunches of the kernel and of its repair pass
+    (``runtime.FastLaunch``, each checked against a launch through Triton once, bit for bit). Without it a call
+    spent over 100 us of host time in the autotuner's dispatch and two JIT launches (H200, docs/kernel-notes.md).
+
+    Called as ``planned(q, k, v, o, lse)`` on tensors of its signature. The descriptors the programs build live
+    in global scratch: from the stream's kept scratch (``runtime.scratch``) for flashlab's own launcher, from the
+    allocator for Triton's. CPU tensors run ``launch``.
+    """
+
+    __slots__ = ("mask", "band", "args", "tune", "meta", "grid_rows", "config", "grid", "repair_args", "repair_grid")
+    __slots__ += ("repair_meta", "fast", "repair_fast", "fast_state", "scratch_bytes")
+
+    def __init__(self, q, k, v, causal, window, band):
+        b, hq, nq, d = q.shape
+        hk, nk = k.shape[1], k.shape[2]
+        self.mask, self.band = (causal, window), band
+        offset, win_left, win_right, qk_scale = band
+        left, right = hidden_sides(nq, nk, band)
+        strides_o = (hq * nq * d, nq * d, d)  # forward allocates o contiguous
+        self.args = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+        self.args += (v.stride(0), v.stride(1), v.stride(2), *strides_o)
+        self.args += (hq, hq // hk, nq, nk, offset, win_left, win_right, qk_scale)
+        self.tune = tune_key(b, hq, nq, nk, causal, window)
+        self.meta = dict(
+            HEAD_DIM=d, BLOCK_D=block_d(d), DOT_PRECISION=dot_precision(q.dtype, True),
+            DOT_UPCAST=dot_upcast(q.dtype, True), REVERSE_M=bool(causal), MASK_LEFT=left,
+            MASK_RIGHT=right or nk % MAX_BLOCK_N != 0, FLAG_NONFINITE=left or right or nk % MAX_BLOCK_N != 0,
+            EVEN_M=nq % MAX_BLOCK_M == 0,
+        )  # fmt: skip
+        self.grid_rows = (nq, b * hq)
+        self.config = self.grid = None
+        m_tiles = cdiv(nq, REPAIR_CONFIG["BLOCK_M"])
+        self.repair_args = (b * hq * m_tiles, m_tiles)
+        self.repair_grid = (cdiv(b * hq * m_tiles, REPAIR_TILES_PER_PROGRAM),)
+        self.repair_meta = {key: self.meta[key] for key in ("HEAD_DIM", "BLOCK_D", "DOT_PRECISION", "DOT_UPCAST")}
+        self.repair_meta |= dict(TILES_PER_PROGRAM=REPAIR_TILES_PER_PROGRAM, **REPAIR_CONFIG)
+        self.fast = self.repair_fast = None
+        self.fast_state, self.scratch_bytes = "untried", 0  # "untried" -> "built" -> "checked" or "off"
+
+    def __call__(self, q, k, v, o, lse):
+        if not q.is_cuda:
+            launch(q, k, v, o, lse, *self.mask, self.band)
+            return
+        if not (_aligned(q) and _aligned(k) and _aligned(v)):  # same signature, addresses TMA cannot take
+            skip_split.launch(q, k, v, o, lse, *self.mask, self.band)
+            return
+        if self.fast_state == "checked" and q.get_device() == current_device_index():
+            self._launch_fast(current_stream(q.get_device()), q, k, v, o, lse)
+            return
+        with torch.cuda.device(q.device):
+            self._launch_jit(q, k, v, o, lse)
+
+    def _launch_fast(self, stream, q, k, v, o, lse):
+        if self.scratch_bytes:  # the programs' descriptors: the stream's kept scratch (fresh while capturing)
+            work = scratch(q.device, stream, cdiv(self.scratch_bytes, 4), 0)[0]
+            self.fast(stream, q, k, v, o, lse, work)
+        else:
+            self.fast(stream, q, k, v, o, lse)
+        if self.repair_fast is not None:
+            self.repair_fast(stream, q, k, v, o, lse)
+
+    def _launch_jit(self, q, k, v, o, lse):
+        _ensure_allocator()
+        tensors = (q, k, v, o, lse)
+        args = (*tensors, *self.args, *self.tune)
+        kernel = repair_kernel = None
+        if self.config is None:  # the autotuner picks, once per signature
+            nq, bh = self.grid_rows
+            hopper_fwd_tuned[lambda m: (cdiv(nq, m["BLOCK_M"]), bh)](*args, **self.meta)
+            self.config = hopper_fwd_tuned.best_config.all_kwargs()
+            self.grid = (cdiv(nq, self.config["BLOCK_M"]), bh)
+        else:
+            kernel = _attn_fwd_hopper[self.grid](*args, **self.meta, **self.config)
+        if self.meta["FLAG_NONFINITE"]:
+            repair_kernel = _repair_flagged[self.repair_grid](*tensors, *self.args, *self.repair_args,
+                                                               **self.repair_meta)  # fmt: skip
+        if self.fast_state == "untried" and kernel is not None:
+            self._build_fast(kernel, repair_kernel, args, tensors)
+        elif self.fast_state == "built" and not stream_capturing():
+            self._check_fast(q, k, v, o, lse)
+
+    def _build_fast(self, kernel, repair_kernel, args, tensors):
+        kwargs = {**self.meta, **self.config}
+        self.fast = FastLaunch.build(_attn_fwd_hopper, kernel, self.grid, args, kwargs, _TENSORS, global_scratch=True)
+        if direct_launch.is_direct(self.fast):
+            self.scratch_bytes = direct_launch.global_scratch_bytes(kernel, self.grid)
+        ok = self.fast is not None
+        if repair_kernel is not None:
+            repair_args = (*tensors, *self.args, *self.repair_args)
+            self.repair_fast = FastLaunch.build(_repair_flagged, repair_kernel, self.repair_grid, repair_args,
+                                                self.repair_meta, _TENSORS)  # fmt: skip
+            ok = ok and self.repair_fast is not None
+        self.fast_state = "built" if ok else "off"
+
+    def _check_fast(self, q, k, v, o, lse):
+        o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
+        try:
+            self._launch_fast(current_stream(q.get_device()), q, k, v, o2, lse2)
+            same = torch.equal(o2, o) and bool(torch.equal(lse2.isnan(), lse.isnan()))
+            same = same and torch.equal(lse2.nan_to_num(), lse.nan_to_num())
+        except Exception:  # noqa: BLE001 -- a launcher that does not take these arguments: keep the JIT
+            same = False
+        self.fast_state = "checked" if same else "off"
+
+
+_TENSORS = ("Q", "K", "V", "O", "LSE")
+
+
+def _aligned(x: torch.Tensor) -> bool:
+    return x.data_ptr() % TMA_ALIGN_BYTES == 0
+
+
+def plan(q, k, v, causal, window, band) -> Planned:
+    """The planned launch of one call signature (``Planned``), for ``flashlab.kernels.forward``."""
+    return Planned(q, k, v, causal, window, band)
+
+
 def repair(args, q, meta) -> None:
     """Launch the repair pass (``_repair_flagged``) over the output of a main launch with ``args``."""
     b, hq, nq, _ = q.shape
@@ -466,6 +590,8 @@ __all__ = [
     "hopper_fwd",
     "hopper_fwd_tuned",
     "launch",
+    "plan",
+    "Planned",
     "prune_configs",
     "tuning_class",
     "preferred",

@@ -15,12 +15,15 @@ which writes ``o (B, Hq, Nq, D)`` and ``lse (B, Hq, Nq)`` (float32, natural log)
 ``band = (offset, win_left, win_right, qk_scale)`` from ``forward.kernel_args``. ``config`` is None (the rung's own
 choice) or a dict of BLOCK_M, BLOCK_N, num_warps, num_stages (the backward asks for small query tiles this way).
 
+A module may also provide ``plan(q, k, v, causal, window, band)``: a callable ``(q, k, v, o, lse)`` that
+launches for one call signature with its decisions made once (``flash_attention`` keeps it per signature).
 Adding a rung is one entry in ``RUNGS``, in its place by speed; the benchmark's ``flashlab_<name>`` backend and the
 tests' loop over rungs pick it up from there.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +47,14 @@ class Rung:
 
     def launch(self, q, k, v, o, lse, causal, window, band, config=None) -> None:
         self.load().launch(q, k, v, o, lse, causal, window, band, config=config)
+
+    def planned(self, q, k, v, causal, window, band) -> Callable:
+        """``(q, k, v, o, lse) -> None`` for calls of this signature: the module's ``plan`` where it has one,
+        else its ``launch`` with these arguments."""
+        module = self.load()
+        if hasattr(module, "plan"):
+            return module.plan(q, k, v, causal, window, band)
+        return functools.partial(module.launch, causal=causal, window=window, band=band)
 
 
 def runs_everywhere(q, k, v, causal, window) -> str | None:

@@ -89,8 +89,10 @@ stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or 
 # Launching a compiled kernel again, without the JIT's per-call work
 # ----------------------------------------------------------------------------------------------------------------
 
-# FLASHLAB_FAST_LAUNCH=0 turns the direct launches off (every launch then goes through Triton's JIT as usual).
+# FLASHLAB_FAST_LAUNCH=0 turns the direct launches off (every launch then goes through Triton's JIT as usual);
+# FLASHLAB_FAST_LAUNCH=triton keeps them on Triton's own launcher instead of flashlab's (direct_launch), to compare.
 FAST_LAUNCH = os.environ.get("FLASHLAB_FAST_LAUNCH", "1") != "0"
+NATIVE_LAUNCH = os.environ.get("FLASHLAB_FAST_LAUNCH", "1") != "triton"
 
 
 class FastLaunch:
@@ -104,6 +106,10 @@ class FastLaunch:
     own launch passes them), and the slots where tensors go; a launch fills the slots and calls the launcher, as
     ``JITFunction.run`` does at its end. Built only when no launch hooks are set (profilers use them). Callers
     check a new FastLaunch against an ordinary launch once before relying on it.
+
+    ``build`` goes one step further where it can: the parameter block packed once, launched by flashlab's own
+    few lines of C (``flashlab.kernels.direct_launch``), which skip the per-launch parsing of Triton's launcher.
+    Both are called the same way, ``launch(stream, *tensors)``.
     """
 
     __slots__ = ("launcher", "function", "metadata", "grid", "values", "slots", "tail")
@@ -115,9 +121,11 @@ class FastLaunch:
         self.tail = tuple(values[len(slots) :]) if slots == tuple(range(len(slots))) else None
 
     @classmethod
-    def build(cls, jit_function, kernel, grid, args, kwargs, tensor_names):
+    def build(cls, jit_function, kernel, grid, args, kwargs, tensor_names, global_scratch=False):
         """From the CompiledKernel ``kernel`` that ``jit_function[grid](*args, **kwargs)`` just returned; None
-        where this Triton does not look as expected (then the caller keeps launching through the JIT)."""
+        where this Triton does not look as expected (then the caller keeps launching through the JIT).
+        ``global_scratch``: the caller can pass the kernel's global scratch to flashlab's launcher
+        (``direct_launch.build``); Triton's launcher allocates its own."""
         if not FAST_LAUNCH or kernel is None:
             return None
         try:
@@ -134,6 +142,12 @@ class FastLaunch:
             values = list(bound.values())
             for slot in slots:  # hold no reference to this call's tensors (a KV cache may be gigabytes)
                 values[slot] = None
+            if NATIVE_LAUNCH and list(getattr(getattr(kernel, "src", None), "signature", ())) == names:
+                from flashlab.kernels import direct_launch
+
+                launch = direct_launch.build(kernel, grid, values, slots, global_scratch)
+                if launch is not None:
+                    return launch
             return cls(kernel.run, kernel.function, kernel.packed_metadata, grid, values, slots)
         except Exception:  # noqa: BLE001 -- any surprise: launch through the JIT instead
             return None
@@ -167,6 +181,14 @@ def current_stream(device_index: int) -> int:
 
 _SCRATCH: dict = {}  # (device index, stream handle) -> (float32 workspace, int32 counters)
 _FRESH = [0]  # > 0 inside fresh_scratch()
+# Raised whenever a stream's kept scratch is replaced: views cut from the kept scratch (split_kv.workspace keeps
+# them on a plan) are still the stream's while the epoch they were cut in is the current one.
+SCRATCH_EPOCH = [0]
+
+
+def reusing_scratch() -> bool:
+    """Whether launches now take the stream's kept scratch (not inside ``fresh_scratch()``, not capturing)."""
+    return not _FRESH[0] and not stream_capturing()
 
 
 def scratch(device: torch.device, stream: int, floats: int, counters: int):
@@ -189,6 +211,7 @@ def scratch(device: torch.device, stream: int, floats: int, counters: int):
     if have is None or have[0].numel() < floats or have[1].numel() < counters:
         if have is not None:
             floats, counters = max(floats, have[0].numel()), max(counters, have[1].numel())
+        SCRATCH_EPOCH[0] += 1
         have = _SCRATCH[key] = (
             torch.empty(floats, dtype=torch.float32, device=device),
             torch.zeros(counters, dtype=torch.int32, device=device),
@@ -308,6 +331,7 @@ __all__ = [
     "DTYPES",
     "FAST_LAUNCH",
     "FastLaunch",
+    "NATIVE_LAUNCH",
     "fresh_scratch",
     "HEAD_DIM_MULTIPLE",
     "LOG2_E",
@@ -326,6 +350,8 @@ __all__ = [
     "language_objects",
     "next_power_of_2",
     "restore_language_state",
+    "reusing_scratch",
+    "SCRATCH_EPOCH",
     "scratch",
     "sm_count",
     "smem_limit",

@@ -33,6 +33,7 @@ from flashlab.core.integers import cdiv, next_power_of_2
 from flashlab.kernels import softmax_step
 from flashlab.kernels.runtime import (
     CPU_CONFIG,
+    SCRATCH_EPOCH,
     FastLaunch,
     block_d,
     current_device_index,
@@ -43,6 +44,7 @@ from flashlab.kernels.runtime import (
     fits_smem,
     interpreted,
     interpreted_language,
+    reusing_scratch,
     scratch,
     sm_count,
     smem_limit,
@@ -360,15 +362,16 @@ def merge(plan, o_part, lse_part, o, lse):
 def workspace(plan, device, stream):
     """``(o_part, lse_part, spare_lse, counters)`` for one launch of ``plan`` (a split-KV or KV-cache plan with
     ``parts``, ``d``, ``rows``, ``counters`` and ``views``), carved from the stream's ``runtime.scratch``. The views
-    are kept on the plan while the scratch stays the same (cutting them costs more than a launch's arguments)."""
-    work, counters, kept = scratch(device, stream, plan.parts * (plan.d + 1) + plan.rows, plan.counters)
+    are kept on the plan, with the stream and the scratch's epoch they were cut in, while both stay the same
+    (cutting them, or even looking the scratch up, costs more than a launch's arguments)."""
     views = plan.views
-    if views is not None and views[0] is work and views[1] is counters:
+    if views is not None and views[0] == stream and views[1] == SCRATCH_EPOCH[0] and reusing_scratch():
         return views[2]
+    work, counters, kept = scratch(device, stream, plan.parts * (plan.d + 1) + plan.rows, plan.counters)
     end = plan.parts * plan.d
     cut = (work[:end], work[end : end + plan.parts], work[end + plan.parts : end + plan.parts + plan.rows], counters)
     if kept:  # fresh scratch is the call's alone: nothing of it may outlive the call
-        plan.views = (work, counters, cut)
+        plan.views = (stream, SCRATCH_EPOCH[0], cut)
     return cut
 
 

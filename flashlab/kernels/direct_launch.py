@@ -1,0 +1,124 @@
+"""Launching a compiled Triton kernel with its parameter block packed once: ``launcher.c``, built at first use.
+
+``runtime.FastLaunch`` relaunches a kernel a decode loop calls again and again. Through Triton's own launcher that
+still parses every argument from Python and checks every pointer with the driver, on every launch (about 8 us of
+host time on the H200's host, most of a decode step's). Here the scalars are packed into the kernel's parameter
+block once, from the compiled kernel's signature; a launch writes the tensors' addresses and calls
+``cuLaunchKernel``.
+
+Used only where it is exactly right: every parameter is a pointer or a plain scalar, the kernel needs no scratch
+memory from Triton, no cluster, no cooperative or programmatic launch, and the driver confirms the size of every
+parameter of the compiled function (``cuFuncGetParamInfo``). Otherwise ``build`` returns None and Triton's launcher
+is used; its callers also check a direct launch against a launch through Triton once, bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from importlib import resources
+
+# Scalar parameter types of a Triton signature, as ``struct`` packs them (little-endian, the kernel's sizes).
+_SCALAR_FORMATS = {
+    "i1": "<b", "i8": "<b", "u1": "<B", "u8": "<B", "i16": "<h", "u16": "<H", "i32": "<i", "u32": "<I",
+    "i64": "<q", "u64": "<Q", "fp16": "<e", "fp32": "<f", "f32": "<f", "fp64": "<d",
+}  # fmt: skip
+
+
+@functools.cache
+def native():
+    """The compiled ``launcher.c`` module, or None where it cannot be built here (no C compiler, no Triton)."""
+    try:
+        from triton.runtime.build import compile_module_from_src
+
+        source = resources.files("flashlab.kernels").joinpath("launcher.c").read_text()
+        return compile_module_from_src(source, "flashlab_launcher")
+    except Exception:  # noqa: BLE001 -- no compiler, an unexpected Triton: Triton's launcher is used instead
+        return None
+
+
+def pack(types, values, tensor_slots, scratch_slot=False):
+    """The parameter block of one launch: ``(cells, sizes, tensor_params)`` for ``launcher.make``, or None when a
+    parameter is of a kind not packed here.
+
+    ``types`` and ``values`` are the kernel's arguments in signature order (Triton's types: "*bf16", "i32",
+    "fp32", "constexpr"...); ``tensor_slots`` the argument positions whose tensors change from launch to launch.
+    Constexprs are not parameters. Every pointer must be such a slot. Two pointers follow the arguments, as
+    Triton's own launcher passes them: its global and profiling scratch, null here; with ``scratch_slot`` the
+    global scratch is one more tensor, after the slots'."""
+    cells, sizes = [], []
+    slots = set(tensor_slots)
+    order = {slot: i for i, slot in enumerate(tensor_slots)}
+    params_of_slot = [0] * len(tensor_slots)
+    for position, (ty, value) in enumerate(zip(types, values, strict=True)):
+        if ty == "constexpr":
+            if position in slots:
+                return None  # a tensor specialised away (None): not a launch this packs
+            continue
+        if not isinstance(ty, str):
+            return None  # tuples of arguments
+        if ty.startswith("*"):
+            if position not in slots:
+                return None
+            params_of_slot[order[position]] = len(cells)
+            cells.append(bytes(8))
+            sizes.append(8)
+            continue
+        if ty == "bf16":
+            cell = (struct.unpack("<I", struct.pack("<f", value))[0] >> 16).to_bytes(2, "little")
+        elif ty in _SCALAR_FORMATS:
+            cell = struct.pack(_SCALAR_FORMATS[ty], value)
+        else:
+            return None  # tensor descriptors and anything newer
+        cells.append(cell.ljust(8, b"\0"))
+        sizes.append(len(cell))
+    if scratch_slot:
+        params_of_slot.append(len(cells))
+    for _ in ("global scratch", "profile scratch"):
+        cells.append(bytes(8))
+        sizes.append(8)
+    return b"".join(cells), bytes(sizes), tuple(params_of_slot)
+
+
+def build(kernel, grid, values, tensor_slots, global_scratch=False):
+    """A callable ``launch(stream, *tensors)`` for the CompiledKernel ``kernel`` with its arguments ``values``
+    (signature order, as Triton's binder gives them) and the tensors at ``tensor_slots``; None where this launch is
+    not one ``launcher.c`` does exactly (see the module's docstring).
+
+    A kernel that needs global scratch (device-side tensor descriptors live there) is launched only with
+    ``global_scratch``: the launch then takes one more tensor, the scratch, at least ``global_scratch_bytes``."""
+    module = native()
+    if module is None:
+        return None
+    try:
+        meta = kernel.metadata
+        needs_scratch = bool(meta.global_scratch_size)
+        if (meta.num_ctas != 1 or (needs_scratch and not global_scratch) or getattr(meta, "profile_scratch_size", 0)
+                or getattr(meta, "launch_cooperative_grid", False) or getattr(meta, "launch_pdl", False)):  # fmt: skip
+            return None
+        types = list(kernel.src.signature.values())
+        packed = pack(types, values, tensor_slots, scratch_slot=needs_scratch)
+        if packed is None:
+            return None
+        g0, g1, g2 = tuple(grid) + (1,) * (3 - len(grid))
+        handle = module.make(kernel.function, g0, g1, g2, 32 * meta.num_warps, meta.shared, *packed)
+    except Exception:  # noqa: BLE001 -- anything unexpected: Triton's launcher instead
+        return None
+    return functools.partial(module.launch, handle)
+
+
+def is_direct(launch) -> bool:
+    """Whether ``launch`` (a ``runtime.FastLaunch.build`` result) is one of ``build``'s."""
+    module = native()
+    return module is not None and isinstance(launch, functools.partial) and launch.func is module.launch
+
+
+def global_scratch_bytes(kernel, grid) -> int:
+    """The global scratch one launch of ``kernel`` on ``grid`` needs: its programs' share each, as Triton sizes it."""
+    programs = 1
+    for g in grid:
+        programs *= g
+    return programs * kernel.metadata.num_ctas * kernel.metadata.global_scratch_size
+
+
+__all__ = ["build", "global_scratch_bytes", "is_direct", "native", "pack"]
