@@ -208,6 +208,101 @@ def test_direct_launch_writes_each_tensors_address_into_its_parameter():
             module.launch(handle, 0, a, b)
 
 
+FAKE_DRIVER = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+/* A stand-in for libcuda.so.1: records what cuLaunchKernel receives; parameter sizes from FAKE_SIZES. */
+static int sizes[64], n_sizes = -1;
+static void read_sizes(void) {
+  if (n_sizes >= 0) return;
+  n_sizes = 0;
+  char buf[256];
+  strncpy(buf, getenv("FAKE_SIZES"), sizeof(buf) - 1);
+  for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) sizes[n_sizes++] = atoi(t);
+}
+int cuFuncGetParamInfo(void *f, size_t i, size_t *offset, size_t *size) {
+  read_sizes();
+  if ((int)i >= n_sizes) return 1;
+  *offset = 0, *size = sizes[i];
+  return 0;
+}
+int cuGetErrorString(int status, const char **why) { *why = "the fake driver says no"; return 0; }
+int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                   unsigned shared, void *stream, void **params, void **extra) {
+  read_sizes();
+  FILE *log = fopen(getenv("FAKE_LOG"), "a");
+  fprintf(log, "%llu %u %u %u %u %u %u %u %llu", (unsigned long long)f, gx, gy, gz, bx, by, bz, shared,
+          (unsigned long long)stream);
+  for (int i = 0; i < n_sizes; i++) {
+    unsigned long long value = 0;
+    memcpy(&value, params[i], sizes[i]);  /* the driver reads each parameter's own size */
+    fprintf(log, " %llu", value);
+  }
+  fprintf(log, "\n");
+  fclose(log);
+  return atoi(getenv("FAKE_RESULT"));
+}
+"""
+
+LAUNCH_THROUGH_FAKE_DRIVER = """
+import os
+import torch
+from flashlab.kernels import direct_launch
+module = direct_launch.native()
+types = ["*fp32", "i32", "fp32", "*fp32", "i64"]
+cells, sizes, slots = direct_launch.pack(types, [None, -3, 0.25, None, 2**33], (3, 0))
+try:
+    module.make(77, 1, 1, 1, 128, 0, cells[:-8], sizes[:-1], slots)  # the driver says there is one more
+except ValueError as e:
+    print("refused:", e)
+handle = module.make(77, 5, 6, 7, 256, 4096, cells, sizes, slots)
+a, b = torch.zeros(2), torch.zeros(3)
+module.launch(handle, 1234, a, b)  # a to argument 3, b to argument 0
+print("addresses:", b.data_ptr(), a.data_ptr())
+os.environ["FAKE_RESULT"] = "1"  # the next launch fails
+try:
+    module.launch(handle, 99, a, b)
+except RuntimeError as e:
+    print("error:", e)
+"""
+
+
+def test_direct_launch_hands_the_driver_the_packed_parameters(tmp_path):
+    # flashlab's launcher against a stand-in driver (a libcuda.so.1 of our own, found first on the library path):
+    # the grid, the block, shared memory, the stream, and every parameter at its own size, the tensors' addresses
+    # in their slots; a packing the compiled function does not take is refused, a failed launch is an error
+    # naming the driver's reason.
+    import os
+    import shutil
+    import struct
+    import subprocess
+    import sys
+
+    from flashlab.kernels import direct_launch
+
+    if direct_launch.native() is None or shutil.which("gcc") is None:
+        pytest.skip("no C compiler here to build flashlab's launcher")
+    (tmp_path / "fake.c").write_text(FAKE_DRIVER)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", tmp_path / "libcuda.so.1", tmp_path / "fake.c"], check=True)
+    log = tmp_path / "launches.log"
+    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path), FAKE_LOG=str(log), FAKE_SIZES="8,4,4,8,8,8,8")
+    env["FAKE_RESULT"] = "0"
+    run = [sys.executable, "-c", LAUNCH_THROUGH_FAKE_DRIVER]
+    out = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "refused: the kernel takes more parameters than were packed" in out.stdout
+    b_ptr, a_ptr = (int(x) for x in out.stdout.split("addresses:")[1].split()[:2])
+    first, second = log.read_text().splitlines()
+    f, gx, gy, gz, bx, by, bz, shared, stream, *params = (int(x) for x in first.split())
+    assert (f, gx, gy, gz, bx, by, bz, shared, stream) == (77, 5, 6, 7, 256, 1, 1, 4096, 1234)
+    neg3 = int.from_bytes((-3).to_bytes(4, "little", signed=True), "little")
+    quarter = int.from_bytes(struct.pack("<f", 0.25), "little")
+    assert params == [b_ptr, neg3, quarter, a_ptr, 2**33, 0, 0]  # two null scratch pointers last
+    assert int(second.split()[8]) == 99
+    assert "error: cuLaunchKernel failed: the fake driver says no (CUresult 1)" in out.stdout
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("nk", [100, 1024, 32768])  # 100 keys: one chunk, the kernel writes o without partials
 def test_decode_relaunches_directly_and_stays_exact_on_gpu(nk):

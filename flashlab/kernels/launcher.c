@@ -39,8 +39,9 @@ typedef struct {
   Py_ssize_t n_params, n_tensors;
   Py_ssize_t *tensor_param; /* the parameter each tensor's address goes to */
   uint64_t *values;         /* one 8-byte cell per parameter, little-endian, narrower types in its low bytes */
-  void **params;            /* params[i] = &values[i], as cuLaunchKernel takes them */
 } Launch;
+
+#define MAX_PARAMS 256 /* far more than any of flashlab's kernels takes (about 40) */
 
 /* The driver's functions, looked up once. Without a driver (a machine with no GPU) handles can still be made,
  * and their packing read back, but not launched. */
@@ -60,7 +61,6 @@ static void free_launch(PyObject *capsule) {
   if (l == NULL) return;
   free(l->tensor_param);
   free(l->values);
-  free(l->params);
   free(l);
 }
 
@@ -80,6 +80,10 @@ static PyObject *make(PyObject *self, PyObject *args) {
   Launch *l = NULL;
   load_driver();
   Py_ssize_t n = sizes.len;
+  if (n > MAX_PARAMS) {
+    PyErr_Format(PyExc_ValueError, "a kernel of more than %d parameters", MAX_PARAMS);
+    goto done;
+  }
   if (values.len != 8 * n) {
     PyErr_SetString(PyExc_ValueError, "values must hold 8 bytes for every parameter");
     goto done;
@@ -106,11 +110,9 @@ static PyObject *make(PyObject *self, PyObject *args) {
   l->n_params = n;
   l->n_tensors = PyTuple_GET_SIZE(slots);
   l->values = (uint64_t *)calloc(n > 0 ? n : 1, sizeof(uint64_t));
-  l->params = (void **)calloc(n > 0 ? n : 1, sizeof(void *));
   l->tensor_param = (Py_ssize_t *)calloc(l->n_tensors > 0 ? l->n_tensors : 1, sizeof(Py_ssize_t));
-  if (l->values == NULL || l->params == NULL || l->tensor_param == NULL) goto nomem;
+  if (l->values == NULL || l->tensor_param == NULL) goto nomem;
   memcpy(l->values, values.buf, values.len);
-  for (Py_ssize_t i = 0; i < n; i++) l->params[i] = &l->values[i];
   for (Py_ssize_t i = 0; i < l->n_tensors; i++) {
     Py_ssize_t p = PyLong_AsSsize_t(PyTuple_GET_ITEM(slots, i));
     if (p < 0 || p >= n || ((unsigned char *)sizes.buf)[p] != 8) {
@@ -128,7 +130,6 @@ done:
   if (l != NULL) {
     free(l->tensor_param);
     free(l->values);
-    free(l->params);
     free(l);
   }
   PyBuffer_Release(&values);
@@ -136,8 +137,9 @@ done:
   return result;
 }
 
-/* Write the tensors' addresses (a tensor's data_ptr(), or an int) into their parameters' cells. */
-static int fill(Launch *l, PyObject *const *tensors, Py_ssize_t n) {
+/* Write the tensors' addresses (a tensor's data_ptr(), or an int) into their parameters' cells of ``values`` (a
+ * copy of the handle's cells, so that launches from several threads never share one). */
+static int fill(const Launch *l, uint64_t *values, PyObject *const *tensors, Py_ssize_t n) {
   if (n != l->n_tensors) {
     PyErr_Format(PyExc_TypeError, "this launch takes %zd tensors; got %zd", l->n_tensors, n);
     return -1;
@@ -154,7 +156,7 @@ static int fill(Launch *l, PyObject *const *tensors, Py_ssize_t n) {
       Py_DECREF(ptr);
     }
     if (address == (uint64_t)-1 && PyErr_Occurred()) return -1;
-    l->values[l->tensor_param[i]] = address;
+    values[l->tensor_param[i]] = address;
   }
   return 0;
 }
@@ -175,9 +177,13 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   }
   uint64_t stream = PyLong_AsUnsignedLongLong(args[1]);
   if (stream == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-  if (fill(l, args + 2, nargs - 2) < 0) return NULL;
+  uint64_t values[MAX_PARAMS];
+  void *params[MAX_PARAMS];
+  memcpy(values, l->values, 8 * l->n_params);
+  for (Py_ssize_t i = 0; i < l->n_params; i++) params[i] = &values[i];
+  if (fill(l, values, args + 2, nargs - 2) < 0) return NULL;
   CUresult status = launch_kernel(l->function, l->grid[0], l->grid[1], l->grid[2], l->threads, 1, 1, l->shared,
-                                  (CUstream)(uintptr_t)stream, l->params, NULL);
+                                  (CUstream)(uintptr_t)stream, params, NULL);
   if (status != 0) {
     const char *why = NULL;
     if (error_string != NULL) error_string(status, &why);
@@ -195,8 +201,11 @@ static PyObject *packed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return NULL;
   }
   Launch *l = get_launch(args[0]);
-  if (l == NULL || fill(l, args + 1, nargs - 1) < 0) return NULL;
-  return PyBytes_FromStringAndSize((const char *)l->values, 8 * l->n_params);
+  if (l == NULL) return NULL;
+  uint64_t values[MAX_PARAMS];
+  memcpy(values, l->values, 8 * l->n_params);
+  if (fill(l, values, args + 1, nargs - 1) < 0) return NULL;
+  return PyBytes_FromStringAndSize((const char *)values, 8 * l->n_params);
 }
 
 static PyMethodDef methods[] = {
