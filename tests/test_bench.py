@@ -343,6 +343,18 @@ def test_stamped_flags_reproduce_the_config(mode):
     assert again == cfg
 
 
+def test_gqa_shares_each_key_value_head_among_query_heads_and_survives_the_stamp():
+    cfg = BenchConfig(device="cpu", seq_lens=(64,), head_dims=(16, 32), model_dim=256, gqa=4).resolve()
+    cells = cfg.cells()
+    assert {(c.head_dim, c.heads, c.hk) for c in cells} == {(16, 16, 4), (32, 8, 2)}  # H = 256 / D, Hk = H / 4
+    again = bench.config_from_args(bench.build_parser().parse_args(cfg.to_argv())).resolve()
+    assert again == cfg and "--gqa" in cfg.to_argv()
+    with pytest.raises(ValueError, match="must divide the 8 query heads at D = 32"):
+        BenchConfig(device="cpu", seq_lens=(64,), head_dims=(32,), model_dim=256, gqa=3).resolve()
+    with pytest.raises(ValueError, match="decode takes q_heads and kv_heads"):
+        BenchConfig(mode="decode", device="cpu", gqa=2).resolve()
+
+
 def test_cli_rejects_malformed_sizes(capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--seq-lens", "1k,two"])

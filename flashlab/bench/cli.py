@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tokens", type=int, help="prefill: tokens per batch B*N; batch B = tokens // N (at least 1)")
     p.add_argument("--model-dim", type=int, help="prefill: model width H*D; heads H = model_dim // D (at least 1)")
+    p.add_argument(
+        "--gqa",
+        type=int,
+        default=1,
+        help="prefill and backward: query heads per key/value head (grouped-query attention; default 1)",
+    )
     p.add_argument("--batches", type=size_list, help="decode: batch sizes, comma-separated (default 1,8 on a GPU)")
     p.add_argument("--q-heads", type=int, help="decode: query heads (default 64 on a GPU)")
     p.add_argument("--kv-heads", type=int, help="decode: key/value heads, dividing --q-heads (default 8 on a GPU)")
@@ -108,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         kv_heads=args.kv_heads,
         tokens=args.tokens,
         model_dim=args.model_dim,
+        gqa=args.gqa,
         warmup=args.warmup,
         rep=args.rep,
         device=args.device,

@@ -27,6 +27,7 @@ class BenchConfig:
     kv_heads: int | None = None  # decode only
     tokens: int | None = None
     model_dim: int | None = None
+    gqa: int = 1  # prefill and backward: query heads per K/V head (grouped-query attention); 1: one K/V per head
     warmup: float | None = None  # ms
     rep: float | None = None  # ms
     device: str | None = None
@@ -109,6 +110,15 @@ class BenchConfig:
         for name in ("tokens", "model_dim") if self.mode == "prefill" else ():
             if filled[name] < 1:
                 raise ValueError(f"{name} must be a positive int; got {filled[name]}")
+        if type(self.gqa) is not int or self.gqa < 1:
+            raise ValueError(f"gqa must be a positive int (query heads per K/V head); got {self.gqa!r}")
+        if self.gqa > 1 and self.mode == "decode":
+            raise ValueError("gqa is for the prefill and backward grids; decode takes q_heads and kv_heads")
+        if self.gqa > 1:
+            for d in filled["head_dims"]:
+                heads = max(1, filled["model_dim"] // d)
+                if heads % self.gqa:
+                    raise ValueError(f"gqa ({self.gqa}) must divide the {heads} query heads at D = {d}")
         if filled["warmup"] < 0 or filled["rep"] <= 0:
             raise ValueError(f"warmup must be >= 0 and rep > 0 (ms); got {filled['warmup']}, {filled['rep']}")
         if self.kernel_config is not None and (len(self.kernel_config) != 4 or min(self.kernel_config) < 1):
@@ -133,7 +143,15 @@ class BenchConfig:
                 for b in c.batches
             ]
         return [
-            Cell(dtype, d, n, causal, batch=max(1, c.tokens // n), heads=max(1, c.model_dim // d))
+            Cell(
+                dtype,
+                d,
+                n,
+                causal,
+                batch=max(1, c.tokens // n),
+                heads=max(1, c.model_dim // d),
+                kv_heads=None if c.gqa == 1 else max(1, c.model_dim // d) // c.gqa,
+            )  # fmt: skip
             for dtype in c.dtypes
             for d in c.head_dims
             for causal in CAUSAL_CHOICES[c.causal]
@@ -160,6 +178,8 @@ class BenchConfig:
             argv += ["--kv-heads", str(c.kv_heads)]
         else:
             argv += ["--causal", c.causal, "--tokens", str(c.tokens), "--model-dim", str(c.model_dim)]
+            if c.gqa != 1:
+                argv += ["--gqa", str(c.gqa)]
         if c.max_memory_gb is not None:
             argv += ["--max-memory-gb", f"{c.max_memory_gb:g}"]
         if not c.ceilings:
