@@ -194,7 +194,7 @@ def test_direct_launch_writes_each_tensors_address_into_its_parameter():
     if module is None:
         pytest.skip("no C compiler here to build flashlab's launcher")
     cells, sizes, slots = direct_launch.pack(["*fp32", "i32", "*fp32"], [None, 5, None], (2, 0))
-    handle = module.make(0, 1, 1, 1, 128, 0, cells, sizes, slots)
+    handle = module.make(0, 1, 1, 1, 128, 0, cells, sizes, slots, 0)
     a, b = torch.zeros(3), torch.zeros(4)
     filled = module.packed(handle, a, b)  # a goes to argument 2 (parameter 2), b to argument 0
     words = [int.from_bytes(filled[i : i + 8], "little") for i in range(0, len(filled), 8)]
@@ -202,7 +202,7 @@ def test_direct_launch_writes_each_tensors_address_into_its_parameter():
     with pytest.raises(TypeError, match="takes 2 tensors; got 1"):
         module.packed(handle, a)
     with pytest.raises(ValueError, match="not a pointer parameter"):
-        module.make(0, 1, 1, 1, 128, 0, cells, sizes, (1,))  # the i32
+        module.make(0, 1, 1, 1, 128, 0, cells, sizes, (1,), 0)  # the i32
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA driver"):
             module.launch(handle, 0, a, b)
@@ -228,6 +228,17 @@ int cuFuncGetParamInfo(void *f, size_t i, size_t *offset, size_t *size) {
   return 0;
 }
 int cuGetErrorString(int status, const char **why) { *why = "the fake driver says no"; return 0; }
+/* no context is current until one is set, as in a thread that has made no CUDA call */
+static void *current = NULL;
+static void note(const char *what, long value) {
+  FILE *log = fopen(getenv("FAKE_LOG"), "a");
+  fprintf(log, "%s %ld\n", what, value);
+  fclose(log);
+}
+int cuCtxGetCurrent(void **ctx) { *ctx = current; return 0; }
+int cuCtxSetCurrent(void *ctx) { current = ctx; note("set", (long)ctx); return 0; }
+int cuDeviceGet(int *dev, int ordinal) { *dev = 100 + ordinal; return 0; }
+int cuDevicePrimaryCtxRetain(void **ctx, int dev) { *ctx = (void *)(long)(1000 + dev); note("retain", dev); return 0; }
 int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                    unsigned shared, void *stream, void **params, void **extra) {
   read_sizes();
@@ -253,10 +264,10 @@ module = direct_launch.native()
 types = ["*fp32", "i32", "fp32", "*fp32", "i64"]
 cells, sizes, slots = direct_launch.pack(types, [None, -3, 0.25, None, 2**33], (3, 0))
 try:
-    module.make(77, 1, 1, 1, 128, 0, cells[:-8], sizes[:-1], slots)  # the driver says there is one more
+    module.make(77, 1, 1, 1, 128, 0, cells[:-8], sizes[:-1], slots, 3)  # the driver says there is one more
 except ValueError as e:
     print("refused:", e)
-handle = module.make(77, 5, 6, 7, 256, 4096, cells, sizes, slots)
+handle = module.make(77, 5, 6, 7, 256, 4096, cells, sizes, slots, 3)  # loaded on device 3
 a, b = torch.zeros(2), torch.zeros(3)
 module.launch(handle, 1234, a, b)  # a to argument 3, b to argument 0
 print("addresses:", b.data_ptr(), a.data_ptr())
@@ -271,8 +282,8 @@ except RuntimeError as e:
 def test_direct_launch_hands_the_driver_the_packed_parameters(tmp_path):
     # flashlab's launcher against a stand-in driver (a libcuda.so.1 of our own, found first on the library path):
     # the grid, the block, shared memory, the stream, and every parameter at its own size, the tensors' addresses
-    # in their slots; a packing the compiled function does not take is refused, a failed launch is an error
-    # naming the driver's reason.
+    # in their slots; a thread with no current CUDA context gets the function's device's primary context; a packing
+    # the compiled function does not take is refused, a failed launch is an error naming the driver's reason.
     import os
     import shutil
     import struct
@@ -293,7 +304,9 @@ def test_direct_launch_hands_the_driver_the_packed_parameters(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "refused: the kernel takes more parameters than were packed" in out.stdout
     b_ptr, a_ptr = (int(x) for x in out.stdout.split("addresses:")[1].split()[:2])
-    first, second = log.read_text().splitlines()
+    # the first launch finds no current context and makes device 3's primary context current, once
+    retain, made_current, first, second = log.read_text().splitlines()
+    assert (retain, made_current) == ("retain 103", "set 1103")
     f, gx, gy, gz, bx, by, bz, shared, stream, *params = (int(x) for x in first.split())
     assert (f, gx, gy, gz, bx, by, bz, shared, stream) == (77, 5, 6, 7, 256, 1, 1, 4096, 1234)
     neg3 = int.from_bytes((-3).to_bytes(4, "little", signed=True), "little")
@@ -344,6 +357,35 @@ def test_prefill_relaunches_directly_and_stays_exact_on_gpu(d, causal):
     assert is_flashlab_launch(plan.fast)
 
 
+@pytest.mark.gpu
+def test_a_planned_decode_call_gives_the_same_bits_from_a_new_thread_on_gpu():
+    # A serving engine may call from a worker thread that has made no CUDA call of its own: flashlab's launcher
+    # must make the device's context current there, as Triton's launcher does, and launch the same kernel.
+    import threading
+
+    g = torch.Generator(device="cuda").manual_seed(12)
+    q = torch.randn(2, 16, 1, 128, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(2, 2, 5000, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+    for _ in range(5):  # planned, direct launch built and checked
+        o_main = flash_attention(q, k, v)
+    plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[2] == k.shape).split
+    assert is_flashlab_launch(plan.fast) and plan.fast_state == "checked"
+    out = {}
+
+    def worker():
+        try:
+            out["o"] = flash_attention(q, k, v)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 -- reported below
+            out["error"] = e
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert "error" not in out, out.get("error")
+    assert torch.equal(out["o"], o_main)
+
+
 def is_flashlab_launch(fast) -> bool:
     """Whether a plan's direct launch is flashlab's own packed launcher (direct_launch), not Triton's."""
     from flashlab.kernels import direct_launch
@@ -370,11 +412,11 @@ def test_direct_launch_refuses_a_packing_the_compiled_kernel_does_not_take():
     cells, sizes, params = direct_launch.pack(types, values, slots)
     module = direct_launch.native()
     with pytest.raises(ValueError, match="more parameters than were packed"):
-        module.make(kernel.function, 1, 1, 1, 128, 0, cells[:-8], sizes[:-1], params)
+        module.make(kernel.function, 1, 1, 1, 128, 0, cells[:-8], sizes[:-1], params, q.get_device())
     wrong = bytearray(sizes)
     wrong[wrong.index(4)] = 8
     with pytest.raises(ValueError, match="not the size packed"):
-        module.make(kernel.function, 1, 1, 1, 128, 0, cells, bytes(wrong), params)
+        module.make(kernel.function, 1, 1, 1, 128, 0, cells, bytes(wrong), params, q.get_device())
 
 
 @pytest.mark.gpu

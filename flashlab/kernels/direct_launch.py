@@ -18,6 +18,8 @@ import functools
 import struct
 from importlib import resources
 
+import torch
+
 # Scalar parameter types of a Triton signature, as ``struct`` packs them (little-endian, the kernel's sizes).
 _SCALAR_FORMATS = {
     "i1": "<b", "i8": "<b", "u1": "<B", "u8": "<B", "i16": "<h", "u16": "<H", "i32": "<i", "u32": "<I",
@@ -101,7 +103,8 @@ def build(kernel, grid, values, tensor_slots, global_scratch=False):
         if packed is None:
             return None
         g0, g1, g2 = tuple(grid) + (1,) * (3 - len(grid))
-        handle = module.make(kernel.function, g0, g1, g2, 32 * meta.num_warps, meta.shared, *packed)
+        device = torch.cuda.current_device()  # the device the JIT launch that compiled it just ran on
+        handle = module.make(kernel.function, g0, g1, g2, 32 * meta.num_warps, meta.shared, *packed, device)
     except Exception:  # noqa: BLE001 -- anything unexpected: Triton's launcher instead
         return None
     return functools.partial(module.launch, handle)

@@ -25,16 +25,26 @@ typedef CUresult (*launch_kernel_t)(CUfunction, unsigned, unsigned, unsigned, un
                                     unsigned, CUstream, void **, void **);
 typedef CUresult (*error_string_t)(CUresult, const char **);
 typedef CUresult (*param_info_t)(CUfunction, size_t, size_t *, size_t *);
+typedef void *CUcontext;
+typedef CUresult (*ctx_get_t)(CUcontext *);
+typedef CUresult (*ctx_set_t)(CUcontext);
+typedef CUresult (*device_get_t)(int *, int);
+typedef CUresult (*primary_retain_t)(CUcontext *, int);
 
 static launch_kernel_t launch_kernel = NULL;
 static error_string_t error_string = NULL;
 static param_info_t param_info = NULL; /* cuFuncGetParamInfo: CUDA 12.4 and later */
+static ctx_get_t ctx_get = NULL;
+static ctx_set_t ctx_set = NULL;
+static device_get_t device_get = NULL;
+static primary_retain_t primary_retain = NULL;
 static PyObject *data_ptr_name = NULL;
 
 #define CAPSULE_NAME "flashlab.launch"
 
 typedef struct {
   CUfunction function;
+  int device; /* the ordinal of the device the function was loaded on */
   unsigned grid[3], threads, shared;
   Py_ssize_t n_params, n_tensors;
   Py_ssize_t *tensor_param; /* the parameter each tensor's address goes to */
@@ -53,7 +63,29 @@ static void load_driver(void) {
   if (lib == NULL) return;
   error_string = (error_string_t)dlsym(lib, "cuGetErrorString");
   param_info = (param_info_t)dlsym(lib, "cuFuncGetParamInfo");
-  launch_kernel = (launch_kernel_t)dlsym(lib, "cuLaunchKernel");
+  ctx_get = (ctx_get_t)dlsym(lib, "cuCtxGetCurrent");
+  ctx_set = (ctx_set_t)dlsym(lib, "cuCtxSetCurrent");
+  device_get = (device_get_t)dlsym(lib, "cuDeviceGet");
+  primary_retain = (primary_retain_t)dlsym(lib, "cuDevicePrimaryCtxRetain");
+  if (ctx_get && ctx_set && device_get && primary_retain)
+    launch_kernel = (launch_kernel_t)dlsym(lib, "cuLaunchKernel");
+}
+
+/* A thread that has never made a CUDA call has no current context (torch may have handed it cached memory without
+ * one): make the device's primary context current, as Triton's own launcher does. */
+static int ensure_context(int device) {
+  CUcontext ctx = NULL;
+  if (ctx_get(&ctx) == 0 && ctx != NULL) return 0;
+  int dev;
+  CUresult status = device_get(&dev, device);
+  if (status == 0) status = primary_retain(&ctx, dev);
+  if (status == 0) status = ctx_set(ctx);
+  if (status != 0) {
+    PyErr_Format(PyExc_RuntimeError, "no CUDA context for device %d could be made current (CUresult %d)", device,
+                 status);
+    return -1;
+  }
+  return 0;
 }
 
 static void free_launch(PyObject *capsule) {
@@ -64,17 +96,19 @@ static void free_launch(PyObject *capsule) {
   free(l);
 }
 
-/* make(function, grid_x, grid_y, grid_z, threads, shared, values, sizes, tensor_params) -> capsule
+/* make(function, grid_x, grid_y, grid_z, threads, shared, values, sizes, tensor_params, device) -> capsule
  *   values: bytes, 8 per parameter (the scalars packed, zeros where tensors go); sizes: bytes, one per
  *   parameter, its size in the kernel's parameter block, checked against the compiled function where the driver
- *   can say (cuFuncGetParamInfo); tensor_params: a tuple of parameter indices, one per tensor of a launch. */
+ *   can say (cuFuncGetParamInfo); tensor_params: a tuple of parameter indices, one per tensor of a launch;
+ *   device: the ordinal of the device the function was loaded on. */
 static PyObject *make(PyObject *self, PyObject *args) {
   unsigned long long function;
   unsigned gx, gy, gz, threads, shared;
+  int device;
   Py_buffer values, sizes;
   PyObject *slots;
-  if (!PyArg_ParseTuple(args, "KIIIIIy*y*O!", &function, &gx, &gy, &gz, &threads, &shared, &values, &sizes,
-                        &PyTuple_Type, &slots))
+  if (!PyArg_ParseTuple(args, "KIIIIIy*y*O!i", &function, &gx, &gy, &gz, &threads, &shared, &values, &sizes,
+                        &PyTuple_Type, &slots, &device))
     return NULL;
   PyObject *result = NULL;
   Launch *l = NULL;
@@ -105,6 +139,7 @@ static PyObject *make(PyObject *self, PyObject *args) {
   l = (Launch *)calloc(1, sizeof(Launch));
   if (l == NULL) goto nomem;
   l->function = (CUfunction)(uintptr_t)function;
+  l->device = device;
   l->grid[0] = gx, l->grid[1] = gy, l->grid[2] = gz;
   l->threads = threads, l->shared = shared;
   l->n_params = n;
@@ -177,6 +212,7 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   }
   uint64_t stream = PyLong_AsUnsignedLongLong(args[1]);
   if (stream == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+  if (ensure_context(l->device) < 0) return NULL;
   uint64_t values[MAX_PARAMS];
   void *params[MAX_PARAMS];
   memcpy(values, l->values, 8 * l->n_params);
