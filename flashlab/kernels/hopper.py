@@ -395,28 +395,9 @@ def launch(q, k, v, o, lse, causal, window, band, config=None, warp_specialize=N
         raise RuntimeError(f"the hopper rung cannot run these inputs: {why}")
     if not _rows_stacked(o):
         raise RuntimeError("the hopper rung writes o as rows of heads one after another: o must be contiguous")
-    b, hq, nq, d = q.shape
-    hk, nk = k.shape[1], k.shape[2]
-    offset, win_left, win_right, qk_scale = band
-    left, right = hidden_sides(nq, nk, band)
-    args = (q, k, v, o, lse)
-    args += (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
-    args += (v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2))
-    args += (hq, hq // hk, nq, nk, offset, win_left, win_right, qk_scale)
-    args += tune_key(b, hq, nq, nk, causal, window)
-    tile_n = CPU_CONFIG["BLOCK_N"] if not q.is_cuda else MAX_BLOCK_N
-    meta = dict(
-        HEAD_DIM=d,
-        BLOCK_D=block_d(d),
-        DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
-        DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
-        REVERSE_M=bool(causal),
-        MASK_LEFT=left,
-        MASK_RIGHT=right or nk % tile_n != 0,  # the last tile's keys past the end of K are masked too
-        # the keys a row must ignore: those the band hides, and past the end of K the next head's first rows
-        FLAG_NONFINITE=left or right or nk % tile_n != 0,
-        EVEN_M=nq % MAX_BLOCK_M == 0,
-    )
+    b, hq, nq, _ = q.shape
+    scalars, tune, meta = _arguments(q, k, v, o.stride()[:3], causal, window, band, q.is_cuda)
+    args = (q, k, v, o, lse, *scalars, *tune)
     if not q.is_cuda:
         grid = (cdiv(nq, CPU_CONFIG["BLOCK_M"]), b * hq)
         with interpreted_language(softmax_step):  # no warps to specialise on the interpreter
@@ -438,6 +419,44 @@ def launch(q, k, v, o, lse, causal, window, band, config=None, warp_specialize=N
         repair(args[:-3], q, meta)
 
 
+def _arguments(q, k, v, strides_o, causal, window, band, is_cuda):
+    """The kernel's arguments after its five tensors: ``(scalars, tune, meta)`` -- the strides (o's are
+    ``strides_o``), sizes and band, the autotuner's key, and the constexprs."""
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    offset, win_left, win_right, qk_scale = band
+    left, right = hidden_sides(nq, nk, band)
+    scalars = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+    scalars += (v.stride(0), v.stride(1), v.stride(2), *strides_o)
+    scalars += (hq, hq // hk, nq, nk, offset, win_left, win_right, qk_scale)
+    tile_n = MAX_BLOCK_N if is_cuda else CPU_CONFIG["BLOCK_N"]
+    meta = dict(
+        HEAD_DIM=d,
+        BLOCK_D=block_d(d),
+        DOT_PRECISION=dot_precision(q.dtype, is_cuda),
+        DOT_UPCAST=dot_upcast(q.dtype, is_cuda),
+        REVERSE_M=bool(causal),
+        MASK_LEFT=left,
+        MASK_RIGHT=right or nk % tile_n != 0,  # the last tile's keys past the end of K are masked too
+        # the keys a row must ignore: those the band hides, and past the end of K the next head's first rows
+        FLAG_NONFINITE=left or right or nk % tile_n != 0,
+        EVEN_M=nq % MAX_BLOCK_M == 0,
+    )
+    return scalars, tune_key(b, hq, nq, nk, causal, window), meta
+
+
+def _repair_shape(q, meta, is_cuda):
+    """The repair pass's ``(extra arguments, grid, meta)``: its query tiles (all, and per head), one program per
+    ``REPAIR_TILES_PER_PROGRAM`` of them, and the main kernel's constexprs it shares."""
+    b, hq, nq, _ = q.shape
+    config = REPAIR_CONFIG if is_cuda else CPU_CONFIG
+    m_tiles = cdiv(nq, config["BLOCK_M"])
+    num_tiles = b * hq * m_tiles
+    rmeta = {key: meta[key] for key in ("HEAD_DIM", "BLOCK_D", "DOT_PRECISION", "DOT_UPCAST")}
+    rmeta |= dict(TILES_PER_PROGRAM=REPAIR_TILES_PER_PROGRAM, **config)
+    return (num_tiles, m_tiles), (cdiv(num_tiles, REPAIR_TILES_PER_PROGRAM),), rmeta
+
+
 class Planned:
     """``launch`` for one call signature (shapes, strides, dtype, device, mask, band), decided once: the arguments
     and constexprs, the autotuner's pick, and direct relaunches of the kernel and of its repair pass
@@ -454,28 +473,12 @@ class Planned:
 
     def __init__(self, q, k, v, causal, window, band):
         b, hq, nq, d = q.shape
-        hk, nk = k.shape[1], k.shape[2]
         self.mask, self.band = (causal, window), band
-        offset, win_left, win_right, qk_scale = band
-        left, right = hidden_sides(nq, nk, band)
         strides_o = (hq * nq * d, nq * d, d)  # forward allocates o contiguous
-        self.args = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
-        self.args += (v.stride(0), v.stride(1), v.stride(2), *strides_o)
-        self.args += (hq, hq // hk, nq, nk, offset, win_left, win_right, qk_scale)
-        self.tune = tune_key(b, hq, nq, nk, causal, window)
-        self.meta = dict(
-            HEAD_DIM=d, BLOCK_D=block_d(d), DOT_PRECISION=dot_precision(q.dtype, True),
-            DOT_UPCAST=dot_upcast(q.dtype, True), REVERSE_M=bool(causal), MASK_LEFT=left,
-            MASK_RIGHT=right or nk % MAX_BLOCK_N != 0, FLAG_NONFINITE=left or right or nk % MAX_BLOCK_N != 0,
-            EVEN_M=nq % MAX_BLOCK_M == 0,
-        )  # fmt: skip
+        self.args, self.tune, self.meta = _arguments(q, k, v, strides_o, causal, window, band, is_cuda=True)
         self.grid_rows = (nq, b * hq)
         self.config = self.grid = None
-        m_tiles = cdiv(nq, REPAIR_CONFIG["BLOCK_M"])
-        self.repair_args = (b * hq * m_tiles, m_tiles)
-        self.repair_grid = (cdiv(b * hq * m_tiles, REPAIR_TILES_PER_PROGRAM),)
-        self.repair_meta = {key: self.meta[key] for key in ("HEAD_DIM", "BLOCK_D", "DOT_PRECISION", "DOT_UPCAST")}
-        self.repair_meta |= dict(TILES_PER_PROGRAM=REPAIR_TILES_PER_PROGRAM, **REPAIR_CONFIG)
+        self.repair_args, self.repair_grid, self.repair_meta = _repair_shape(q, self.meta, is_cuda=True)
         self.fast = self.repair_fast = None
         self.fast_state, self.scratch_bytes = "untried", 0  # "untried" -> "built" -> "checked" or "off"
 
@@ -559,19 +562,13 @@ def plan(q, k, v, causal, window, band) -> Planned:
 
 def repair(args, q, meta) -> None:
     """Launch the repair pass (``_repair_flagged``) over the output of a main launch with ``args``."""
-    b, hq, nq, _ = q.shape
-    bm = CPU_CONFIG["BLOCK_M"] if not q.is_cuda else REPAIR_CONFIG["BLOCK_M"]
-    m_tiles = cdiv(nq, bm)
-    num_tiles = b * hq * m_tiles
-    grid = (cdiv(num_tiles, REPAIR_TILES_PER_PROGRAM),)
-    keep = ("HEAD_DIM", "BLOCK_D", "DOT_PRECISION", "DOT_UPCAST")
-    rmeta = {key: meta[key] for key in keep} | dict(TILES_PER_PROGRAM=REPAIR_TILES_PER_PROGRAM)
+    tiles, grid, rmeta = _repair_shape(q, meta, q.is_cuda)
     if not q.is_cuda:
         with interpreted_language(softmax_step):
-            interpreted(_repair_flagged)[grid](*args, num_tiles, m_tiles, **rmeta, **CPU_CONFIG)
+            interpreted(_repair_flagged)[grid](*args, *tiles, **rmeta)
         return
     with torch.cuda.device(q.device):
-        _repair_flagged[grid](*args, num_tiles, m_tiles, **rmeta, **REPAIR_CONFIG)
+        _repair_flagged[grid](*args, *tiles, **rmeta)
 
 
 def best_config() -> str:
