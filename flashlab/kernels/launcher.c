@@ -172,9 +172,10 @@ done:
   return result;
 }
 
-/* Write the tensors' addresses (a tensor's data_ptr(), or an int) into their parameters' cells of ``values`` (a
- * copy of the handle's cells, so that launches from several threads never share one). */
+/* The handle's cells copied into ``values`` (each launch its own copy, so that launches from several threads never
+ * share one), with the tensors' addresses (a tensor's data_ptr(), or an int) written into their parameters' cells. */
 static int fill(const Launch *l, uint64_t *values, PyObject *const *tensors, Py_ssize_t n) {
+  memcpy(values, l->values, 8 * l->n_params);
   if (n != l->n_tensors) {
     PyErr_Format(PyExc_TypeError, "this launch takes %zd tensors; got %zd", l->n_tensors, n);
     return -1;
@@ -215,9 +216,8 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   if (ensure_context(l->device) < 0) return NULL;
   uint64_t values[MAX_PARAMS];
   void *params[MAX_PARAMS];
-  memcpy(values, l->values, 8 * l->n_params);
-  for (Py_ssize_t i = 0; i < l->n_params; i++) params[i] = &values[i];
   if (fill(l, values, args + 2, nargs - 2) < 0) return NULL;
+  for (Py_ssize_t i = 0; i < l->n_params; i++) params[i] = &values[i];
   CUresult status = launch_kernel(l->function, l->grid[0], l->grid[1], l->grid[2], l->threads, 1, 1, l->shared,
                                   (CUstream)(uintptr_t)stream, params, NULL);
   if (status != 0) {
@@ -239,7 +239,6 @@ static PyObject *packed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   Launch *l = get_launch(args[0]);
   if (l == NULL) return NULL;
   uint64_t values[MAX_PARAMS];
-  memcpy(values, l->values, 8 * l->n_params);
   if (fill(l, values, args + 1, nargs - 1) < 0) return NULL;
   return PyBytes_FromStringAndSize((const char *)values, 8 * l->n_params);
 }
