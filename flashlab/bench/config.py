@@ -116,7 +116,7 @@ class BenchConfig:
             raise ValueError("gqa is for the prefill and backward grids; decode takes q_heads and kv_heads")
         if self.gqa > 1:
             for d in filled["head_dims"]:
-                heads = max(1, filled["model_dim"] // d)
+                heads = prefill_heads(filled["model_dim"], d)
                 if heads % self.gqa:
                     raise ValueError(f"gqa ({self.gqa}) must divide the {heads} query heads at D = {d}")
         if filled["warmup"] < 0 or filled["rep"] <= 0:
@@ -149,9 +149,9 @@ class BenchConfig:
                 n,
                 causal,
                 batch=max(1, c.tokens // n),
-                heads=max(1, c.model_dim // d),
-                kv_heads=None if c.gqa == 1 else max(1, c.model_dim // d) // c.gqa,
-            )  # fmt: skip
+                heads=prefill_heads(c.model_dim, d),
+                kv_heads=None if c.gqa == 1 else prefill_heads(c.model_dim, d) // c.gqa,
+            )
             for dtype in c.dtypes
             for d in c.head_dims
             for causal in CAUSAL_CHOICES[c.causal]
@@ -191,6 +191,11 @@ class BenchConfig:
         if c.tma is not None:
             argv += ["--tma", c.tma]
         return argv
+
+
+def prefill_heads(model_dim: int, head_dim: int) -> int:
+    """Query heads of a prefill cell: the model width over the head dim (at least 1)."""
+    return max(1, model_dim // head_dim)
 
 
 def _dtype_name(name: str) -> str:
