@@ -162,6 +162,30 @@ def test_fast_launch_fills_the_tensor_slots_of_tritons_own_binding(monkeypatch):
     assert runtime.FastLaunch.build(jit, kernel, (3,), (q, 7, o), {}, ("Q", "O")) is None
 
 
+def test_a_direct_launch_is_kept_only_if_it_writes_the_same_bits():
+    # the check every plan runs once on its direct launch: bit for bit against what the JIT launch wrote, a NaN
+    # equal to the same NaN, 0.0 and -0.0 told apart, a launcher that raises refused
+    o = torch.tensor([1.0, float("nan"), 0.0], dtype=torch.bfloat16)
+    lse = torch.tensor([0.5, float("-inf")])
+
+    def writing(o_value, lse_value):
+        def launch_into(o2, lse2):
+            o2.copy_(o_value)
+            lse2.copy_(lse_value)
+
+        return launch_into
+
+    assert runtime.reproduces(writing(o, lse), o, lse)
+    assert not runtime.reproduces(writing(torch.tensor([1.0, float("nan"), -0.0]), lse), o, lse)
+    assert not runtime.reproduces(writing(o, torch.tensor([0.5, 0.0])), o, lse)
+
+    def raising(o2, lse2):
+        raise TypeError("this launcher does not take these arguments")
+
+    assert not runtime.reproduces(raising, o, lse)
+    assert not runtime.same_bits(o, o.float())  # another dtype is never the same bits
+
+
 def test_direct_launch_packs_each_parameter_at_its_size_in_signature_order():
     # Triton's signature types: constexprs are not parameters; pointers are the tensor slots (8 bytes); scalars
     # take their own sizes; Triton's launcher appends two null scratch pointers, and so does the packing.

@@ -163,6 +163,26 @@ class FastLaunch:
         self.launcher(g0, g1, g2, stream, self.function, self.metadata, None, None, None, *values)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bits (a NaN equals the same NaN; 0.0 and -0.0 differ)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.view(as_int), b.view(as_int))
+
+
+def reproduces(launch_into, o: torch.Tensor, lse: torch.Tensor) -> bool:
+    """Whether ``launch_into(o2, lse2)``, a direct launch writing fresh tensors like ``o`` and ``lse``, gives the
+    bits a launch through Triton just wrote to ``o`` and ``lse``; False on any error (a launcher that does not
+    take these arguments). How every plan checks its direct launch once before using it."""
+    o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
+    try:
+        launch_into(o2, lse2)
+        return same_bits(o2, o) and same_bits(lse2, lse)
+    except Exception:  # noqa: BLE001 -- any failure: the caller keeps launching through Triton
+        return False
+
+
 @functools.cache
 def _stream_getter():
     from triton.runtime import driver
@@ -349,8 +369,10 @@ __all__ = [
     "interpreted_language",
     "language_objects",
     "next_power_of_2",
+    "reproduces",
     "restore_language_state",
     "reusing_scratch",
+    "same_bits",
     "SCRATCH_EPOCH",
     "scratch",
     "sm_count",
