@@ -83,11 +83,22 @@ RUNGS: tuple[Rung, ...] = (
         lambda q, k, v, causal, window: _hopper().unavailable(q, k, v, causal, window),
         lambda q, k, v, causal, window: _hopper().preferred(q, k, v, causal, window),
     ),
+    Rung(
+        "overlap",
+        "the softmax's stall on the tensor cores: each tile's exponentials run under the previous tile's P V",
+        "flashlab.kernels.overlap",
+        lambda q, k, v, causal, window: _overlap().unavailable(q, k, v, causal, window),
+        lambda q, k, v, causal, window: _overlap().preferred(q, k, v, causal, window),
+    ),
 )
 
 
 def _hopper():
     return importlib.import_module("flashlab.kernels.hopper")
+
+
+def _overlap():
+    return importlib.import_module("flashlab.kernels.overlap")
 
 
 def names() -> tuple[str, ...]:

@@ -1,0 +1,321 @@
+"""Rung 4 of the kernel ladder, "overlap": the softmax of one key tile runs while the tensor cores multiply the
+previous tile's probabilities by V. Written in Gluon, Triton's lower-level language, because ``tl`` cannot say it.
+
+Rung 3 (``flashlab.kernels.hopper``) already hands the copies to warps of their own and gives each of two consumer
+warpgroups 64 query rows. But inside a warpgroup every step still waits for the one before: the scores
+``S = Q Kᵀ`` are computed, *then* the softmax turns them into ``P``, *then* ``P V`` is multiplied -- compiled for
+sm_90, its loop issues the score product, waits for it, runs the exponentials, issues ``P V`` and waits again. While
+the exponentials run, that warpgroup's tensor-core work is stopped. (Software-pipelining the loop in ``tl`` does not
+help: the compiler still waits for each product right after issuing it, or its warp-specialising pass rejects
+the loop; ``docs/kernel-notes.md``.)
+
+Here the schedule is written out, per consumer warpgroup and key tile ``j``:
+
+    wait for K_j;    issue S_j = Q K_jᵀ          (asynchronous)
+    wait for V_j-1;  issue O += P_j-1 V_j-1       (asynchronous, P from registers)
+    wait until only the newest product is in flight: S_j is done, P_j-1 V_j-1 may still run
+    release K_j;     softmax of S_j -> P_j, running max and sum      <- under P_j-1 V_j-1
+    wait for P_j-1 V_j-1;  release V_j-1;  rescale O by exp2(m_j-1 - m_j)
+
+so the exponentials of tile ``j`` overlap the matrix product of tile ``j - 1`` (FlashAttention-3's "intra-warpgroup
+overlap"). Around it, as in rung 3: one loader warp copies Q once and K, V tiles into a ring of ``STAGES`` shared-
+memory buffers with the tensor-memory accelerator, mbarriers telling the consumers a tile has arrived and the
+loader that both have finished with it; the scale folded into ``exp2``; causal query tiles longest first; GQA reads
+K/V head ``h // group``. Under a causal mask only the tiles that cross some row's diagonal are masked (a branch,
+which Gluon keeps as written). O leaves through the Q tile's shared memory and a bulk copy.
+
+Where it runs: a Hopper GPU (sm_90: ``wgmma`` is Hopper's instruction), 16-bit inputs, D = 64 or 128, query and key
+lengths multiples of 128, no window, Nq <= Nk under a causal mask, heads stacked row after row (contiguous). It
+has no interpreter path: Gluon compiles for a GPU only. ``unavailable`` says which of these fails; the ladder then
+runs the fastest rung that can. A key whose V row holds inf or NaN behind the causal mask marks its rows with a NaN
+lse, and rung 3's repair pass redoes those query tiles with the guard, as it does for rung 3.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from flashlab.kernels import hopper, skip_split
+
+try:  # Gluon's Hopper primitives (Triton >= 3.5)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    GLUON_ERROR = None
+except ImportError as error:  # an older Triton: the rung says so in ``unavailable``
+    GLUON_ERROR = f"Triton {triton.__version__} has no Gluon Hopper primitives ({error})"
+
+NAME = "overlap"  # the rung's name in flashlab.kernels.ladder
+CAPABILITY = 9  # wgmma is sm_90's instruction: Hopper only (Blackwell has its own, tcgen05)
+WG_ROWS = 64  # query rows per consumer warpgroup: one wgmma M
+BLOCK_M = 2 * WG_ROWS  # query rows per program: two consumer warpgroups
+HEAD_DIMS = (64, 128)
+# (BLOCK_N, STAGES) per head dim: the best of (64, 2), (64, 3), (128, 2), (128, 3) in the first H200 sweep
+TILES = {64: (128, 3), 128: (128, 2)}
+CONSUMER_REGS = 240  # registers per thread of the second consumer warpgroup (the first gets the rest)
+LOADER_REGS = 24  # the loader warp only issues copies
+
+if GLUON_ERROR is None:
+    # the bulk copies' names: async_load / async_store in newer Tritons (3.9), async_copy_* in older ones (3.6)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _WG = gl.constexpr(WG_ROWS)  # the module's constants, as Gluon code reads them
+    _BLOCK_M = gl.constexpr(BLOCK_M)
+    _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
+    _LOADER_REGS = gl.constexpr(LOADER_REGS)
+
+    @triton.constexpr_function
+    def _mma_layout(n):
+        """The accumulator layout of a 64-row wgmma over four warps with an N of ``n``."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+    @gluon.jit
+    def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, q_row,
+                kv_row, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        """The loader warp: each warpgroup's Q tile once, then K and V tile by tile into the ring, each copy
+        waiting until both consumers have released the buffer it overwrites."""
+        for w in gl.static_range(2):
+            mbarrier.expect(q_bar.index(w), desc_q.block_type.nbytes)
+            _tma_load(desc_q, [q_row + w * _WG, 0], q_bar.index(w), q_smem.index(w))
+        for j in range(n_tiles):
+            stage = j % STAGES
+            phase = (j // STAGES) & 1
+            mbarrier.wait(k_empty.index(stage), phase ^ 1)  # the first pass through the ring waits for nothing
+            mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
+            _tma_load(desc_k, [kv_row + j * BLOCK_N, 0], k_ready.index(stage),
+                                            k_smem.index(stage))  # fmt: skip
+            mbarrier.wait(v_empty.index(stage), phase ^ 1)
+            mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
+            _tma_load(desc_v, [kv_row + j * BLOCK_N, 0], v_ready.index(stage),
+                                            v_smem.index(stage))  # fmt: skip
+
+    @gluon.jit
+    def _scores(s, j, qk_scale, rows, first_visible_edge, cols0, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Tile ``j``'s scores in log2 units, with the causal mask where the tile crosses a row's diagonal (row
+        ``i`` sees keys up to ``i + offset``; ``rows`` holds ``i + offset``)."""
+        s = s * qk_scale
+        if CAUSAL:
+            if (j + 1) * BLOCK_N > first_visible_edge + 1:  # some key of the tile lies past some row's last key
+                cols = j * BLOCK_N + cols0
+                s = gl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+        return s
+
+    @gluon.jit
+    def _consumer(desc_o, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, LSE, lse_row, q_row,
+                  last_key_row0, n_tiles, qk_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
+        """One consumer warpgroup: 64 query rows through every key tile, the softmax of tile j under the P V
+        product of tile j-1 (the module docstring's schedule), then O and the lse."""
+        s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+        o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        dtype: gl.constexpr = desc_o.dtype
+
+        edge = last_key_row0 + WG * _WG  # the last key this warpgroup's first row sees
+        rows = edge + gl.arange(0, _WG, layout=row_layout)  # each row's last visible key
+        cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        zero_s = gl.zeros([_WG, BLOCK_N], gl.float32, s_layout)
+        acc = gl.zeros([_WG, HEAD_DIM], gl.float32, o_layout)
+
+        q = q_smem.index(WG)
+        mbarrier.wait(q_bar.index(WG), 0)
+
+        # key tile 0: its scores and softmax (nothing to overlap yet)
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0))
+        s = _scores(s, 0, qk_scale, rows, edge, cols0, CAUSAL, BLOCK_N)
+        m_i = gl.max(s, 1)
+        p = gl.exp2(s - m_i[:, None])
+        l_i = gl.sum(p, 1)
+
+        for j in range(1, n_tiles):
+            stage = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+            s_next = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc_next = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s_next,))  # the scores are done; P V of tile j-1 may still run
+            mbarrier.arrive(k_empty.index(stage))
+            s = _scores(s, j, qk_scale, rows, edge, cols0, CAUSAL, BLOCK_N)
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))  # p_op's registers stay read until here
+            mbarrier.arrive(v_empty.index(prev))
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+
+        last = (n_tiles - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last), acc)
+        mbarrier.arrive(v_empty.index(last))
+
+        # epilogue: O through the Q tile's shared memory (every product reading Q is done), the lse with stores
+        o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+        if CAUSAL:  # a hidden key's inf or NaN in V reaches its tile through P V (0 * inf): mark the row
+            bad = gl.max(gl.where(gl.abs(acc) < float("inf"), 0, 1), 1)
+            lse = gl.where(gl.convert_layout(bad, row_layout) > 0, float("nan"), lse)
+        q.store(o.to(dtype))
+        fence_async_shared()
+        _tma_store(desc_o, [q_row + WG * _WG, 0], q)
+        gl.store(LSE + lse_row + WG * _WG + gl.arange(0, _WG, layout=row_layout), lse)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _attn_fwd_overlap(Q, K, V, O, LSE, NQ, NK, GROUP, offset, qk_scale, HEAD_DIM: gl.constexpr,
+                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
+        """One program per 128 query rows of one head: a loader warp and two consumer warpgroups."""
+        pid_m = gl.program_id(0)
+        if CAUSAL:  # the longest query tiles first
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        pid_bh = gl.program_id(1)  # (batch, query head); GQA: K/V head (batch, h // GROUP)
+        n_bh = gl.num_programs(1)
+        dtype: gl.constexpr = Q.dtype.element_ty
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_WG, HEAD_DIM], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        # every tensor as 2-D rows of all heads stacked (lengths are multiples of the tiles: no tile crosses heads)
+        desc_q = tma.make_tensor_descriptor(Q, [n_bh * NQ, HEAD_DIM], [HEAD_DIM, 1], [_WG, HEAD_DIM], q_layout)
+        desc_o = tma.make_tensor_descriptor(O, [n_bh * NQ, HEAD_DIM], [HEAD_DIM, 1], [_WG, HEAD_DIM], q_layout)
+        kv_rows = n_bh // GROUP * NK
+        desc_k = tma.make_tensor_descriptor(K, [kv_rows, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM], kv_layout)
+        desc_v = tma.make_tensor_descriptor(V, [kv_rows, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM], kv_layout)
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, _WG, HEAD_DIM], q_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for w in gl.static_range(2):
+            mbarrier.init(q_bar.index(w), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)  # the loader's expect + the copy's bytes
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups release each buffer
+            mbarrier.init(v_empty.index(i), count=2)
+
+        row_lo = pid_m * _BLOCK_M
+        q_row = pid_bh * NQ + row_lo
+        kv_row = (pid_bh // GROUP) * NK
+        if CAUSAL:  # keys up to the last row's diagonal (row i sees keys <= i + offset)
+            n_tiles = gl.minimum((row_lo + _BLOCK_M + offset + BLOCK_N - 1) // BLOCK_N, NK // BLOCK_N)
+        else:
+            n_tiles = NK // BLOCK_N
+        gl.warp_specialize([
+            (_consumer, (desc_o, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, LSE, q_row,
+                         q_row, row_lo + offset, n_tiles, qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+            (_consumer, (desc_o, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, LSE, q_row,
+                         q_row, row_lo + offset, n_tiles, qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+            (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                       q_row, kv_row, n_tiles, BLOCK_N, STAGES)),
+        ], [4, 1], [_CONSUMER_REGS, _LOADER_REGS])  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Where it runs, and the launch
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def unavailable(q, k, v, causal, window) -> str | None:
+    """Why this rung cannot run these inputs here, or None."""
+    if GLUON_ERROR is not None:
+        return GLUON_ERROR
+    if not q.is_cuda:
+        return "it is written in Gluon, which compiles for a GPU only (no interpreter)"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major != CAPABILITY:
+        return f"its matrix products are Hopper's wgmma: it needs compute capability 9.x, not {major}.{minor}"
+    if q.dtype == torch.float32:
+        return "it runs 16-bit inputs only (its dots are the tensor cores')"
+    d, nq, nk = q.shape[3], q.shape[2], k.shape[2]
+    if d not in HEAD_DIMS:
+        return f"its tiles are built for head dims {' and '.join(map(str, HEAD_DIMS))}, not {d}"
+    block_n = TILES[d][0]
+    if nq % BLOCK_M or nk % block_n:
+        return f"it needs query and key lengths that are multiples of {BLOCK_M} and {block_n}, not {nq} and {nk}"
+    if window is not None:
+        return "it has no sliding window (the Hopper rung has)"
+    if causal and nq > nk:
+        return "under a causal mask it needs no more queries than keys (some rows would see no key)"
+    if not all(hopper._rows_stacked(x) for x in (q, k, v)):
+        return "its copy engine reads q, k, v as rows of heads one after another (contiguous, 16-byte aligned)"
+    return None
+
+
+# Where the benchmark measured this rung faster than the Hopper rung (H200, bf16, docs/kernel-notes.md): D = 128.
+PREFERRED_HEAD_DIM = 128
+
+
+def preferred(q, k, v, causal, window) -> bool:
+    """Whether ``flash_attention`` picks this rung by default for these inputs (see ``PREFERRED_HEAD_DIM``)."""
+    return q.shape[3] == PREFERRED_HEAD_DIM
+
+
+def launch(q, k, v, o, lse, causal, window, band, config=None):
+    """Run the kernel once on prepared inputs, writing ``o (B, Hq, Nq, D)`` and ``lse (B, Hq, Nq)``.
+
+    Inputs as ``flashlab.kernels.skip_split.launch`` takes them (``forward`` checks and prepares them). Its tiles
+    are fixed (``TILES``): a ``config`` is refused. Under a causal mask the Hopper rung's repair pass follows,
+    which redoes only query tiles marked non-finite (none, on finite inputs) and otherwise returns at once."""
+    why = unavailable(q, k, v, causal, window)
+    if why is not None:
+        raise RuntimeError(f"the overlap rung cannot run these inputs: {why}")
+    if config is not None:
+        raise ValueError("the overlap rung's tiles are fixed (128 query rows); it takes no config")
+    if not hopper._rows_stacked(o):
+        raise RuntimeError("the overlap rung writes o as rows of heads one after another: o must be contiguous")
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    offset, _, _, qk_scale = band
+    block_n, stages = TILES[d]
+    hopper._ensure_allocator()  # the programs build their tensor descriptors in global scratch
+    with torch.cuda.device(q.device):
+        _attn_fwd_overlap[(nq // BLOCK_M, b * hq)](
+            q, k, v, o, lse, nq, nk, hq // hk, offset, qk_scale,
+            HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), num_warps=4,
+        )  # fmt: skip
+    if causal:
+        scalars, _, meta = hopper._arguments(q, k, v, o.stride()[:3], causal, window, band, is_cuda=True)
+        hopper.repair((q, k, v, o, lse, *scalars), q, meta)
+
+
+class Planned:
+    """``launch`` for one call signature (``flash_attention`` keeps it per signature). A signature does not include
+    addresses: a call whose q, k or v is not 16-byte aligned, which the copy engine cannot take, runs skip and split
+    instead (as the Hopper rung's plan does), where ``launch`` would refuse it."""
+
+    __slots__ = ("mask", "band")
+
+    def __init__(self, causal, window, band):
+        self.mask, self.band = (causal, window), band
+
+    def __call__(self, q, k, v, o, lse):
+        if all(x.data_ptr() % hopper.TMA_ALIGN_BYTES == 0 for x in (q, k, v)):
+            launch(q, k, v, o, lse, *self.mask, self.band)
+        else:
+            skip_split.launch(q, k, v, o, lse, *self.mask, self.band)
+
+
+def plan(q, k, v, causal, window, band) -> Planned:
+    """The planned launch of one call signature (``Planned``), for ``flashlab.kernels.forward``."""
+    return Planned(causal, window, band)
+
+
+__all__ = ["CAPABILITY", "HEAD_DIMS", "NAME", "Planned", "TILES", "launch", "plan", "preferred", "unavailable"]

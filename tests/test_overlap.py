@@ -1,0 +1,215 @@
+"""Rung 4 of the kernel ladder, ``flashlab.kernels.overlap`` (Gluon, Hopper only).
+
+On CPU: where it refuses to run and why (each condition of ``unavailable`` on tensors that claim to live on a GPU
+of a given compute capability), that a named ``rung="overlap"`` on CPU tensors warns and gives the fastest
+runnable rung's right answer, and where ``flash_attention`` picks it by default.
+
+On a GPU (``-m gpu``, compiled for sm_90): the shapes it runs against the float64 reference in bf16 and fp16 --
+causal and not, GQA, Nq < Nk under a causal mask, D = 64 and 128 -- NaN in V rows the causal mask hides reaching
+only the rows that see them (the repair pass), gradients through it, and the default picking it at D = 128.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_ladder import assert_matches_float64, make_qkv
+
+from flashlab import flash_attention
+from flashlab.kernels import forward, ladder, overlap
+from flashlab.reference.torch_float64 import attention_float64, attention_float64_grads
+
+
+class OnGpu:
+    """A CPU tensor that says it lives on a CUDA GPU: enough for ``unavailable`` to read its shape, dtype and
+    layout without a GPU."""
+
+    is_cuda = True
+    device = "cuda:0"
+
+    def __init__(self, t):
+        self.t = t
+        self.shape, self.dtype = t.shape, t.dtype
+
+    def stride(self, *dim):
+        return self.t.stride(*dim)
+
+    def data_ptr(self):
+        return self.t.data_ptr()
+
+    def element_size(self):
+        return self.t.element_size()
+
+
+@pytest.fixture
+def capability(monkeypatch):
+    """Set the compute capability the fake GPU reports (default 9.0, Hopper)."""
+    value = {"cc": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: value["cc"])
+    return value
+
+
+def fake(b=1, hq=2, hk=2, nq=256, nk=256, d=128, dtype=torch.bfloat16):
+    q, k, v = make_qkv(b, hq, hk, nq, nk, d, dtype, seed=0)
+    return OnGpu(q), OnGpu(k), OnGpu(v)
+
+
+needs_gluon = pytest.mark.skipif(overlap.GLUON_ERROR is not None, reason=str(overlap.GLUON_ERROR))
+
+
+@needs_gluon
+def test_runs_on_hopper_for_the_shapes_it_was_built_for(capability):
+    for d in overlap.HEAD_DIMS:
+        for causal in (False, True):
+            assert overlap.unavailable(*fake(d=d), causal, None) is None
+    assert overlap.unavailable(*fake(hq=8, hk=2, nq=128, nk=512), True, None) is None  # GQA, Nq < Nk
+
+
+@needs_gluon
+@pytest.mark.parametrize(
+    "cc, inputs, causal, window, says",
+    [
+        ((8, 0), {}, False, None, "compute capability 9.x, not 8.0"),
+        ((10, 0), {}, False, None, "compute capability 9.x, not 10.0"),
+        ((9, 0), {"dtype": torch.float32}, False, None, "16-bit inputs only"),
+        ((9, 0), {"d": 96}, False, None, "head dims 64 and 128, not 96"),
+        ((9, 0), {"nq": 200, "nk": 256}, False, None, "multiples of 128 and 128, not 200 and 256"),
+        ((9, 0), {"nk": 320}, False, None, "multiples of 128 and 128, not 256 and 320"),
+        ((9, 0), {}, True, (64, 0), "no sliding window"),
+        ((9, 0), {"nq": 512, "nk": 256}, True, None, "no more queries than keys"),
+    ],
+)
+def test_unavailable_names_what_it_cannot_run(capability, cc, inputs, causal, window, says):
+    capability["cc"] = cc
+    why = overlap.unavailable(*fake(**inputs), causal, window)
+    assert why is not None and says in why, why
+
+
+@needs_gluon
+def test_heads_that_are_not_stacked_rows_are_refused(capability):
+    q, k, v = make_qkv(1, 2, 2, 256, 256, 128, torch.bfloat16, seed=0)
+    interleaved = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, N, H, D) memory viewed as (B, H, N, D)
+    why = overlap.unavailable(OnGpu(interleaved), OnGpu(k), OnGpu(v), False, None)
+    assert why is not None and "rows of heads one after another" in why
+
+
+def test_on_cpu_tensors_it_says_why_and_a_named_call_falls_back_to_a_right_answer():
+    q, k, v = make_qkv(1, 2, 2, 40, 40, 32, torch.bfloat16, seed=3)
+    why = overlap.unavailable(q, k, v, True, None)
+    assert why is not None and ("GPU only" in why or "Gluon" in why)
+    with pytest.warns(RuntimeWarning, match="rung 'overlap' cannot run here"):
+        o, lse = flash_attention(q, k, v, causal=True, return_lse=True, rung="overlap")
+    assert_matches_float64(o, lse, *attention_float64(q, k, v, True, None), q.dtype, "overlap on cpu")
+
+
+def test_it_is_the_top_rung_and_preferred_at_head_dim_128_only():
+    assert ladder.names()[-1] == overlap.NAME
+    for d, picked in ((64, False), (128, True)):
+        q = OnGpu(torch.empty(1, 1, 1024, d))
+        assert overlap.preferred(q, q, q, True, None) is picked
+
+
+# ---- compiled, on a GPU --------------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    # b, hq, hk, nq, nk, d, causal
+    (2, 16, 16, 1024, 1024, 128, False),
+    (2, 16, 16, 1024, 1024, 128, True),
+    (1, 8, 2, 512, 512, 64, True),  # GQA
+    (2, 4, 4, 384, 384, 64, False),
+    (1, 4, 4, 256, 768, 128, True),  # Nq < Nk: the diagonal ends at the last key
+    (1, 4, 1, 640, 640, 128, True),  # 4 query heads on one K/V head
+    (3, 2, 2, 128, 128, 128, True),  # one query tile, one key tile
+]
+
+
+def gpu_ready():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == overlap.CAPABILITY
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "x".join(str(x) for x in c))
+def test_matches_the_float64_reference_on_hopper(case, dtype):
+    if not gpu_ready():
+        pytest.skip("needs a Hopper GPU")
+    b, hq, hk, nq, nk, d, causal = case
+    q, k, v = make_qkv(b, hq, hk, nq, nk, d, dtype, seed=nq + nk + d, device="cuda")
+    assert overlap.unavailable(q, k, v, causal, None) is None
+    o, lse = flash_attention(q, k, v, causal=causal, return_lse=True, rung="overlap")
+    assert_matches_float64(o, lse, *attention_float64(q, k, v, causal, None), dtype, f"overlap {case}", 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_nan_in_values_the_causal_mask_hides_reaches_only_the_rows_that_see_them():
+    if not gpu_ready():
+        pytest.skip("needs a Hopper GPU")
+    q, k, v = make_qkv(1, 2, 2, 512, 512, 128, torch.bfloat16, seed=5, device="cuda")
+    v[:, :, 300] = float("nan")  # key 300: rows 300 and after see it, rows before it must not be touched
+    o = flash_attention(q, k, v, causal=True, rung="overlap")
+    assert torch.isnan(o[:, :, 300:]).all()
+    reference = flash_attention(q, k, v, causal=True, rung="skip_split")
+    assert torch.isfinite(o[:, :, :300]).all()
+    assert (o[:, :, :300].float() - reference[:, :, :300].float()).abs().max() < 2e-2
+
+
+@pytest.mark.gpu
+def test_gradients_through_the_overlap_rung():
+    if not gpu_ready():
+        pytest.skip("needs a Hopper GPU")
+    q, k, v = make_qkv(2, 8, 2, 512, 512, 128, torch.bfloat16, seed=1, device="cuda")
+    do = torch.randn_like(q)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    flash_attention(qg, kg, vg, causal=True, rung="overlap").backward(do)
+    for got, ref in zip((qg.grad, kg.grad, vg.grad), attention_float64_grads(q, k, v, do, causal=True), strict=True):
+        assert (got.double() - ref).norm() / ref.norm() < 3e-2
+
+
+@pytest.mark.gpu
+def test_the_default_runs_it_at_head_dim_128_on_hopper():
+    if not gpu_ready():
+        pytest.skip("needs a Hopper GPU")
+    q, k, v = make_qkv(1, 4, 4, 1024, 1024, 128, torch.bfloat16, seed=2, device="cuda")
+    assert ladder.select(None, q, k, v, True, None)[0].name == overlap.NAME
+    q64, k64, v64 = make_qkv(1, 4, 4, 1024, 1024, 64, torch.bfloat16, seed=2, device="cuda")
+    assert ladder.select(None, q64, k64, v64, True, None)[0].name != overlap.NAME
+
+
+def test_the_default_picks_it_where_the_recording_measured_it_faster_than_the_rungs_below():
+    # ``preferred`` against the H200 recording of the whole ladder: at a head dim where it is preferred, the rung was
+    # faster than both rungs it displaces (geo-mean over the grid); where it is not, slower than one of them
+    import json
+    import math
+
+    from conftest import ROOT
+
+    recording = json.loads((ROOT / "data" / "results" / "h200-ladder-bf16-2026-12-01-overlap.json").read_text())
+    tflops = {(r["backend"], r["head_dim"], r["causal"], r["seq_len"]): r["tflops"]
+              for r in recording["rows"] if r["status"] == "ok"}  # fmt: skip
+
+    def geomean_over(d, lower):
+        cells = [key[2:] for key in tflops if key[:2] == ("flashlab_overlap", d)]
+        ratios = [tflops[("flashlab_overlap", d, *c)] / tflops[(lower, d, *c)] for c in cells]
+        return math.exp(sum(map(math.log, ratios)) / len(ratios))
+
+    for d in overlap.HEAD_DIMS:
+        faster = min(geomean_over(d, "flashlab_hopper"), geomean_over(d, "flashlab_skip_split")) > 1.0
+        q = OnGpu(torch.empty(1, 1, 4096, d))
+        assert overlap.preferred(q, q, q, False, None) == faster, d
+
+
+def test_its_plan_runs_skip_and_split_for_an_address_the_copy_engine_cannot_take():
+    # A plan is kept per signature, and a signature has no addresses: q 2 bytes off 16 (same shape and strides as
+    # the tensors it was planned on) must not reach the Gluon kernel, and comes out right from skip and split
+    q, k, v = make_qkv(1, 2, 2, 48, 48, 32, torch.bfloat16, seed=4)
+    _, offset, win_left, win_right, qk_scale = forward.kernel_args(q, k, v, True, None, None)
+    planned = overlap.plan(q, k, v, True, None, (offset, win_left, win_right, qk_scale))
+    buf = torch.empty(q.numel() + 1, dtype=q.dtype)
+    q_odd = buf[1:].view(q.shape).copy_(q)
+    assert q_odd.stride() == q.stride() and q_odd.data_ptr() % 16
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:3])
+    planned(q_odd, k, v, o, lse)
+    assert_matches_float64(o, lse, *attention_float64(q, k, v, True, None), q.dtype, "misaligned q")
+    with pytest.raises(RuntimeError, match="the overlap rung cannot run these inputs"):  # aligned, on CPU: refused
+        planned(q, k, v, torch.empty_like(q), torch.empty(q.shape[:3]))
