@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -336,9 +337,10 @@ def test_notebook_05_shows_the_steps_of_a_recording(tmp_path, monkeypatch, capsy
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # the recording, never a live GPU sweep
     meta = dict(is_cuda_gpu=True, device_name="a GPU", torch="t", triton="tr", date="2026-12-01T00:00:00Z",
                 command="python -m flashlab.bench --backends ...")  # fmt: skip
-    ladder_results(TIMES, meta=meta).save(tmp_path / "h200-ladder-bf16-2026-12-01-launcher")
     nb = nbformat.read(ROOT / "notebooks" / "05_timing_on_gpu.ipynb", as_version=4)
     cells = {c.id: c.source for c in nb.cells}
+    recording = re.search(r'"(h200-ladder-[\w-]+)\.json"', cells["nb05-ladder-load"]).group(1)  # the file it reads
+    ladder_results(TIMES, meta=meta).save(tmp_path / recording)
     namespace: dict = {}
     exec(compile(cells["999323e5"], "05:imports", "exec"), namespace)
     namespace["RESULTS_DIR"] = tmp_path
