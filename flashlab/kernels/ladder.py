@@ -63,6 +63,16 @@ def runs_everywhere(q, k, v, causal, window) -> str | None:
     return None
 
 
+def _imported(module: str, name: str) -> Callable:
+    """``module.name`` as a function that imports the module on its first call: a GPU-only rung's module (Triton's
+    Hopper and Gluon pieces) is not imported until a rung is asked where it runs."""
+
+    def call(q, k, v, causal, window):
+        return getattr(importlib.import_module(module), name)(q, k, v, causal, window)
+
+    return call
+
+
 RUNGS: tuple[Rung, ...] = (
     Rung(
         "lesson_loop",
@@ -80,25 +90,17 @@ RUNGS: tuple[Rung, ...] = (
         "hopper",
         "load latency: whole tiles copied by the tensor-memory accelerator, issued by warps of their own",
         "flashlab.kernels.hopper",
-        lambda q, k, v, causal, window: _hopper().unavailable(q, k, v, causal, window),
-        lambda q, k, v, causal, window: _hopper().preferred(q, k, v, causal, window),
+        _imported("flashlab.kernels.hopper", "unavailable"),
+        _imported("flashlab.kernels.hopper", "preferred"),
     ),
     Rung(
         "overlap",
         "the softmax's stall on the tensor cores: each tile's exponentials run under the previous tile's P V",
         "flashlab.kernels.overlap",
-        lambda q, k, v, causal, window: _overlap().unavailable(q, k, v, causal, window),
-        lambda q, k, v, causal, window: _overlap().preferred(q, k, v, causal, window),
+        _imported("flashlab.kernels.overlap", "unavailable"),
+        _imported("flashlab.kernels.overlap", "preferred"),
     ),
 )
-
-
-def _hopper():
-    return importlib.import_module("flashlab.kernels.hopper")
-
-
-def _overlap():
-    return importlib.import_module("flashlab.kernels.overlap")
 
 
 def names() -> tuple[str, ...]:

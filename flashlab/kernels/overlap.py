@@ -37,6 +37,7 @@ import torch
 import triton
 
 from flashlab.kernels import hopper, skip_split
+from flashlab.kernels.softmax_step import LN_2
 
 try:  # Gluon's Hopper primitives (Triton >= 3.5)
     from triton.experimental import gluon
@@ -166,7 +167,7 @@ if GLUON_ERROR is None:
 
         # epilogue: O through the Q tile's shared memory (every product reading Q is done), the lse with stores
         o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+        lse = (m_i + gl.log2(l_i)) * LN_2
         if CAUSAL:  # a hidden key's inf or NaN in V reaches its tile through P V (0 * inf): mark the row
             bad = gl.max(gl.where(gl.abs(acc) < float("inf"), 0, 1), 1)
             lse = gl.where(gl.convert_layout(bad, row_layout) > 0, float("nan"), lse)
@@ -307,7 +308,7 @@ class Planned:
         self.mask, self.band = (causal, window), band
 
     def __call__(self, q, k, v, o, lse):
-        if all(x.data_ptr() % hopper.TMA_ALIGN_BYTES == 0 for x in (q, k, v)):
+        if hopper._aligned(q) and hopper._aligned(k) and hopper._aligned(v):
             launch(q, k, v, o, lse, *self.mask, self.band)
         else:
             skip_split.launch(q, k, v, o, lse, *self.mask, self.band)
