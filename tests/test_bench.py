@@ -319,6 +319,8 @@ def test_decode_pre_check_counts_repeated_kv():
         (dict(head_dims=()), "head_dims"),
         (dict(tokens=0), "tokens"),
         (dict(rep=0.0), "rep"),
+        (dict(rounds=0), "rounds"),
+        (dict(rounds=2.5), "rounds"),
         (dict(device="tpu"), "device"),
         (dict(check_rows=0), "check_rows"),
         (dict(mode="train"), "mode"),
@@ -453,3 +455,58 @@ def test_host_time_is_the_fastest_round(monkeypatch):
     assert measure.host_us(lambda: time.sleep(0.001), "cuda", calls=5, rounds=3) > 900  # 1 ms every call
     assert math.isnan(measure.host_us(stalled_in_six_rounds(), "cpu"))
     assert measure.host_us_rounds(stalled_in_six_rounds(), "cpu") == []
+
+
+# --- timing in rounds ----------------------------------------------------------------------------------------------
+
+
+def test_rounds_turn_the_order_so_a_slow_first_slot_lands_on_no_one_backend(monkeypatch):
+    # Whatever is timed first in a round is slowed down (as a GPU's clock or caches can be, after a check): with one
+    # round that is always the first backend; with three rounds turning the order, each backend is first once and
+    # its median round is an unslowed one. Each round gets a third of the rep.
+    from flashlab.bench import measure
+
+    log = []
+
+    def fake_time_ms(fn, device, warmup, rep):
+        log.append((fn, rep))
+        first_in_round = len(log) % 3 == 1
+        return 2.0 if first_in_round else 1.0
+
+    monkeypatch.setattr(measure, "time_ms", fake_time_ms)
+    fns = [lambda: None, lambda: None, lambda: None]
+    times, failed = measure.time_rounds(fns, "cuda", warmup=5.0, rep=90.0, rounds=3)
+    assert failed == {}
+    assert [sorted(t) for t in times] == [[1.0, 1.0, 2.0]] * 3  # each was slowed exactly once
+    firsts = [log[3 * r][0] for r in range(3)]
+    assert all(any(f is g for f in firsts) for g in fns)  # each backend led one round
+    assert {rep for _, rep in log} == {30.0}
+    log.clear()
+    single, _ = measure.time_rounds(fns, "cuda", warmup=5.0, rep=90.0, rounds=1)
+    assert single == [[2.0], [1.0], [1.0]]  # one round: the first backend carries the whole penalty
+
+
+def test_a_backend_that_fails_while_timed_is_an_error_and_the_rest_are_timed():
+    calls = [0]
+
+    def works_once(q, k, v, causal):  # right when checked, then fails
+        calls[0] += 1
+        if calls[0] > 2:  # the check and the memory measurement
+            raise RuntimeError("device lost while timing")
+        return naive_attention(q, k, v, causal)
+
+    cfg = tiny_config(causal="no", rounds=3)
+    rows = by_backend(run_sweep(cfg, extra_backends=[Backend("flaky", "fails after its check", works_once)],
+                                progress=False))  # fmt: skip
+    assert rows[("flaky", False)]["status"] == "error"
+    assert "device lost while timing" in rows[("flaky", False)]["reason"]
+    for name in ("naive", "sdpa_math"):
+        r = rows[(name, False)]
+        assert r["status"] == "ok" and r["time_ms"] > 0 and r["time_spread"] >= 0
+
+
+def test_the_stamp_says_how_many_rounds():
+    assert BenchConfig(device="cpu").resolve().rounds == 1
+    results = run_sweep(tiny_config(causal="no", rounds=2), progress=False)
+    assert "--rounds 2" in results.meta["command"]
+    assert "2 round(s) per cell" in results.meta["timing"]

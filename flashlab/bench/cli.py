@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, help="warm-up time per measurement, ms (do_bench's warmup)")
     p.add_argument("--rep", type=float, help="timed repetitions per measurement, ms (do_bench's rep); median reported")
     p.add_argument(
+        "--rounds",
+        type=int,
+        help="prefill and decode: time the backends of a cell in this many rounds, sharing --rep, the order "
+        "turning by one each round; the median round is reported (default 3 on a GPU, 1 on the CPU)",
+    )
+    p.add_argument(
         "--out",
         help="write PREFIX.csv and PREFIX.json (default: data/results/<gpu>-<dtypes>-<date> on a GPU, "
         "test-artifacts/bench/cpu-<dtypes>-<date> on the CPU)",
@@ -117,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         gqa=args.gqa,
         warmup=args.warmup,
         rep=args.rep,
+        rounds=args.rounds,
         device=args.device,
         quick=args.quick,
         ceilings=not args.no_ceilings,

@@ -11,6 +11,10 @@ import torch
 from flashlab.bench.grid import CAUSAL_CHOICES, DTYPE_ALIASES, DTYPES, Cell
 from flashlab.bench.implementations import DEFAULT_BACKENDS
 
+# Timing rounds per cell on a GPU (``flashlab.bench.measure.time_rounds``): the median of three, each backend timed
+# once in each of three positions of the order, the cell's rep shared among them.
+GPU_ROUNDS = 3
+
 
 @dataclass
 class BenchConfig:
@@ -29,7 +33,8 @@ class BenchConfig:
     model_dim: int | None = None
     gqa: int = 1  # prefill and backward: query heads per K/V head (grouped-query attention); 1: one K/V per head
     warmup: float | None = None  # ms
-    rep: float | None = None  # ms
+    rep: float | None = None  # ms, shared by the rounds
+    rounds: int | None = None  # prefill and decode: timing rounds per cell, the backends' order turning each round
     device: str | None = None
     quick: bool = False
     ceilings: bool = True
@@ -62,6 +67,7 @@ class BenchConfig:
                 model_dim=2048 if gpu else 64,
                 warmup=10.0 if gpu else 1.0,
                 rep=30.0 if gpu else 5.0,
+                rounds=GPU_ROUNDS if gpu else 1,
             )
         else:
             defaults = dict(
@@ -72,6 +78,7 @@ class BenchConfig:
                 model_dim=2048,
                 warmup=25.0,
                 rep=100.0,
+                rounds=GPU_ROUNDS,
             )
         return self._fill(device, defaults)
 
@@ -88,6 +95,7 @@ class BenchConfig:
             model_dim=0,
             warmup=(10.0 if self.quick else 25.0) if gpu else 1.0,
             rep=(30.0 if self.quick else 100.0) if gpu else 5.0,
+            rounds=GPU_ROUNDS if gpu else 1,
         )
         filled = self._fill(device, defaults)
         if min(filled.batches, default=0) < 1:
@@ -119,6 +127,8 @@ class BenchConfig:
                 heads = prefill_heads(filled["model_dim"], d)
                 if heads % self.gqa:
                     raise ValueError(f"gqa ({self.gqa}) must divide the {heads} query heads at D = {d}")
+        if type(filled["rounds"]) is not int or filled["rounds"] < 1:
+            raise ValueError(f"rounds must be a positive int; got {filled['rounds']!r}")
         if filled["warmup"] < 0 or filled["rep"] <= 0:
             raise ValueError(f"warmup must be >= 0 and rep > 0 (ms); got {filled['warmup']}, {filled['rep']}")
         if self.kernel_config is not None and (len(self.kernel_config) != 4 or min(self.kernel_config) < 1):
@@ -170,6 +180,7 @@ class BenchConfig:
             "--backends", ",".join(c.backends),
             "--warmup", f"{c.warmup:g}",
             "--rep", f"{c.rep:g}",
+            "--rounds", str(c.rounds),
             "--check-rows", str(c.check_rows),
             "--seed", str(c.seed),
         ]  # fmt: skip

@@ -1,5 +1,5 @@
-"""Measuring one cell: check each backend against the reference, then its peak extra memory, then its median
-time; and the roofline's two ceilings (copy bandwidth, matmul rate)."""
+"""Measuring one cell: check each backend against the reference, then its peak extra memory, then time them all
+in rounds whose order turns (``time_rounds``); and the roofline's two ceilings (copy bandwidth, matmul rate)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,33 @@ def time_ms(fn: Callable, device: str, warmup: float, rep: float) -> float:
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def time_rounds(
+    fns: Sequence[Callable], device: str, warmup: float, rep: float, rounds: int
+) -> tuple[list[list[float]], dict[int, Exception]]:
+    """Each of ``fns``' median milliseconds per call, once per round: ``rounds`` rounds, each timing every function
+    for ``rep / rounds`` ms after ``warmup`` ms (``time_ms``), round ``r`` starting at function ``r`` and going on
+    in turn. No function is always the one timed first, or always timed just after the same neighbour: on a GPU
+    what ran just before (a long check, another kernel heating the chip) moves a timing by several percent, and it
+    would otherwise move the same backend every time.
+
+    Returns each function's timings in round order, and the exception of each function that raised (by index; it
+    is not timed again)."""
+    if type(rounds) is not int or rounds < 1:
+        raise ValueError(f"rounds must be a positive int; got {rounds!r}")
+    times: list[list[float]] = [[] for _ in fns]
+    failed: dict[int, Exception] = {}
+    for r in range(rounds):
+        for i in range(len(fns)):
+            turn = (r + i) % len(fns)
+            if turn in failed:
+                continue
+            try:
+                times[turn].append(time_ms(fns[turn], device, warmup, rep / rounds))
+            except Exception as e:  # noqa: BLE001 -- the caller records it; the others are still timed
+                failed[turn] = e
+    return times, failed
 
 
 def host_us_rounds(fn: Callable, device: str, calls: int = 40, rounds: int = 11, warmup: int = 10) -> list[float]:
@@ -135,7 +162,8 @@ def empty_row(cell: Cell, backend: Backend, meta: dict) -> dict:
         backend=backend.name, dtype=cell.dtype, head_dim=cell.head_dim, seq_len=cell.seq_len, causal=cell.causal,
         batch=cell.batch, heads=cell.heads, kv_heads=cell.hk, q_len=cell.nq, status="ok", reason="",
         rel_err=nan, max_abs_err=nan, tol=TOLERANCE[cell.dtype], time_ms=nan, tflops=nan, bandwidth_gbps=nan,
-        peak_extra_mb=nan, host_us=nan, host_us_median=nan, flops=cell.flops, io_bytes=cell.io_bytes,
+        peak_extra_mb=nan, host_us=nan, host_us_median=nan, time_spread=nan, flops=cell.flops,
+        io_bytes=cell.io_bytes,
     )  # fmt: skip
     row.update({col: meta[col] for col in STAMP_COLUMNS})
     return row
@@ -179,16 +207,18 @@ def check_output(fn: Callable, cell: Cell, ref, rows, batches, device: str) -> t
 
 
 def bench_cell(cell: Cell, backends: Sequence[Backend], config: BenchConfig, meta: dict) -> list[dict]:
-    """Check, measure and time every backend on one cell, in that order; one result row per backend.
+    """Check and measure every backend on one cell, then time them together; one result row per backend.
 
     1. check against the float64 reference on sampled rows of the first and last batch entries (never timed if
-       wrong); 2. peak extra memory of one call; 3. median time."""
+       wrong); 2. peak extra memory of one call (decode: the host time per call too); 3. the median time over
+       ``config.rounds`` rounds of every backend that passed, the order turning each round (``time_rounds``), and
+       its spread, (slowest - fastest round) / median."""
     device = config.device
     q, k, v = make_inputs(cell, config)
     rows = check_rows(cell.nq, config.check_rows).to(device)
     batches = sorted({0, cell.batch - 1})  # the first and last batch entries
     ref = reference_rows(q[batches], k[batches], v[batches], cell.causal, rows)  # (b, H, R, D) float64
-    rows_out = []
+    rows_out, timed = [], []
     for backend in backends:
         row = empty_row(cell, backend, meta)
         rows_out.append(row)
@@ -203,24 +233,35 @@ def bench_cell(cell: Cell, backends: Sequence[Backend], config: BenchConfig, met
             if not rel_err <= row["tol"]:  # NaN fails too
                 raise NotTimed("wrong", f"relative error {rel_err:.3g} > tolerance {row['tol']:g}; not timed")
             row["peak_extra_mb"] = peak_extra_bytes(fn, device) / 1e6
-            ms = time_ms(fn, device, config.warmup, config.rep)
             if cell.nq != cell.seq_len:  # decode: the host's launch work is a large part of a short step
                 per_round = host_us_rounds(fn, device)
                 if per_round:  # the fastest round (host_us' reading), and the median one beside it
                     row.update(host_us=min(per_round), host_us_median=statistics.median(per_round))
+            timed.append((row, fn))
         except NotTimed as e:
             row.update(status=e.status, reason=e.reason)
         except Exception as e:  # noqa: BLE001 -- one failing backend must not end the sweep
-            status = "oom" if _is_oom(e) else "error"
+            _record_failure(row, e, device)
+    if timed:
+        per_round, failed = time_rounds([fn for _, fn in timed], device, config.warmup, config.rep, config.rounds)
+        for i, ((row, _), times) in enumerate(zip(timed, per_round, strict=True)):
+            if i in failed:
+                _record_failure(row, failed[i], device)
+                continue
+            ms = statistics.median(times)
             row.update(
-                status=status, reason=_one_line(f"{'out of memory' if _is_oom(e) else e.__class__.__name__}: {e}")
-            )
-        if row["status"] != "ok":
-            if device == "cuda":  # the exception and its frames are gone now: hand their memory back
-                torch.cuda.empty_cache()
-            continue
-        row.update(time_ms=ms, tflops=cell.flops / (ms * 1e-3) / 1e12, bandwidth_gbps=cell.io_bytes / (ms * 1e-3) / 1e9)
+                time_ms=ms, time_spread=(max(times) - min(times)) / ms, tflops=cell.flops / (ms * 1e-3) / 1e12,
+                bandwidth_gbps=cell.io_bytes / (ms * 1e-3) / 1e9,
+            )  # fmt: skip
     return rows_out
+
+
+def _record_failure(row: dict, e: BaseException, device: str) -> None:
+    """Mark ``row`` as failed by ``e`` ("oom" or "error", with the reason) and hand the failure's memory back."""
+    status = "oom" if _is_oom(e) else "error"
+    row.update(status=status, reason=_one_line(f"{'out of memory' if _is_oom(e) else e.__class__.__name__}: {e}"))
+    if device == "cuda":  # the exception and its frames are gone now: hand their memory back
+        torch.cuda.empty_cache()
 
 
 def _one_line(text: str, limit: int = 300) -> str:

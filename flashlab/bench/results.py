@@ -19,7 +19,7 @@ from flashlab.bench.grid import STAMP_COLUMNS
 ROW_COLUMNS = (
     "backend", "dtype", "head_dim", "seq_len", "causal", "batch", "heads", "kv_heads", "q_len", "status", "reason",
     "rel_err", "max_abs_err", "tol", "time_ms", "tflops", "bandwidth_gbps", "peak_extra_mb", "flops", "io_bytes",
-    "host_us", "host_us_median",
+    "host_us", "host_us_median", "time_spread",
 ) + STAMP_COLUMNS  # fmt: skip
 
 

@@ -42,6 +42,8 @@ def run_sweep(
     meta["timing"] = (
         "triton.testing.do_bench, median" if config.device == "cuda" else "time.perf_counter per call, median"
     )
+    if config.mode != "backward":
+        meta["timing"] += f"; {config.rounds} round(s) per cell, the backends' order turning each round, median round"
     meta["backends"] = {b.name: b.description for b in backends}
     cells = config.cells()
     ceilings = measure_ceilings(config.device) if config.ceilings else {}
