@@ -213,3 +213,35 @@ def test_its_plan_runs_skip_and_split_for_an_address_the_copy_engine_cannot_take
     assert_matches_float64(o, lse, *attention_float64(q, k, v, True, None), q.dtype, "misaligned q")
     with pytest.raises(RuntimeError, match="the overlap rung cannot run these inputs"):  # aligned, on CPU: refused
         planned(q, k, v, torch.empty_like(q), torch.empty(q.shape[:3]))
+
+
+@needs_gluon
+@pytest.mark.parametrize("b,hq,nq,sms,programs", [(2, 4, 512, 132, 32), (16, 16, 1024, 132, 132), (1, 1, 128, 8, 1)])
+def test_its_grid_is_persistent_one_program_per_multiprocessor_at_most(capability, monkeypatch, b, hq, nq, sms,
+                                                                       programs):  # fmt: skip
+    # The launch on the host, its kernel replaced by a recorder: min(query tiles x heads, multiprocessors) programs,
+    # each walking the tiles; the copy engine's descriptors cover every head's rows, in tiles of the kernel's rows.
+    import contextlib
+
+    launched = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def run(*args, **meta):
+                launched.update(grid=grid, args=args, meta=meta)
+
+            return run
+
+    monkeypatch.setattr(overlap, "_attn_fwd_overlap", Recorder())
+    monkeypatch.setattr(overlap, "sm_count", lambda index: sms)
+    monkeypatch.setattr(overlap, "device_index", lambda x: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    q, k, v = fake(b=b, hq=hq, hk=hq, nq=nq, nk=nq, d=128)
+    o, lse = OnGpu(torch.empty(q.shape, dtype=q.dtype)), OnGpu(torch.empty(q.shape[:3]))
+    overlap.launch(q, k, v, o, lse, False, None, (0, 0, 0, 1.0))
+    assert launched["grid"] == (programs,)
+    desc_q, desc_k, desc_v, desc_o = launched["args"][:4]
+    block_n = overlap.TILES[128][0]
+    for desc, rows in ((desc_q, overlap.WG_ROWS), (desc_o, overlap.WG_ROWS), (desc_k, block_n), (desc_v, block_n)):
+        assert list(desc.shape) == [b * hq * nq, 128] and list(desc.block_shape) == [rows, 128]
+    assert launched["args"][-1] == b * hq  # heads the programs walk

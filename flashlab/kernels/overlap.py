@@ -18,11 +18,20 @@ Here the schedule is written out, per consumer warpgroup and key tile ``j``:
     wait for P_j-1 V_j-1;  release V_j-1;  rescale O by exp2(m_j-1 - m_j)
 
 so the exponentials of tile ``j`` overlap the matrix product of tile ``j - 1`` (FlashAttention-3's "intra-warpgroup
-overlap"). Around it, as in rung 3: one loader warp copies Q once and K, V tiles into a ring of ``STAGES`` shared-
-memory buffers with the tensor-memory accelerator, mbarriers telling the consumers a tile has arrived and the
-loader that both have finished with it; the scale folded into ``exp2``; causal query tiles longest first; GQA reads
-K/V head ``h // group``. Under a causal mask only the tiles that cross some row's diagonal are masked (a branch,
-which Gluon keeps as written). O leaves through the Q tile's shared memory and a bulk copy.
+overlap"). With ``PINGPONG`` the two warpgroups also take turns issuing their products -- each waits until the
+other has issued its pair -- so the tensor cores run one warpgroup's products while the other runs its softmax
+(FlashAttention-3's "ping-pong" scheduling between warpgroups).
+
+Around it: one loader warp copies Q and K, V tiles into a ring of ``STAGES`` shared-memory buffers with the
+tensor-memory accelerator, mbarriers telling the consumers a tile has arrived and the loader that both have
+finished with it; the scale folded into ``exp2``; GQA reads K/V head ``h // group``. Under a causal mask only the
+tiles that cross some row's diagonal are masked (a branch, which Gluon keeps as written).
+
+The grid is persistent: one program per multiprocessor, each taking (query tile, head) pairs in turn -- causal:
+every head's longest query tiles first -- so a program's next Q and first K, V tiles are copied while it finishes
+the last one (its last ``P V``, the division by the sum, O's store through shared memory), where one program per
+tile would pay that start and end on every tile with the multiprocessor idle between. The copy engine's tensor
+descriptors are built on the host and passed with the launch.
 
 Where it runs: a Hopper GPU (sm_90: ``wgmma`` is Hopper's instruction), 16-bit inputs, D = 64 or 128, query and key
 lengths multiples of 128, no window, Nq <= Nk under a causal mask, heads stacked row after row (contiguous). It
@@ -37,6 +46,7 @@ import torch
 import triton
 
 from flashlab.kernels import hopper, skip_split
+from flashlab.kernels.runtime import device_index, sm_count
 from flashlab.kernels.softmax_step import LN_2
 
 try:  # Gluon's Hopper primitives (Triton >= 3.5)
@@ -49,7 +59,9 @@ try:  # Gluon's Hopper primitives (Triton >= 3.5)
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
     GLUON_ERROR = None
 except ImportError as error:  # an older Triton: the rung says so in ``unavailable``
     GLUON_ERROR = f"Triton {triton.__version__} has no Gluon Hopper primitives ({error})"
@@ -63,6 +75,7 @@ HEAD_DIMS = (64, 128)
 TILES = {64: (128, 3), 128: (128, 2)}
 CONSUMER_REGS = 240  # registers per thread of the second consumer warpgroup (the first gets the rest)
 LOADER_REGS = 24  # the loader warp only issues copies
+PINGPONG = True  # the two consumer warpgroups take turns issuing their products (FlashAttention-3's ping-pong)
 
 if GLUON_ERROR is None:
     # the bulk copies' names: async_load / async_store in newer Tritons (3.9), async_copy_* in older ones (3.6)
@@ -79,24 +92,54 @@ if GLUON_ERROR is None:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
     @gluon.jit
-    def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, q_row,
-                kv_row, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-        """The loader warp: each warpgroup's Q tile once, then K and V tile by tile into the ring, each copy
-        waiting until both consumers have released the buffer it overwrites."""
-        for w in gl.static_range(2):
-            mbarrier.expect(q_bar.index(w), desc_q.block_type.nbytes)
-            _tma_load(desc_q, [q_row + w * _WG, 0], q_bar.index(w), q_smem.index(w))
-        for j in range(n_tiles):
-            stage = j % STAGES
-            phase = (j // STAGES) & 1
-            mbarrier.wait(k_empty.index(stage), phase ^ 1)  # the first pass through the ring waits for nothing
-            mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
-            _tma_load(desc_k, [kv_row + j * BLOCK_N, 0], k_ready.index(stage),
-                                            k_smem.index(stage))  # fmt: skip
-            mbarrier.wait(v_empty.index(stage), phase ^ 1)
-            mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
-            _tma_load(desc_v, [kv_row + j * BLOCK_N, 0], v_ready.index(stage),
-                                            v_smem.index(stage))  # fmt: skip
+    def _tile_at(tile, n_m, n_bh, CAUSAL: gl.constexpr):
+        """The ``tile``-th (query tile, head) a program takes. Causal: every head's longest query tiles first, so
+        the short ones fill the gaps at the end; otherwise head by head, a head's K/V staying in L2."""
+        if CAUSAL:
+            m = n_m - 1 - tile // n_bh
+            bh = tile % n_bh
+        else:
+            m = tile % n_m
+            bh = tile // n_m
+        return m, bh
+
+    @gluon.jit
+    def _key_tiles(row_lo, offset, NK, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """How many key tiles the query tile starting at row ``row_lo`` reads (causal: up to its last diagonal)."""
+        if CAUSAL:
+            n = gl.minimum((row_lo + _BLOCK_M + offset + BLOCK_N - 1) // BLOCK_N, NK // BLOCK_N)
+        else:
+            n = NK // BLOCK_N
+        return n
+
+    @gluon.jit
+    def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                v_empty, NQ, NK, GROUP, offset, n_m, n_bh, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                CAUSAL: gl.constexpr):  # fmt: skip
+        """The loader warp: for each tile of the program, each warpgroup's Q once it has finished with the last
+        one, then K and V tile by tile into the ring, each copy waiting until both consumers have released the
+        buffer it overwrites. The ring's count runs on across the program's tiles."""
+        count = 0  # K/V tiles copied so far: the ring's position and phase
+        done = 0  # query tiles started
+        for tile in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
+            m, bh = _tile_at(tile, n_m, n_bh, CAUSAL)
+            q_row = bh * NQ + m * _BLOCK_M
+            kv_row = (bh // GROUP) * NK
+            for w in gl.static_range(2):
+                mbarrier.wait(q_empty.index(w), (done & 1) ^ 1)  # the first tile waits for nothing
+                mbarrier.expect(q_ready.index(w), desc_q.block_type.nbytes)
+                _tma_load(desc_q, [q_row + w * _WG, 0], q_ready.index(w), q_smem.index(w))
+            for j in range(_key_tiles(m * _BLOCK_M, offset, NK, BLOCK_N, CAUSAL)):
+                stage = count % STAGES
+                phase = (count // STAGES) & 1
+                mbarrier.wait(k_empty.index(stage), phase ^ 1)
+                mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
+                _tma_load(desc_k, [kv_row + j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+                mbarrier.wait(v_empty.index(stage), phase ^ 1)
+                mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
+                _tma_load(desc_v, [kv_row + j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+                count += 1
+            done += 1
 
     @gluon.jit
     def _scores(s, j, qk_scale, rows, first_visible_edge, cols0, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -110,122 +153,145 @@ if GLUON_ERROR is None:
         return s
 
     @gluon.jit
-    def _consumer(desc_o, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, LSE, lse_row, q_row,
-                  last_key_row0, n_tiles, qk_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
-        """One consumer warpgroup: 64 query rows through every key tile, the softmax of tile j under the P V
-        product of tile j-1 (the module docstring's schedule), then O and the lse."""
+    def _take_turn(turn, n, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong: wait until the other warpgroup has issued its products (warpgroup 0 goes first)."""
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), (n & 1) ^ (1 - WG))
+
+    @gluon.jit
+    def _give_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong: this warpgroup's products are issued; the other may issue its own."""
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG))
+
+    @gluon.jit
+    def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                  turn, LSE, NQ, NK, offset, n_m, n_bh, qk_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  PINGPONG: gl.constexpr):  # fmt: skip
+        """One consumer warpgroup: for each tile of the program, 64 query rows through every key tile, the softmax
+        of tile j under the P V product of tile j-1 (the module docstring's schedule), then O and the lse. O
+        leaves through its own shared memory while the next tile starts."""
         s_layout: gl.constexpr = _mma_layout(BLOCK_N)
         o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         dtype: gl.constexpr = desc_o.dtype
-
-        edge = last_key_row0 + WG * _WG  # the last key this warpgroup's first row sees
-        rows = edge + gl.arange(0, _WG, layout=row_layout)  # each row's last visible key
         cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         zero_s = gl.zeros([_WG, BLOCK_N], gl.float32, s_layout)
-        acc = gl.zeros([_WG, HEAD_DIM], gl.float32, o_layout)
-
         q = q_smem.index(WG)
-        mbarrier.wait(q_bar.index(WG), 0)
+        o_buf = o_smem.index(WG)
 
-        # key tile 0: its scores and softmax (nothing to overlap yet)
-        mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        mbarrier.arrive(k_empty.index(0))
-        s = _scores(s, 0, qk_scale, rows, edge, cols0, CAUSAL, BLOCK_N)
-        m_i = gl.max(s, 1)
-        p = gl.exp2(s - m_i[:, None])
-        l_i = gl.sum(p, 1)
+        count = 0  # K/V tiles consumed so far (the loader's count)
+        turns = 0  # products issued in turn (ping-pong)
+        done = 0  # query tiles finished
+        for tile in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
+            m, bh = _tile_at(tile, n_m, n_bh, CAUSAL)
+            row_lo = m * _BLOCK_M
+            n_tiles = _key_tiles(row_lo, offset, NK, BLOCK_N, CAUSAL)
+            edge = row_lo + offset + WG * _WG  # the last key this warpgroup's first row sees
+            rows = edge + gl.arange(0, _WG, layout=row_layout)  # each row's last visible key
+            acc = gl.zeros([_WG, HEAD_DIM], gl.float32, o_layout)
+            mbarrier.wait(q_ready.index(WG), done & 1)
 
-        for j in range(1, n_tiles):
-            stage = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
-            s_next = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc_next = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s_next,))  # the scores are done; P V of tile j-1 may still run
+            # key tile 0: its scores and softmax (nothing to overlap yet)
+            stage = count % STAGES
+            mbarrier.wait(k_ready.index(stage), (count // STAGES) & 1)
+            _take_turn(turn, turns, WG, PINGPONG)
+            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            _give_turn(turn, WG, PINGPONG)
+            turns += 1
+            s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(stage))
-            s = _scores(s, j, qk_scale, rows, edge, cols0, CAUSAL, BLOCK_N)
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))  # p_op's registers stay read until here
-            mbarrier.arrive(v_empty.index(prev))
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            s = _scores(s, 0, qk_scale, rows, edge, cols0, CAUSAL, BLOCK_N)
+            m_i = gl.max(s, 1)
+            p = gl.exp2(s - m_i[:, None])
+            l_i = gl.sum(p, 1)
 
-        last = (n_tiles - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last), acc)
-        mbarrier.arrive(v_empty.index(last))
+            for j in range(1, n_tiles):
+                prev = (count + j - 1) % STAGES
+                stage = (count + j) % STAGES
+                mbarrier.wait(k_ready.index(stage), ((count + j) // STAGES) & 1)
+                _take_turn(turn, turns, WG, PINGPONG)
+                s_next = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False,
+                                       is_async=True)  # fmt: skip
+                mbarrier.wait(v_ready.index(prev), ((count + j - 1) // STAGES) & 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                acc_next = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                _give_turn(turn, WG, PINGPONG)
+                turns += 1
+                s = warpgroup_mma_wait(1, deps=(s_next,))  # the scores are done; P V of tile j-1 may still run
+                mbarrier.arrive(k_empty.index(stage))
+                s = _scores(s, j, qk_scale, rows, edge, cols0, CAUSAL, BLOCK_N)
+                m_new = gl.maximum(m_i, gl.max(s, 1))
+                alpha = gl.exp2(m_i - m_new)
+                p = gl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))  # p_op's registers stay read until here
+                mbarrier.arrive(v_empty.index(prev))
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            mbarrier.arrive(q_empty.index(WG))  # every product reading Q is done: the loader may fetch the next
 
-        # epilogue: O through the Q tile's shared memory (every product reading Q is done), the lse with stores
-        o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-        lse = (m_i + gl.log2(l_i)) * LN_2
-        if CAUSAL:  # a hidden key's inf or NaN in V reaches its tile through P V (0 * inf): mark the row
-            bad = gl.max(gl.where(gl.abs(acc) < float("inf"), 0, 1), 1)
-            lse = gl.where(gl.convert_layout(bad, row_layout) > 0, float("nan"), lse)
-        q.store(o.to(dtype))
-        fence_async_shared()
-        _tma_store(desc_o, [q_row + WG * _WG, 0], q)
-        gl.store(LSE + lse_row + WG * _WG + gl.arange(0, _WG, layout=row_layout), lse)
+            last = (count + n_tiles - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((count + n_tiles - 1) // STAGES) & 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last), acc)
+            mbarrier.arrive(v_empty.index(last))
+            count += n_tiles
+
+            # epilogue: O through shared memory and a bulk copy, the lse with stores
+            o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+            lse = (m_i + gl.log2(l_i)) * LN_2
+            if CAUSAL:  # a hidden key's inf or NaN in V reaches its tile through P V (0 * inf): mark the row
+                bad = gl.max(gl.where(gl.abs(acc) < float("inf"), 0, 1), 1)
+                lse = gl.where(gl.convert_layout(bad, row_layout) > 0, float("nan"), lse)
+            o_row = bh * NQ + row_lo + WG * _WG
+            tma.store_wait(0)  # the previous tile's O has left the buffer
+            o_buf.store(o.to(dtype))
+            fence_async_shared()
+            _tma_store(desc_o, [o_row, 0], o_buf)
+            gl.store(LSE + o_row + gl.arange(0, _WG, layout=row_layout), lse)
+            done += 1
         tma.store_wait(0)
 
     @gluon.jit
-    def _attn_fwd_overlap(Q, K, V, O, LSE, NQ, NK, GROUP, offset, qk_scale, HEAD_DIM: gl.constexpr,
-                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
-        """One program per 128 query rows of one head: a loader warp and two consumer warpgroups."""
-        pid_m = gl.program_id(0)
-        if CAUSAL:  # the longest query tiles first
-            pid_m = gl.num_programs(0) - 1 - pid_m
-        pid_bh = gl.program_id(1)  # (batch, query head); GQA: K/V head (batch, h // GROUP)
-        n_bh = gl.num_programs(1)
-        dtype: gl.constexpr = Q.dtype.element_ty
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_WG, HEAD_DIM], dtype)
-        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        # every tensor as 2-D rows of all heads stacked (lengths are multiples of the tiles: no tile crosses heads)
-        desc_q = tma.make_tensor_descriptor(Q, [n_bh * NQ, HEAD_DIM], [HEAD_DIM, 1], [_WG, HEAD_DIM], q_layout)
-        desc_o = tma.make_tensor_descriptor(O, [n_bh * NQ, HEAD_DIM], [HEAD_DIM, 1], [_WG, HEAD_DIM], q_layout)
-        kv_rows = n_bh // GROUP * NK
-        desc_k = tma.make_tensor_descriptor(K, [kv_rows, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM], kv_layout)
-        desc_v = tma.make_tensor_descriptor(V, [kv_rows, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, HEAD_DIM], kv_layout)
-
-        q_smem = gl.allocate_shared_memory(dtype, [2, _WG, HEAD_DIM], q_layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    def _attn_fwd_overlap(desc_q, desc_k, desc_v, desc_o, LSE, NQ, NK, GROUP, offset, qk_scale, n_bh,
+                          HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                          PINGPONG: gl.constexpr):  # fmt: skip
+        """A persistent grid: each program takes (query tile, head) pairs ``_tile_at(pid)``,
+        ``_tile_at(pid + programs)``, ..., with a loader warp and two consumer warpgroups of 64 rows each."""
+        dtype: gl.constexpr = desc_q.dtype
+        n_m = NQ // _BLOCK_M
+        q_smem = gl.allocate_shared_memory(dtype, [2, _WG, HEAD_DIM], desc_q.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [2, _WG, HEAD_DIM], desc_o.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for w in gl.static_range(2):
-            mbarrier.init(q_bar.index(w), count=1)
+            mbarrier.init(q_ready.index(w), count=1)  # the loader's expect + the copy's bytes
+            mbarrier.init(q_empty.index(w), count=1)  # its warpgroup has issued its last Q K product
+            mbarrier.init(turn.index(w), count=1)  # the other warpgroup has issued its products
         for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)  # the loader's expect + the copy's bytes
+            mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups release each buffer
             mbarrier.init(v_empty.index(i), count=2)
 
-        row_lo = pid_m * _BLOCK_M
-        q_row = pid_bh * NQ + row_lo
-        kv_row = (pid_bh // GROUP) * NK
-        if CAUSAL:  # keys up to the last row's diagonal (row i sees keys <= i + offset)
-            n_tiles = gl.minimum((row_lo + _BLOCK_M + offset + BLOCK_N - 1) // BLOCK_N, NK // BLOCK_N)
-        else:
-            n_tiles = NK // BLOCK_N
         gl.warp_specialize([
-            (_consumer, (desc_o, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, LSE, q_row,
-                         q_row, row_lo + offset, n_tiles, qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
-            (_consumer, (desc_o, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, LSE, q_row,
-                         q_row, row_lo + offset, n_tiles, qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
-            (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                       q_row, kv_row, n_tiles, BLOCK_N, STAGES)),
+            (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                         v_empty, turn, LSE, NQ, NK, offset, n_m, n_bh, qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES,
+                         CAUSAL, PINGPONG)),
+            (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                         v_empty, turn, LSE, NQ, NK, offset, n_m, n_bh, qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES,
+                         CAUSAL, PINGPONG)),
+            (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                       v_empty, NQ, NK, GROUP, offset, n_m, n_bh, BLOCK_N, STAGES, CAUSAL)),
         ], [4, 1], [_CONSUMER_REGS, _LOADER_REGS])  # fmt: skip
 
 
@@ -269,6 +335,19 @@ def preferred(q, k, v, causal, window) -> bool:
     return q.shape[3] == PREFERRED_HEAD_DIM
 
 
+_LAYOUTS = {}  # (rows, D, dtype) -> the shared-memory layout of a copied tile (a wgmma operand's swizzle)
+
+
+def _descriptor(x, block_rows):
+    """A host-side tensor descriptor of ``x`` (B, H, N, D) as B*H*N rows of D, copied ``block_rows`` rows at a
+    time. Passed by value with the launch: the programs build none themselves (rung 3's do, in global scratch)."""
+    rows, d = x.shape[0] * x.shape[1] * x.shape[2], x.shape[3]
+    key = (block_rows, d, x.dtype)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for([block_rows, d], _GL_DTYPES[x.dtype])
+    return TensorDescriptor(x, [rows, d], [d, 1], [block_rows, d], _LAYOUTS[key])
+
+
 def launch(q, k, v, o, lse, causal, window, band, config=None):
     """Run the kernel once on prepared inputs, writing ``o (B, Hq, Nq, D)`` and ``lse (B, Hq, Nq)``.
 
@@ -286,11 +365,14 @@ def launch(q, k, v, o, lse, causal, window, band, config=None):
     hk, nk = k.shape[1], k.shape[2]
     offset, _, _, qk_scale = band
     block_n, stages = TILES[d]
-    hopper._ensure_allocator()  # the programs build their tensor descriptors in global scratch
+    desc_q, desc_o = (_descriptor(x, WG_ROWS) for x in (q, o))
+    desc_k, desc_v = (_descriptor(x, block_n) for x in (k, v))
+    tiles = nq // BLOCK_M * b * hq
     with torch.cuda.device(q.device):
-        _attn_fwd_overlap[(nq // BLOCK_M, b * hq)](
-            q, k, v, o, lse, nq, nk, hq // hk, offset, qk_scale,
-            HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), num_warps=4,
+        programs = min(tiles, sm_count(device_index(q)))  # persistent: one program per multiprocessor
+        _attn_fwd_overlap[(programs,)](
+            desc_q, desc_k, desc_v, desc_o, lse, nq, nk, hq // hk, offset, qk_scale, b * hq,
+            HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), PINGPONG=PINGPONG, num_warps=4,
         )  # fmt: skip
     if causal:
         scalars, _, meta = hopper._arguments(q, k, v, o.stride()[:3], causal, window, band, is_cuda=True)
