@@ -120,6 +120,7 @@ GPU_CASES = [
     (1, 4, 4, 256, 768, 128, True),  # Nq < Nk: the diagonal ends at the last key
     (1, 4, 1, 640, 640, 128, True),  # 4 query heads on one K/V head
     (3, 2, 2, 128, 128, 128, True),  # one query tile, one key tile
+    (8, 16, 16, 1024, 1024, 64, True),  # 1024 tiles: each program walks about 8, of every length
 ]
 
 
