@@ -1,6 +1,6 @@
 """A model of the overlap rung's synchronisation (``flashlab/kernels/overlap.py``), checked without a GPU.
 
-The kernel's three partitions -- the loader warp and the two consumer warpgroups -- are written here as Python
+The kernel's partitions -- the loader warp and the two or three consumer warpgroups -- are written here as Python
 generators, step for step as in the kernel (every mbarrier wait, expect and arrive, every product issued and waited
 for, the ring's position and phase carried across a program's tiles, the ping-pong turns). The copy engine and the
 tensor cores are asynchronous: each copy, product and store finishes at a random later step. mbarriers follow PTX's
@@ -51,8 +51,8 @@ class World:
         self.rng = rng
         self.buffers = {}  # name -> (content, complete)
         self.inflight = []  # async ops: dicts with kind, reads, etc.
-        self.mma_groups = {0: [], 1: []}  # per warpgroup: outstanding wgmma (oldest first)
-        self.stores = {0: [], 1: []}
+        self.mma_groups = {g: [] for g in range(3)}  # per warpgroup: outstanding wgmma (oldest first)
+        self.stores = {g: [] for g in range(3)}
 
     def fail(self, msg):
         raise AssertionError(msg)
@@ -118,11 +118,11 @@ def wait(bar, parity):
         yield
 
 
-def loader(w, B, pid, nprog, n_m, n_bh, nk_tiles, causal, off, STAGES):
+def loader(w, B, NUM_WG, pid, nprog, n_m, n_bh, nk_tiles, causal, off, STAGES):
     count = done = 0
     for tile in range(pid, n_m * n_bh, nprog):
         m, bh = tile_at(tile, n_m, n_bh, causal)
-        for g in range(2):
+        for g in range(NUM_WG):
             yield from wait(B["q_empty"][g], (done & 1) ^ 1)
             B["q_ready"][g].expect(1)
             w.tma_load(f"q{g}", ("q", tile, g), B["q_ready"][g])
@@ -145,17 +145,17 @@ def mma_wait(w, wg, n):
         yield
 
 
-def consumer(w, B, WG, pid, nprog, n_m, n_bh, nk_tiles, causal, off, STAGES, PINGPONG):
+def consumer(w, B, WG, NUM_WG, pid, nprog, n_m, n_bh, nk_tiles, causal, off, STAGES, PINGPONG):
     count = turns = done = 0
     turn = B["turn"]
 
     def take():
         if PINGPONG:
-            yield from wait(turn[WG], (turns & 1) ^ (1 - WG))
+            yield from wait(turn[WG], (turns & 1) ^ (1 if WG == 0 else 0))
 
     def give():
         if PINGPONG:
-            turn[1 - WG].arrive()
+            turn[(WG + 1) % NUM_WG].arrive()
 
     for tile in range(pid, n_m * n_bh, nprog):
         m, bh = tile_at(tile, n_m, n_bh, causal)
@@ -205,24 +205,22 @@ def consumer(w, B, WG, pid, nprog, n_m, n_bh, nk_tiles, causal, off, STAGES, PIN
         yield
 
 
-def simulate(seed, STAGES, PINGPONG, n_m, n_bh, nk_tiles, causal, off, pid=0, nprog=1):
+def simulate(seed, NUM_WG, STAGES, PINGPONG, n_m, n_bh, nk_tiles, causal, off, pid=0, nprog=1):
     rng = random.Random(seed)
     w = World(rng)
     B = dict(
-        q_ready=[Barrier(1), Barrier(1)],
-        q_empty=[Barrier(1), Barrier(1)],
-        turn=[Barrier(1), Barrier(1)],
+        q_ready=[Barrier(1) for _ in range(NUM_WG)],
+        q_empty=[Barrier(1) for _ in range(NUM_WG)],
+        turn=[Barrier(1) for _ in range(NUM_WG)],
         k_ready=[Barrier(1) for _ in range(STAGES)],
         v_ready=[Barrier(1) for _ in range(STAGES)],
-        k_empty=[Barrier(2) for _ in range(STAGES)],
-        v_empty=[Barrier(2) for _ in range(STAGES)],
+        k_empty=[Barrier(NUM_WG) for _ in range(STAGES)],
+        v_empty=[Barrier(NUM_WG) for _ in range(STAGES)],
     )
-    args = (pid, nprog, n_m, n_bh, nk_tiles, causal, off, STAGES)
-    procs = {
-        "loader": loader(w, B, *args),
-        "wg0": consumer(w, B, 0, *args, PINGPONG),
-        "wg1": consumer(w, B, 1, *args, PINGPONG),
-    }
+    args = (NUM_WG, pid, nprog, n_m, n_bh, nk_tiles, causal, off, STAGES)
+    procs = {"loader": loader(w, B, *args)}
+    for g in range(NUM_WG):
+        procs[f"wg{g}"] = consumer(w, B, g, *args, PINGPONG)
     steps = 0
     stuck = 0
     while procs or w.inflight:
@@ -250,7 +248,7 @@ def simulate(seed, STAGES, PINGPONG, n_m, n_bh, nk_tiles, causal, off, pid=0, np
 if __name__ == "__main__":
     seeds = int(sys.argv[1]) if len(sys.argv) > 1 else 300
     configs = []
-    for STAGES in (2, 3):
+    for NUM_WG, STAGES in ((2, 2), (2, 3), (3, 2), (3, 3)):
         for PINGPONG in (False, True):
             for causal, off in ((False, 0), (True, 0), (True, 2)):
                 for n_m, n_bh, nk_tiles in ((1, 1, 1), (3, 2, 3), (4, 3, 4), (2, 5, 1)):
@@ -259,14 +257,14 @@ if __name__ == "__main__":
                     else:
                         nk = nk_tiles if not causal else max(nk_tiles, n_m)
                     for nprog in (1, 2, 3):
-                        configs.append((STAGES, PINGPONG, n_m, n_bh, nk, causal, off, nprog))
+                        configs.append((NUM_WG, STAGES, PINGPONG, n_m, n_bh, nk, causal, off, nprog))
     total = 0
     for cfg in configs:
-        STAGES, PINGPONG, n_m, n_bh, nk, causal, off, nprog = cfg
+        NUM_WG, STAGES, PINGPONG, n_m, n_bh, nk, causal, off, nprog = cfg
         for s in range(seeds):
             pid = s % nprog
             try:
-                total += simulate(s, STAGES, PINGPONG, n_m, n_bh, nk, causal, off, pid, nprog)
+                total += simulate(s, NUM_WG, STAGES, PINGPONG, n_m, n_bh, nk, causal, off, pid, nprog)
             except AssertionError as e:
                 print("FAIL", cfg, "seed", s, e)
                 sys.exit(1)

@@ -63,6 +63,8 @@ def test_runs_on_hopper_for_the_shapes_it_was_built_for(capability):
         for causal in (False, True):
             assert overlap.unavailable(*fake(d=d), causal, None) is None
     assert overlap.unavailable(*fake(hq=8, hk=2, nq=128, nk=512), True, None) is None  # GQA, Nq < Nk
+    assert overlap.unavailable(*fake(nq=200, nk=333), False, None) is None  # lengths no multiple of a tile
+    assert overlap.unavailable(*fake(nq=100, nk=333), True, None) is None
 
 
 @needs_gluon
@@ -73,8 +75,6 @@ def test_runs_on_hopper_for_the_shapes_it_was_built_for(capability):
         ((10, 0), {}, False, None, "compute capability 9.x, not 10.0"),
         ((9, 0), {"dtype": torch.float32}, False, None, "16-bit inputs only"),
         ((9, 0), {"d": 96}, False, None, "head dims 64 and 128, not 96"),
-        ((9, 0), {"nq": 200, "nk": 256}, False, None, "multiples of 128 and 128, not 200 and 256"),
-        ((9, 0), {"nk": 320}, False, None, "multiples of 128 and 128, not 256 and 320"),
         ((9, 0), {}, True, (64, 0), "no sliding window"),
         ((9, 0), {"nq": 512, "nk": 256}, True, None, "no more queries than keys"),
     ],
@@ -86,11 +86,22 @@ def test_unavailable_names_what_it_cannot_run(capability, cc, inputs, causal, wi
 
 
 @needs_gluon
-def test_heads_that_are_not_stacked_rows_are_refused(capability):
+def test_any_layout_the_copy_engine_can_describe_runs_and_the_others_say_why(capability):
+    # The copy engine reads (B, H, N, D) with its own strides: heads interleaved with the rows, as a (B, N, H, D)
+    # projection gives them, run as they are. A head dim that is not contiguous, or rows 2 bytes apart from a
+    # 16-byte boundary, it cannot describe.
     q, k, v = make_qkv(1, 2, 2, 256, 256, 128, torch.bfloat16, seed=0)
     interleaved = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, N, H, D) memory viewed as (B, H, N, D)
-    why = overlap.unavailable(OnGpu(interleaved), OnGpu(k), OnGpu(v), False, None)
-    assert why is not None and "rows of heads one after another" in why
+    assert overlap.unavailable(OnGpu(interleaved), OnGpu(k), OnGpu(v), False, None) is None
+    strided_d = torch.empty(1, 2, 256, 256, dtype=q.dtype)[..., ::2]
+    why = overlap.unavailable(OnGpu(q), OnGpu(strided_d), OnGpu(v), False, None)
+    assert why is not None and "cannot describe k" in why and "head dim is strided" in why
+    odd_rows = torch.empty(1, 2, 256, 129, dtype=q.dtype)[..., :128]  # rows 258 bytes apart
+    why = overlap.unavailable(OnGpu(q), OnGpu(k), OnGpu(odd_rows), False, None)
+    assert why is not None and "cannot describe v" in why and "multiples of 16 bytes" in why
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
+    why = overlap.unavailable(OnGpu(shifted), OnGpu(k), OnGpu(v), False, None)
+    assert why is not None and "cannot describe q" in why and "2 bytes past a 16-byte boundary" in why
 
 
 def test_on_cpu_tensors_it_says_why_and_a_named_call_falls_back_to_a_right_answer():
@@ -121,6 +132,10 @@ GPU_CASES = [
     (1, 4, 1, 640, 640, 128, True),  # 4 query heads on one K/V head
     (3, 2, 2, 128, 128, 128, True),  # one query tile, one key tile
     (8, 16, 16, 1024, 1024, 64, True),  # 1024 tiles: each program walks about 8, of every length
+    (2, 4, 4, 1000, 1000, 128, False),  # lengths no multiple of a tile: rows past a head's end
+    (1, 8, 2, 200, 333, 128, False),  # GQA, a key tail in the last tile
+    (1, 4, 4, 333, 777, 64, True),  # causal, Nq < Nk, both lengths odd
+    (3, 2, 2, 65, 65, 64, True),  # one tile, the second warpgroup's rows mostly past the end
 ]
 
 
@@ -139,6 +154,19 @@ def test_matches_the_float64_reference_on_hopper(case, dtype):
     assert overlap.unavailable(q, k, v, causal, None) is None
     o, lse = flash_attention(q, k, v, causal=causal, return_lse=True, rung="overlap")
     assert_matches_float64(o, lse, *attention_float64(q, k, v, causal, None), dtype, f"overlap {case}", 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_heads_interleaved_with_the_rows_run_as_they_are_on_hopper(causal):
+    # q, k, v as a (B, N, H, D) projection lays them out, viewed as (B, H, N, D): no copy, the descriptors' strides
+    if not gpu_ready():
+        pytest.skip("needs a Hopper GPU")
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2)
+               for x in make_qkv(2, 4, 4, 300, 300, 128, torch.bfloat16, seed=9, device="cuda"))  # fmt: skip
+    assert not q.is_contiguous() and overlap.unavailable(q, k, v, causal, None) is None
+    o, lse = flash_attention(q, k, v, causal=causal, return_lse=True, rung="overlap")
+    assert_matches_float64(o, lse, *attention_float64(q, k, v, causal, None), q.dtype, "interleaved heads", 1e-3)
 
 
 @pytest.mark.gpu
@@ -217,11 +245,14 @@ def test_its_plan_runs_skip_and_split_for_an_address_the_copy_engine_cannot_take
 
 
 @needs_gluon
-@pytest.mark.parametrize("b,hq,nq,sms,programs", [(2, 4, 512, 132, 32), (16, 16, 1024, 132, 132), (1, 1, 128, 8, 1)])
+@pytest.mark.parametrize(
+    "b,hq,nq,sms,programs", [(2, 4, 512, 132, 32), (16, 16, 1024, 132, 132), (1, 1, 128, 8, 1), (1, 3, 200, 132, 6)]
+)
 def test_its_grid_is_persistent_one_program_per_multiprocessor_at_most(capability, monkeypatch, b, hq, nq, sms,
                                                                        programs):  # fmt: skip
     # The launch on the host, its kernel replaced by a recorder: min(query tiles x heads, multiprocessors) programs,
-    # each walking the tiles; the copy engine's descriptors cover every head's rows, in tiles of the kernel's rows.
+    # each walking the tiles (a length no multiple of the tile rounds its tiles up); the copy engine's descriptors
+    # are (B, H, N, D) with the tensors' own strides, copied in tiles of one head's rows.
     import contextlib
 
     launched = {}
@@ -238,11 +269,13 @@ def test_its_grid_is_persistent_one_program_per_multiprocessor_at_most(capabilit
     monkeypatch.setattr(overlap, "device_index", lambda x: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     q, k, v = fake(b=b, hq=hq, hk=hq, nq=nq, nk=nq, d=128)
-    o, lse = OnGpu(torch.empty(q.shape, dtype=q.dtype)), OnGpu(torch.empty(q.shape[:3]))
+    o, lse = OnGpu(torch.empty(q.shape, dtype=q.dtype)), torch.empty(q.shape[:3])
     overlap.launch(q, k, v, o, lse, False, None, (0, 0, 0, 1.0))
     assert launched["grid"] == (programs,)
     desc_q, desc_k, desc_v, desc_o = launched["args"][:4]
-    block_n = overlap.TILES[128][0]
+    num_wg, block_n, _ = overlap.TILES[128]
+    assert launched["meta"]["NUM_WG"] == num_wg and launched["meta"]["KEY_TAIL"] == (nq % block_n != 0)
     for desc, rows in ((desc_q, overlap.WG_ROWS), (desc_o, overlap.WG_ROWS), (desc_k, block_n), (desc_v, block_n)):
-        assert list(desc.shape) == [b * hq * nq, 128] and list(desc.block_shape) == [rows, 128]
+        assert list(desc.shape) == [b, hq, nq, 128] and list(desc.block_shape) == [1, 1, rows, 128]
+        assert list(desc.strides) == [hq * nq * 128, nq * 128, 128, 1]
     assert launched["args"][-1] == b * hq  # heads the programs walk

@@ -33,11 +33,18 @@ the last one (its last ``P V``, the division by the sum, O's store through share
 tile would pay that start and end on every tile with the multiprocessor idle between. The copy engine's tensor
 descriptors are built on the host and passed with the launch.
 
-Where it runs: a Hopper GPU (sm_90: ``wgmma`` is Hopper's instruction), 16-bit inputs, D = 64 or 128, query and key
-lengths multiples of 128, no window, Nq <= Nk under a causal mask, heads stacked row after row (contiguous). It
-has no interpreter path: Gluon compiles for a GPU only. ``unavailable`` says which of these fails; the ladder then
-runs the fastest rung that can. A key whose V row holds inf or NaN behind the causal mask marks its rows with a NaN
-lse, and rung 3's repair pass redoes those query tiles with the guard, as it does for rung 3.
+Where it runs: a Hopper GPU (sm_90: ``wgmma`` is Hopper's instruction), 16-bit inputs, D = 64 or 128, any
+lengths (the copy engine fills rows past a head's end with zeros and does not write them back; keys past the end
+are masked), no window, Nq <= Nk under a causal mask, and any layout the copy engine can describe -- unit stride
+along D, every other stride and the start at multiples of 16 bytes, so heads interleaved with the rows (a
+(B, N, H, D) projection viewed as (B, H, N, D)) run without a copy. It has no interpreter path: Gluon compiles for
+a GPU only. ``unavailable`` says which of these fails; the ladder then runs the fastest rung that can. A key whose
+V row holds inf or NaN behind the causal mask marks its rows with a NaN lse, and rung 3's repair pass redoes those
+query tiles with the guard, as it does for rung 3.
+
+Tiles per head dim (``TILES``): how many consumer warpgroups share a program -- two, or three (192 query rows,
+FlashAttention-3's choice at D = 64; with 64-key tiles, so that three warpgroups' registers fit) -- the key tile,
+and the ring's depth.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from flashlab.core.integers import cdiv
 from flashlab.kernels import hopper, skip_split
 from flashlab.kernels.runtime import device_index, sm_count
 from flashlab.kernels.softmax_step import LN_2
@@ -69,21 +77,20 @@ except ImportError as error:  # an older Triton: the rung says so in ``unavailab
 NAME = "overlap"  # the rung's name in flashlab.kernels.ladder
 CAPABILITY = 9  # wgmma is sm_90's instruction: Hopper only (Blackwell has its own, tcgen05)
 WG_ROWS = 64  # query rows per consumer warpgroup: one wgmma M
-BLOCK_M = 2 * WG_ROWS  # query rows per program: two consumer warpgroups
 HEAD_DIMS = (64, 128)
-# (BLOCK_N, STAGES) per head dim: the best of (64, 2), (64, 3), (128, 2), (128, 3) in the first H200 sweep
-TILES = {64: (128, 3), 128: (128, 2)}
-CONSUMER_REGS = 240  # registers per thread of the second consumer warpgroup (the first gets the rest)
+# (consumer warpgroups, BLOCK_N, STAGES) per head dim; a program's query tile is 64 rows per consumer warpgroup.
+# Two warpgroups and 128-key tiles won the first H200 sweep at both head dims (against 64-key tiles, 2 or 3 stages).
+TILES = {64: (2, 128, 3), 128: (2, 128, 2)}
+# registers per thread of a consumer warpgroup (setmaxnreg), by how many there are; the first gets what is left
+CONSUMER_REGS = {2: 240, 3: 160}
 LOADER_REGS = 24  # the loader warp only issues copies
-PINGPONG = True  # the two consumer warpgroups take turns issuing their products (FlashAttention-3's ping-pong)
+PINGPONG = True  # the consumer warpgroups take turns issuing their products (FlashAttention-3's ping-pong)
 
 if GLUON_ERROR is None:
     # the bulk copies' names: async_load / async_store in newer Tritons (3.9), async_copy_* in older ones (3.6)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     _WG = gl.constexpr(WG_ROWS)  # the module's constants, as Gluon code reads them
-    _BLOCK_M = gl.constexpr(BLOCK_M)
-    _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
     _LOADER_REGS = gl.constexpr(LOADER_REGS)
 
     @triton.constexpr_function
@@ -104,82 +111,94 @@ if GLUON_ERROR is None:
         return m, bh
 
     @gluon.jit
-    def _key_tiles(row_lo, offset, NK, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    def _key_tiles(row_lo, offset, NK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
         """How many key tiles the query tile starting at row ``row_lo`` reads (causal: up to its last diagonal)."""
+        n = (NK + BLOCK_N - 1) // BLOCK_N
         if CAUSAL:
-            n = gl.minimum((row_lo + _BLOCK_M + offset + BLOCK_N - 1) // BLOCK_N, NK // BLOCK_N)
-        else:
-            n = NK // BLOCK_N
+            n = gl.minimum((row_lo + BLOCK_M + offset + BLOCK_N - 1) // BLOCK_N, n)
         return n
 
     @gluon.jit
     def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                v_empty, NQ, NK, GROUP, offset, n_m, n_bh, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                CAUSAL: gl.constexpr):  # fmt: skip
+                v_empty, HQ, NK, GROUP, offset, n_m, n_bh, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
         """The loader warp: for each tile of the program, each warpgroup's Q once it has finished with the last
-        one, then K and V tile by tile into the ring, each copy waiting until both consumers have released the
-        buffer it overwrites. The ring's count runs on across the program's tiles."""
+        one, then K and V tile by tile into the ring, each copy waiting until every consumer has released the
+        buffer it overwrites. The ring's count runs on across the program's tiles. Rows past a head's end come in
+        as zeros (the descriptors know each head's length)."""
         count = 0  # K/V tiles copied so far: the ring's position and phase
         done = 0  # query tiles started
         for tile in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
             m, bh = _tile_at(tile, n_m, n_bh, CAUSAL)
-            q_row = bh * NQ + m * _BLOCK_M
-            kv_row = (bh // GROUP) * NK
-            for w in gl.static_range(2):
+            b = bh // HQ
+            h = bh % HQ
+            row_lo = m * (NUM_WG * _WG)
+            for w in gl.static_range(NUM_WG):
                 mbarrier.wait(q_empty.index(w), (done & 1) ^ 1)  # the first tile waits for nothing
                 mbarrier.expect(q_ready.index(w), desc_q.block_type.nbytes)
-                _tma_load(desc_q, [q_row + w * _WG, 0], q_ready.index(w), q_smem.index(w))
-            for j in range(_key_tiles(m * _BLOCK_M, offset, NK, BLOCK_N, CAUSAL)):
+                _tma_load(desc_q, [b, h, row_lo + w * _WG, 0], q_ready.index(w), q_smem.index(w))
+            for j in range(_key_tiles(row_lo, offset, NK, NUM_WG * _WG, BLOCK_N, CAUSAL)):
                 stage = count % STAGES
                 phase = (count // STAGES) & 1
                 mbarrier.wait(k_empty.index(stage), phase ^ 1)
                 mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
-                _tma_load(desc_k, [kv_row + j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+                _tma_load(desc_k, [b, h // GROUP, j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
                 mbarrier.wait(v_empty.index(stage), phase ^ 1)
                 mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
-                _tma_load(desc_v, [kv_row + j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+                _tma_load(desc_v, [b, h // GROUP, j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
                 count += 1
             done += 1
 
     @gluon.jit
-    def _scores(s, j, qk_scale, rows, first_visible_edge, cols0, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Tile ``j``'s scores in log2 units, with the causal mask where the tile crosses a row's diagonal (row
-        ``i`` sees keys up to ``i + offset``; ``rows`` holds ``i + offset``)."""
+    def _scores(s, j, qk_scale, rows, first_visible_edge, cols0, NK, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr,
+                BLOCK_N: gl.constexpr):  # fmt: skip
+        """Tile ``j``'s scores in log2 units, masked where the tile crosses a row's diagonal (causal: row ``i``
+        sees keys up to ``i + offset``; ``rows`` holds ``i + offset``) or runs past the last key."""
         s = s * qk_scale
-        if CAUSAL:
+        if CAUSAL:  # keys past the end lie past every real row's diagonal too
             if (j + 1) * BLOCK_N > first_visible_edge + 1:  # some key of the tile lies past some row's last key
                 cols = j * BLOCK_N + cols0
                 s = gl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+        elif KEY_TAIL:  # the key length is no multiple of the tile
+            if (j + 1) * BLOCK_N > NK:  # the last tile, partly past the last key
+                cols = j * BLOCK_N + cols0
+                s = gl.where(cols[None, :] < NK, s, float("-inf"))
         return s
 
     @gluon.jit
     def _take_turn(turn, n, WG: gl.constexpr, PINGPONG: gl.constexpr):
-        """Ping-pong: wait until the other warpgroup has issued its products (warpgroup 0 goes first)."""
+        """Ping-pong: wait until the warpgroup before this one has issued its products (warpgroup 0 goes first,
+        then 1, ..., round and round)."""
         if PINGPONG:
-            mbarrier.wait(turn.index(WG), (n & 1) ^ (1 - WG))
+            if WG == 0:
+                mbarrier.wait(turn.index(WG), (n & 1) ^ 1)
+            else:
+                mbarrier.wait(turn.index(WG), n & 1)
 
     @gluon.jit
-    def _give_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
-        """Ping-pong: this warpgroup's products are issued; the other may issue its own."""
+    def _give_turn(turn, WG: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong: this warpgroup's products are issued; the next one may issue its own."""
         if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG))
+            mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
 
     @gluon.jit
     def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                  turn, LSE, NQ, NK, offset, n_m, n_bh, qk_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  PINGPONG: gl.constexpr):  # fmt: skip
+                  turn, LSE, HQ, NQ, NK, offset, n_m, n_bh, qk_scale, WG: gl.constexpr, NUM_WG: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  KEY_TAIL: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
         """One consumer warpgroup: for each tile of the program, 64 query rows through every key tile, the softmax
         of tile j under the P V product of tile j-1 (the module docstring's schedule), then O and the lse. O
-        leaves through its own shared memory while the next tile starts."""
+        leaves through its own shared memory while the next tile starts; the copy engine drops rows past the
+        head's end, and the lse stores are masked there."""
         s_layout: gl.constexpr = _mma_layout(BLOCK_N)
         o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         dtype: gl.constexpr = desc_o.dtype
+        BLOCK_M: gl.constexpr = NUM_WG * _WG
         cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         zero_s = gl.zeros([_WG, BLOCK_N], gl.float32, s_layout)
-        q = q_smem.index(WG)
+        q = q_smem.index(WG).reshape([_WG, HEAD_DIM])
         o_buf = o_smem.index(WG)
 
         count = 0  # K/V tiles consumed so far (the loader's count)
@@ -187,8 +206,8 @@ if GLUON_ERROR is None:
         done = 0  # query tiles finished
         for tile in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
             m, bh = _tile_at(tile, n_m, n_bh, CAUSAL)
-            row_lo = m * _BLOCK_M
-            n_tiles = _key_tiles(row_lo, offset, NK, BLOCK_N, CAUSAL)
+            row_lo = m * BLOCK_M
+            n_tiles = _key_tiles(row_lo, offset, NK, BLOCK_M, BLOCK_N, CAUSAL)
             edge = row_lo + offset + WG * _WG  # the last key this warpgroup's first row sees
             rows = edge + gl.arange(0, _WG, layout=row_layout)  # each row's last visible key
             acc = gl.zeros([_WG, HEAD_DIM], gl.float32, o_layout)
@@ -198,12 +217,13 @@ if GLUON_ERROR is None:
             stage = count % STAGES
             mbarrier.wait(k_ready.index(stage), (count // STAGES) & 1)
             _take_turn(turn, turns, WG, PINGPONG)
-            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            _give_turn(turn, WG, PINGPONG)
+            k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+            s = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
+            _give_turn(turn, WG, NUM_WG, PINGPONG)
             turns += 1
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(stage))
-            s = _scores(s, 0, qk_scale, rows, edge, cols0, CAUSAL, BLOCK_N)
+            s = _scores(s, 0, qk_scale, rows, edge, cols0, NK, CAUSAL, KEY_TAIL, BLOCK_N)
             m_i = gl.max(s, 1)
             p = gl.exp2(s - m_i[:, None])
             l_i = gl.sum(p, 1)
@@ -213,16 +233,17 @@ if GLUON_ERROR is None:
                 stage = (count + j) % STAGES
                 mbarrier.wait(k_ready.index(stage), ((count + j) // STAGES) & 1)
                 _take_turn(turn, turns, WG, PINGPONG)
-                s_next = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False,
-                                       is_async=True)  # fmt: skip
+                k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+                s_next = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(prev), ((count + j - 1) // STAGES) & 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
-                acc_next = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                _give_turn(turn, WG, PINGPONG)
+                v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
+                acc_next = warpgroup_mma(p_op, v_t, acc, is_async=True)
+                _give_turn(turn, WG, NUM_WG, PINGPONG)
                 turns += 1
                 s = warpgroup_mma_wait(1, deps=(s_next,))  # the scores are done; P V of tile j-1 may still run
                 mbarrier.arrive(k_empty.index(stage))
-                s = _scores(s, j, qk_scale, rows, edge, cols0, CAUSAL, BLOCK_N)
+                s = _scores(s, j, qk_scale, rows, edge, cols0, NK, CAUSAL, KEY_TAIL, BLOCK_N)
                 m_new = gl.maximum(m_i, gl.max(s, 1))
                 alpha = gl.exp2(m_i - m_new)
                 p = gl.exp2(s - m_new[:, None])
@@ -235,7 +256,8 @@ if GLUON_ERROR is None:
 
             last = (count + n_tiles - 1) % STAGES
             mbarrier.wait(v_ready.index(last), ((count + n_tiles - 1) // STAGES) & 1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last), acc)
+            v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_t, acc)
             mbarrier.arrive(v_empty.index(last))
             count += n_tiles
 
@@ -245,54 +267,74 @@ if GLUON_ERROR is None:
             if CAUSAL:  # a hidden key's inf or NaN in V reaches its tile through P V (0 * inf): mark the row
                 bad = gl.max(gl.where(gl.abs(acc) < float("inf"), 0, 1), 1)
                 lse = gl.where(gl.convert_layout(bad, row_layout) > 0, float("nan"), lse)
-            o_row = bh * NQ + row_lo + WG * _WG
+            row0 = row_lo + WG * _WG
             tma.store_wait(0)  # the previous tile's O has left the buffer
-            o_buf.store(o.to(dtype))
+            o_buf.reshape([_WG, HEAD_DIM]).store(o.to(dtype))
             fence_async_shared()
-            _tma_store(desc_o, [o_row, 0], o_buf)
-            gl.store(LSE + o_row + gl.arange(0, _WG, layout=row_layout), lse)
+            _tma_store(desc_o, [bh // HQ, bh % HQ, row0, 0], o_buf)
+            offs = row0 + gl.arange(0, _WG, layout=row_layout)
+            gl.store(LSE + bh * NQ + offs, lse, mask=offs < NQ)
             done += 1
         tma.store_wait(0)
 
     @gluon.jit
-    def _attn_fwd_overlap(desc_q, desc_k, desc_v, desc_o, LSE, NQ, NK, GROUP, offset, qk_scale, n_bh,
-                          HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                          PINGPONG: gl.constexpr):  # fmt: skip
+    def _attn_fwd_overlap(desc_q, desc_k, desc_v, desc_o, LSE, HQ, NQ, NK, GROUP, offset, qk_scale, n_bh,
+                          HEAD_DIM: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                          CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, PINGPONG: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr):  # fmt: skip
         """A persistent grid: each program takes (query tile, head) pairs ``_tile_at(pid)``,
-        ``_tile_at(pid + programs)``, ..., with a loader warp and two consumer warpgroups of 64 rows each."""
+        ``_tile_at(pid + programs)``, ..., with a loader warp and ``NUM_WG`` consumer warpgroups of 64 rows."""
         dtype: gl.constexpr = desc_q.dtype
-        n_m = NQ // _BLOCK_M
-        q_smem = gl.allocate_shared_memory(dtype, [2, _WG, HEAD_DIM], desc_q.layout)
-        o_smem = gl.allocate_shared_memory(dtype, [2, _WG, HEAD_DIM], desc_o.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        BLOCK_M: gl.constexpr = NUM_WG * _WG
+        n_m = (NQ + BLOCK_M - 1) // BLOCK_M
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, 1, _WG, HEAD_DIM], desc_q.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, 1, _WG, HEAD_DIM], desc_o.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], desc_k.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], desc_v.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for w in gl.static_range(2):
+        for w in gl.static_range(NUM_WG):
             mbarrier.init(q_ready.index(w), count=1)  # the loader's expect + the copy's bytes
             mbarrier.init(q_empty.index(w), count=1)  # its warpgroup has issued its last Q K product
-            mbarrier.init(turn.index(w), count=1)  # the other warpgroup has issued its products
+            mbarrier.init(turn.index(w), count=1)  # the warpgroup before it has issued its products
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups release each buffer
-            mbarrier.init(v_empty.index(i), count=2)
+            mbarrier.init(k_empty.index(i), count=NUM_WG)  # every consumer warpgroup releases each buffer
+            mbarrier.init(v_empty.index(i), count=NUM_WG)
 
-        gl.warp_specialize([
-            (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, turn, LSE, NQ, NK, offset, n_m, n_bh, qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES,
-                         CAUSAL, PINGPONG)),
-            (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, turn, LSE, NQ, NK, offset, n_m, n_bh, qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES,
-                         CAUSAL, PINGPONG)),
-            (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                       v_empty, NQ, NK, GROUP, offset, n_m, n_bh, BLOCK_N, STAGES, CAUSAL)),
-        ], [4, 1], [_CONSUMER_REGS, _LOADER_REGS])  # fmt: skip
+        # the partitions: consumer warpgroups 0, 1 (, 2) and the loader warp (Gluon takes each one's arguments
+        # written out)
+        if NUM_WG == 2:
+            gl.warp_specialize([
+                (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                             v_empty, turn, LSE, HQ, NQ, NK, offset, n_m, n_bh, qk_scale, 0, NUM_WG, HEAD_DIM,
+                             BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PINGPONG)),
+                (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                             v_empty, turn, LSE, HQ, NQ, NK, offset, n_m, n_bh, qk_scale, 1, NUM_WG, HEAD_DIM,
+                             BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PINGPONG)),
+                (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                           k_empty, v_empty, HQ, NK, GROUP, offset, n_m, n_bh, NUM_WG, BLOCK_N, STAGES, CAUSAL)),
+            ], [4, 1], [CONSUMER_REGS, _LOADER_REGS])  # fmt: skip
+        else:
+            gl.warp_specialize([
+                (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                             v_empty, turn, LSE, HQ, NQ, NK, offset, n_m, n_bh, qk_scale, 0, NUM_WG, HEAD_DIM,
+                             BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PINGPONG)),
+                (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                             v_empty, turn, LSE, HQ, NQ, NK, offset, n_m, n_bh, qk_scale, 1, NUM_WG, HEAD_DIM,
+                             BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PINGPONG)),
+                (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                             v_empty, turn, LSE, HQ, NQ, NK, offset, n_m, n_bh, qk_scale, 2, NUM_WG, HEAD_DIM,
+                             BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PINGPONG)),
+                (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                           k_empty, v_empty, HQ, NK, GROUP, offset, n_m, n_bh, NUM_WG, BLOCK_N, STAGES, CAUSAL)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, _LOADER_REGS])  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -314,15 +356,34 @@ def unavailable(q, k, v, causal, window) -> str | None:
     d, nq, nk = q.shape[3], q.shape[2], k.shape[2]
     if d not in HEAD_DIMS:
         return f"its tiles are built for head dims {' and '.join(map(str, HEAD_DIMS))}, not {d}"
-    block_n = TILES[d][0]
-    if nq % BLOCK_M or nk % block_n:
-        return f"it needs query and key lengths that are multiples of {BLOCK_M} and {block_n}, not {nq} and {nk}"
     if window is not None:
         return "it has no sliding window (the Hopper rung has)"
     if causal and nq > nk:
         return "under a causal mask it needs no more queries than keys (some rows would see no key)"
-    if not all(hopper._rows_stacked(x) for x in (q, k, v)):
-        return "its copy engine reads q, k, v as rows of heads one after another (contiguous, 16-byte aligned)"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        why = _not_describable(x)
+        if why is not None:
+            return f"its copy engine cannot describe {name}: {why}"
+    return None
+
+
+def _strides(x) -> list[int]:
+    """``x``'s strides as its descriptor takes them: a dimension of size 1 is only ever read at 0, so its stride is
+    free; it gets a contiguous tensor's (an expanded or sliced tensor may carry any stride there)."""
+    contiguous = [x.shape[1] * x.shape[2] * x.shape[3], x.shape[2] * x.shape[3], x.shape[3], 1]
+    return [s if n > 1 else c for s, n, c in zip(x.stride(), x.shape, contiguous, strict=True)]
+
+
+def _not_describable(x) -> str | None:
+    """Why the copy engine (a 4-D tensor descriptor over B, H, N, D) cannot read ``x``, or None: it needs unit
+    stride along D, the other strides and the start at multiples of 16 bytes."""
+    strides = _strides(x)
+    if strides[3] != 1:
+        return f"its head dim is strided ({x.stride(3)}), not contiguous"
+    if x.data_ptr() % hopper.TMA_ALIGN_BYTES:
+        return f"it starts {x.data_ptr() % hopper.TMA_ALIGN_BYTES} bytes past a 16-byte boundary"
+    if any(s * x.element_size() % hopper.TMA_ALIGN_BYTES for s in strides[:3]):
+        return f"its strides {tuple(x.stride())} are not all multiples of 16 bytes"
     return None
 
 
@@ -339,13 +400,14 @@ _LAYOUTS = {}  # (rows, D, dtype) -> the shared-memory layout of a copied tile (
 
 
 def _descriptor(x, block_rows):
-    """A host-side tensor descriptor of ``x`` (B, H, N, D) as B*H*N rows of D, copied ``block_rows`` rows at a
-    time. Passed by value with the launch: the programs build none themselves (rung 3's do, in global scratch)."""
-    rows, d = x.shape[0] * x.shape[1] * x.shape[2], x.shape[3]
+    """A host-side tensor descriptor of ``x`` (B, H, N, D) with its own strides, copied ``block_rows`` rows of one
+    head at a time: rows past the head's end come in as zeros and are not written back. Passed by value with the
+    launch: the programs build none themselves (rung 3's do, in global scratch)."""
+    d = x.shape[3]
     key = (block_rows, d, x.dtype)
     if key not in _LAYOUTS:
-        _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for([block_rows, d], _GL_DTYPES[x.dtype])
-    return TensorDescriptor(x, [rows, d], [d, 1], [block_rows, d], _LAYOUTS[key])
+        _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for([1, 1, block_rows, d], _GL_DTYPES[x.dtype])
+    return TensorDescriptor(x, list(x.shape), _strides(x), [1, 1, block_rows, d], _LAYOUTS[key])
 
 
 def launch(q, k, v, o, lse, causal, window, band, config=None):
@@ -358,21 +420,24 @@ def launch(q, k, v, o, lse, causal, window, band, config=None):
     if why is not None:
         raise RuntimeError(f"the overlap rung cannot run these inputs: {why}")
     if config is not None:
-        raise ValueError("the overlap rung's tiles are fixed (128 query rows); it takes no config")
-    if not hopper._rows_stacked(o):
-        raise RuntimeError("the overlap rung writes o as rows of heads one after another: o must be contiguous")
+        raise ValueError("the overlap rung's tiles are fixed (TILES, per head dim); it takes no config")
+    why = _not_describable(o)
+    if why is not None or not lse.is_contiguous():
+        raise RuntimeError(f"the overlap rung cannot write o and lse: {why or 'lse is not contiguous'}")
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     offset, _, _, qk_scale = band
-    block_n, stages = TILES[d]
+    num_wg, block_n, stages = TILES[d]
     desc_q, desc_o = (_descriptor(x, WG_ROWS) for x in (q, o))
     desc_k, desc_v = (_descriptor(x, block_n) for x in (k, v))
-    tiles = nq // BLOCK_M * b * hq
+    tiles = cdiv(nq, num_wg * WG_ROWS) * b * hq
     with torch.cuda.device(q.device):
         programs = min(tiles, sm_count(device_index(q)))  # persistent: one program per multiprocessor
         _attn_fwd_overlap[(programs,)](
-            desc_q, desc_k, desc_v, desc_o, lse, nq, nk, hq // hk, offset, qk_scale, b * hq,
-            HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), PINGPONG=PINGPONG, num_warps=4,
+            desc_q, desc_k, desc_v, desc_o, lse, hq, nq, nk, hq // hk, offset, qk_scale, b * hq,
+            HEAD_DIM=d, NUM_WG=num_wg, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal),
+            KEY_TAIL=not causal and nk % block_n != 0, PINGPONG=PINGPONG,
+            CONSUMER_REGS=CONSUMER_REGS[num_wg], num_warps=4,
         )  # fmt: skip
     if causal:
         scalars, _, meta = hopper._arguments(q, k, v, o.stride()[:3], causal, window, band, is_cuda=True)
@@ -389,7 +454,7 @@ class Planned:
     def __init__(self, causal, window, band):
         self.mask, self.band = (causal, window), band
 
-    def __call__(self, q, k, v, o, lse):
+    def __call__(self, q, k, v, o, lse):  # the strides are the signature's: only the starts can differ
         if hopper._aligned(q) and hopper._aligned(k) and hopper._aligned(v):
             launch(q, k, v, o, lse, *self.mask, self.band)
         else:
