@@ -150,11 +150,11 @@ if GLUON_ERROR is None:
             done += 1
 
     @gluon.jit
-    def _scores(s, j, qk_scale, rows, first_visible_edge, cols0, NK, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr,
+    def _scores(s, j, rows, first_visible_edge, cols0, NK, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr,
                 BLOCK_N: gl.constexpr):  # fmt: skip
-        """Tile ``j``'s scores in log2 units, masked where the tile crosses a row's diagonal (causal: row ``i``
-        sees keys up to ``i + offset``; ``rows`` holds ``i + offset``) or runs past the last key."""
-        s = s * qk_scale
+        """Tile ``j``'s scores, masked where the tile crosses a row's diagonal (causal: row ``i`` sees keys up to
+        ``i + offset``; ``rows`` holds ``i + offset``) or runs past the last key. Not yet scaled: the running max is
+        taken of the raw scores, and the scale goes into the exponent's one multiply-add (``_exp2_scaled``)."""
         if CAUSAL:  # keys past the end lie past every real row's diagonal too
             if (j + 1) * BLOCK_N > first_visible_edge + 1:  # some key of the tile lies past some row's last key
                 cols = j * BLOCK_N + cols0
@@ -164,6 +164,12 @@ if GLUON_ERROR is None:
                 cols = j * BLOCK_N + cols0
                 s = gl.where(cols[None, :] < NK, s, float("-inf"))
         return s
+
+    @gluon.jit
+    def _exp2_scaled(s, m, qk_scale):
+        """``exp2(s * qk_scale - m * qk_scale)`` row by row: one fused multiply-add and one exponential per score
+        (a max taken of scaled scores would cost a multiply more)."""
+        return gl.exp2(s * qk_scale - (m * qk_scale)[:, None])
 
     @gluon.jit
     def _take_turn(turn, n, WG: gl.constexpr, PINGPONG: gl.constexpr):
@@ -223,9 +229,9 @@ if GLUON_ERROR is None:
             turns += 1
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(stage))
-            s = _scores(s, 0, qk_scale, rows, edge, cols0, NK, CAUSAL, KEY_TAIL, BLOCK_N)
-            m_i = gl.max(s, 1)
-            p = gl.exp2(s - m_i[:, None])
+            s = _scores(s, 0, rows, edge, cols0, NK, CAUSAL, KEY_TAIL, BLOCK_N)
+            m_i = gl.max(s, 1)  # raw scores' running max; key 0 is in every real row's view, so it is finite
+            p = _exp2_scaled(s, m_i, qk_scale)
             l_i = gl.sum(p, 1)
 
             for j in range(1, n_tiles):
@@ -243,10 +249,10 @@ if GLUON_ERROR is None:
                 turns += 1
                 s = warpgroup_mma_wait(1, deps=(s_next,))  # the scores are done; P V of tile j-1 may still run
                 mbarrier.arrive(k_empty.index(stage))
-                s = _scores(s, j, qk_scale, rows, edge, cols0, NK, CAUSAL, KEY_TAIL, BLOCK_N)
+                s = _scores(s, j, rows, edge, cols0, NK, CAUSAL, KEY_TAIL, BLOCK_N)
                 m_new = gl.maximum(m_i, gl.max(s, 1))
-                alpha = gl.exp2(m_i - m_new)
-                p = gl.exp2(s - m_new[:, None])
+                alpha = gl.exp2((m_i - m_new) * qk_scale)
+                p = _exp2_scaled(s, m_new, qk_scale)
                 l_i = l_i * alpha + gl.sum(p, 1)
                 m_i = m_new
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))  # p_op's registers stay read until here
@@ -263,7 +269,7 @@ if GLUON_ERROR is None:
 
             # epilogue: O through shared memory and a bulk copy, the lse with stores
             o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-            lse = (m_i + gl.log2(l_i)) * LN_2
+            lse = (m_i * qk_scale + gl.log2(l_i)) * LN_2
             if CAUSAL:  # a hidden key's inf or NaN in V reaches its tile through P V (0 * inf): mark the row
                 bad = gl.max(gl.where(gl.abs(acc) < float("inf"), 0, 1), 1)
                 lse = gl.where(gl.convert_layout(bad, row_layout) > 0, float("nan"), lse)
