@@ -505,6 +505,18 @@ def test_a_backend_that_fails_while_timed_is_an_error_and_the_rest_are_timed():
         assert r["status"] == "ok" and r["time_ms"] > 0 and r["time_spread"] >= 0
 
 
+def test_each_row_keeps_its_rounds_and_its_place_in_each_rounds_order():
+    results = run_sweep(tiny_config(causal="no", rounds=3), progress=False)
+    rows = [r for r in results.rows if r["status"] == "ok"]
+    assert len(rows) == 2
+    for i, r in enumerate(rows):  # naive, then sdpa_math: round r starts at backend r % 2
+        assert len(r["round_ms"]) == 3 and r["time_ms"] == sorted(r["round_ms"])[1]
+        assert r["round_position"] == [(i - k) % 2 for k in range(3)]
+    positions = {tuple(r["round_position"]) for r in rows}
+    assert positions == {(0, 1, 0), (1, 0, 1)}  # each backend timed first in some round
+    assert json.loads(json.dumps(results.to_json()))["rows"][0]["round_ms"] == rows[0]["round_ms"]
+
+
 def test_the_stamp_says_how_many_rounds():
     assert BenchConfig(device="cpu").resolve().rounds == 1
     results = run_sweep(tiny_config(causal="no", rounds=2), progress=False)

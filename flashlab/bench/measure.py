@@ -212,7 +212,9 @@ def bench_cell(cell: Cell, backends: Sequence[Backend], config: BenchConfig, met
     1. check against the float64 reference on sampled rows of the first and last batch entries (never timed if
        wrong); 2. peak extra memory of one call (decode: the host time per call too); 3. the median time over
        ``config.rounds`` rounds of every backend that passed, the order turning each round (``time_rounds``), and
-       its spread, (slowest - fastest round) / median."""
+       its spread, (slowest - fastest round) / median. The JSON rows keep each round's time (``round_ms``) and
+       the backend's place in that round's order (``round_position``, 0: timed first), so an order effect
+       can be read off a recording."""
     device = config.device
     q, k, v = make_inputs(cell, config)
     rows = check_rows(cell.nq, config.check_rows).to(device)
@@ -252,6 +254,7 @@ def bench_cell(cell: Cell, backends: Sequence[Backend], config: BenchConfig, met
             row.update(
                 time_ms=ms, time_spread=(max(times) - min(times)) / ms, tflops=cell.flops / (ms * 1e-3) / 1e12,
                 bandwidth_gbps=cell.io_bytes / (ms * 1e-3) / 1e9,
+                round_ms=times, round_position=[(i - r) % len(timed) for r in range(len(times))],
             )  # fmt: skip
     return rows_out
 
