@@ -65,6 +65,8 @@ def test_runs_on_hopper_for_the_shapes_it_was_built_for(capability):
     assert overlap.unavailable(*fake(hq=8, hk=2, nq=128, nk=512), True, None) is None  # GQA, Nq < Nk
     assert overlap.unavailable(*fake(nq=200, nk=333), False, None) is None  # lengths no multiple of a tile
     assert overlap.unavailable(*fake(nq=100, nk=333), True, None) is None
+    assert overlap.unavailable(*fake(nq=300, nk=300), True, (64, 0)) is None  # a sliding window
+    assert overlap.unavailable(*fake(nq=300, nk=500), False, (100, 40)) is None
 
 
 @needs_gluon
@@ -75,7 +77,8 @@ def test_runs_on_hopper_for_the_shapes_it_was_built_for(capability):
         ((10, 0), {}, False, None, "compute capability 9.x, not 10.0"),
         ((9, 0), {"dtype": torch.float32}, False, None, "16-bit inputs only"),
         ((9, 0), {"d": 96}, False, None, "head dims 64 and 128, not 96"),
-        ((9, 0), {}, True, (64, 0), "no sliding window"),
+        ((9, 0), {"nq": 512, "nk": 256}, False, (0, 0), "leaves some query rows with no key"),
+        ((9, 0), {"nq": 384, "nk": 256}, True, (None, 100), "no more queries than keys"),
         ((9, 0), {"nq": 512, "nk": 256}, True, None, "no more queries than keys"),
     ],
 )
@@ -154,6 +157,29 @@ def test_matches_the_float64_reference_on_hopper(case, dtype):
     assert overlap.unavailable(q, k, v, causal, None) is None
     o, lse = flash_attention(q, k, v, causal=causal, return_lse=True, rung="overlap")
     assert_matches_float64(o, lse, *attention_float64(q, k, v, causal, None), dtype, f"overlap {case}", 1e-3)
+
+
+WINDOW_CASES = [
+    # b, hq, hk, nq, nk, d, causal, window
+    (1, 4, 4, 1000, 1000, 128, True, (256, 0)),  # a causal sliding window: tiles left of the band never read
+    (2, 2, 2, 700, 900, 64, False, (100, 50)),  # both sides bounded, Nq < Nk
+    (1, 8, 2, 512, 512, 128, False, (0, 0)),  # each row sees only its diagonal key
+    (1, 2, 2, 300, 300, 64, True, (1000, 0)),  # a window wider than the keys: causal again
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: "x".join(str(x) for x in c))
+def test_sliding_windows_match_the_float64_reference_on_hopper(case, dtype):
+    if not gpu_ready():
+        pytest.skip("needs a Hopper GPU")
+    b, hq, hk, nq, nk, d, causal, window = case
+    q, k, v = make_qkv(b, hq, hk, nq, nk, d, dtype, seed=nq + d, device="cuda")
+    assert overlap.unavailable(q, k, v, causal, window) is None
+    o, lse = flash_attention(q, k, v, causal=causal, window=window, return_lse=True, rung="overlap")
+    ref = attention_float64(q, k, v, causal, window)
+    assert_matches_float64(o, lse, *ref, dtype, f"overlap window {case}", 1e-3)
 
 
 @pytest.mark.gpu

@@ -35,12 +35,13 @@ descriptors are built on the host and passed with the launch.
 
 Where it runs: a Hopper GPU (sm_90: ``wgmma`` is Hopper's instruction), 16-bit inputs, D = 64 or 128, any
 lengths (the copy engine fills rows past a head's end with zeros and does not write them back; keys past the end
-are masked), no window, Nq <= Nk under a causal mask, and any layout the copy engine can describe -- unit stride
-along D, every other stride and the start at multiples of 16 bytes, so heads interleaved with the rows (a
-(B, N, H, D) projection viewed as (B, H, N, D)) run without a copy. It has no interpreter path: Gluon compiles for
-a GPU only. ``unavailable`` says which of these fails; the ladder then runs the fastest rung that can. A key whose
-V row holds inf or NaN behind the causal mask marks its rows with a NaN lse, and rung 3's repair pass redoes those
-query tiles with the guard, as it does for rung 3.
+are masked), Nq <= Nk under a causal mask, a sliding window that leaves every query row some key (a query tile
+reads only the key tiles its rows' bands reach, and masks those that cross a band's edge), and any layout the copy
+engine can describe -- unit stride along D, every other stride and the start at multiples of 16 bytes, so heads
+interleaved with the rows (a (B, N, H, D) projection viewed as (B, H, N, D)) run without a copy. It has no
+interpreter path: Gluon compiles for a GPU only. ``unavailable`` says which of these fails; the ladder then runs
+the fastest rung that can. A key whose V row holds inf or NaN behind the mask marks its rows with a NaN lse, and
+rung 3's repair pass redoes those query tiles with the guard, as it does for rung 3.
 
 Tiles per head dim (``TILES``): how many consumer warpgroups share a program -- two, or three (192 query rows,
 FlashAttention-3's choice at D = 64; with 64-key tiles, so that three warpgroups' registers fit) -- the key tile,
@@ -53,6 +54,7 @@ import torch
 import triton
 
 from flashlab.core.integers import cdiv
+from flashlab.core.masking import visible_band
 from flashlab.kernels import hopper, skip_split
 from flashlab.kernels.runtime import device_index, sm_count
 from flashlab.kernels.softmax_step import LN_2
@@ -111,17 +113,26 @@ if GLUON_ERROR is None:
         return m, bh
 
     @gluon.jit
-    def _key_tiles(row_lo, offset, NK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-        """How many key tiles the query tile starting at row ``row_lo`` reads (causal: up to its last diagonal)."""
-        n = (NK + BLOCK_N - 1) // BLOCK_N
-        if CAUSAL:
-            n = gl.minimum((row_lo + BLOCK_M + offset + BLOCK_N - 1) // BLOCK_N, n)
-        return n
+    def _key_range(row_lo, NQ, NK, offset, win_left, win_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr):  # fmt: skip
+        """The key tiles ``[j0, j1)`` the query tile starting at row ``row_lo`` reads: all of them; causal, up to
+        its last row's diagonal; with a window, those the band ``[i + offset - win_left, i + offset + win_right]``
+        of any of its rows reaches."""
+        j0 = 0
+        j1 = (NK + BLOCK_N - 1) // BLOCK_N
+        if WINDOW:
+            row_hi = gl.minimum(row_lo + BLOCK_M, NQ) - 1
+            j0 = gl.maximum(row_lo + offset - win_left, 0) // BLOCK_N
+            j1 = (gl.minimum(row_hi + offset + win_right + 1, NK) + BLOCK_N - 1) // BLOCK_N
+        elif CAUSAL:
+            j1 = gl.minimum((row_lo + BLOCK_M + offset + BLOCK_N - 1) // BLOCK_N, j1)
+        return j0, j1
 
     @gluon.jit
     def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                v_empty, HQ, NK, GROUP, offset, n_m, n_bh, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
+                v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, NUM_WG: gl.constexpr,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                WINDOW: gl.constexpr):  # fmt: skip
         """The loader warp: for each tile of the program, each warpgroup's Q once it has finished with the last
         one, then K and V tile by tile into the ring, each copy waiting until every consumer has released the
         buffer it overwrites. The ring's count runs on across the program's tiles. Rows past a head's end come in
@@ -137,7 +148,8 @@ if GLUON_ERROR is None:
                 mbarrier.wait(q_empty.index(w), (done & 1) ^ 1)  # the first tile waits for nothing
                 mbarrier.expect(q_ready.index(w), desc_q.block_type.nbytes)
                 _tma_load(desc_q, [b, h, row_lo + w * _WG, 0], q_ready.index(w), q_smem.index(w))
-            for j in range(_key_tiles(row_lo, offset, NK, NUM_WG * _WG, BLOCK_N, CAUSAL)):
+            j0, j1 = _key_range(row_lo, NQ, NK, offset, win_left, win_right, NUM_WG * _WG, BLOCK_N, CAUSAL, WINDOW)
+            for j in range(j0, j1):
                 stage = count % STAGES
                 phase = (count // STAGES) & 1
                 mbarrier.wait(k_empty.index(stage), phase ^ 1)
@@ -150,12 +162,21 @@ if GLUON_ERROR is None:
             done += 1
 
     @gluon.jit
-    def _scores(s, j, rows, first_visible_edge, cols0, NK, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr,
-                BLOCK_N: gl.constexpr):  # fmt: skip
+    def _scores(s, j, rows, first_visible_edge, cols0, NK, win_left, win_right, CAUSAL: gl.constexpr,
+                KEY_TAIL: gl.constexpr, WINDOW: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
         """Tile ``j``'s scores, masked where the tile crosses a row's diagonal (causal: row ``i`` sees keys up to
         ``i + offset``; ``rows`` holds ``i + offset``) or runs past the last key. Not yet scaled: the running max is
-        taken of the raw scores, and the scale goes into the exponent's one multiply-add (``_exp2_scaled``)."""
-        if CAUSAL:  # keys past the end lie past every real row's diagonal too
+        taken of the raw scores, and the scale goes into the exponent's one multiply-add (``_exp2_scaled``). With a
+        window ``rows`` holds each row's diagonal ``i + offset`` and the band is ``[diag - win_left, diag +
+        win_right]``; ``first_visible_edge`` is still the first row's diagonal."""
+        if WINDOW:
+            last_left = first_visible_edge + (_WG - 1) - win_left  # the last row's first key
+            first_right = first_visible_edge + win_right  # the first row's last key
+            if j * BLOCK_N < last_left or (j + 1) * BLOCK_N - 1 > first_right or (j + 1) * BLOCK_N > NK:
+                cols = j * BLOCK_N + cols0
+                seen = (cols[None, :] >= rows[:, None] - win_left) & (cols[None, :] <= rows[:, None] + win_right)
+                s = gl.where(seen & (cols[None, :] < NK), s, float("-inf"))
+        elif CAUSAL:  # keys past the end lie past every real row's diagonal too
             if (j + 1) * BLOCK_N > first_visible_edge + 1:  # some key of the tile lies past some row's last key
                 cols = j * BLOCK_N + cols0
                 s = gl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
@@ -170,6 +191,14 @@ if GLUON_ERROR is None:
         """``exp2(s * qk_scale - m * qk_scale)`` row by row: one fused multiply-add and one exponential per score
         (a max taken of scaled scores would cost a multiply more)."""
         return gl.exp2(s * qk_scale - (m * qk_scale)[:, None])
+
+    @gluon.jit
+    def _finite(m, WINDOW: gl.constexpr):
+        """The running max to subtract: with a window a row may have seen only hidden keys so far (max -inf); it
+        is taken about 0 then, so its p and rescale come out 0 rather than NaN from (-inf) - (-inf)."""
+        if WINDOW:
+            m = gl.where(m == float("-inf"), 0.0, m)
+        return m
 
     @gluon.jit
     def _take_turn(turn, n, WG: gl.constexpr, PINGPONG: gl.constexpr):
@@ -189,9 +218,10 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                  turn, LSE, HQ, NQ, NK, offset, n_m, n_bh, qk_scale, WG: gl.constexpr, NUM_WG: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  KEY_TAIL: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
+                  turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, WG: gl.constexpr,
+                  NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, WINDOW: gl.constexpr,
+                  PINGPONG: gl.constexpr):  # fmt: skip
         """One consumer warpgroup: for each tile of the program, 64 query rows through every key tile, the softmax
         of tile j under the P V product of tile j-1 (the module docstring's schedule), then O and the lse. O
         leaves through its own shared memory while the next tile starts; the copy engine drops rows past the
@@ -213,13 +243,14 @@ if GLUON_ERROR is None:
         for tile in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
             m, bh = _tile_at(tile, n_m, n_bh, CAUSAL)
             row_lo = m * BLOCK_M
-            n_tiles = _key_tiles(row_lo, offset, NK, BLOCK_M, BLOCK_N, CAUSAL)
-            edge = row_lo + offset + WG * _WG  # the last key this warpgroup's first row sees
-            rows = edge + gl.arange(0, _WG, layout=row_layout)  # each row's last visible key
+            j0, j1 = _key_range(row_lo, NQ, NK, offset, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+            n_tiles = j1 - j0  # at least 1: ``unavailable`` refuses a band that leaves a row with no key
+            edge = row_lo + offset + WG * _WG  # this warpgroup's first row's diagonal (causal: its last key)
+            rows = edge + gl.arange(0, _WG, layout=row_layout)  # each row's diagonal
             acc = gl.zeros([_WG, HEAD_DIM], gl.float32, o_layout)
             mbarrier.wait(q_ready.index(WG), done & 1)
 
-            # key tile 0: its scores and softmax (nothing to overlap yet)
+            # the first key tile: its scores and softmax (nothing to overlap yet)
             stage = count % STAGES
             mbarrier.wait(k_ready.index(stage), (count // STAGES) & 1)
             _take_turn(turn, turns, WG, PINGPONG)
@@ -229,19 +260,20 @@ if GLUON_ERROR is None:
             turns += 1
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(stage))
-            s = _scores(s, 0, rows, edge, cols0, NK, CAUSAL, KEY_TAIL, BLOCK_N)
-            m_i = gl.max(s, 1)  # raw scores' running max; key 0 is in every real row's view, so it is finite
-            p = _exp2_scaled(s, m_i, qk_scale)
+            s = _scores(s, j0, rows, edge, cols0, NK, win_left, win_right, CAUSAL, KEY_TAIL, WINDOW, BLOCK_N)
+            m_i = gl.max(s, 1)  # the raw scores' running max; without a window key 0 is in every real row's view
+            p = _exp2_scaled(s, _finite(m_i, WINDOW), qk_scale)
             l_i = gl.sum(p, 1)
 
-            for j in range(1, n_tiles):
-                prev = (count + j - 1) % STAGES
-                stage = (count + j) % STAGES
-                mbarrier.wait(k_ready.index(stage), ((count + j) // STAGES) & 1)
+            for i in range(1, n_tiles):
+                j = j0 + i
+                prev = (count + i - 1) % STAGES
+                stage = (count + i) % STAGES
+                mbarrier.wait(k_ready.index(stage), ((count + i) // STAGES) & 1)
                 _take_turn(turn, turns, WG, PINGPONG)
                 k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
                 s_next = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
-                mbarrier.wait(v_ready.index(prev), ((count + j - 1) // STAGES) & 1)
+                mbarrier.wait(v_ready.index(prev), ((count + i - 1) // STAGES) & 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
                 acc_next = warpgroup_mma(p_op, v_t, acc, is_async=True)
@@ -249,10 +281,11 @@ if GLUON_ERROR is None:
                 turns += 1
                 s = warpgroup_mma_wait(1, deps=(s_next,))  # the scores are done; P V of tile j-1 may still run
                 mbarrier.arrive(k_empty.index(stage))
-                s = _scores(s, j, rows, edge, cols0, NK, CAUSAL, KEY_TAIL, BLOCK_N)
+                s = _scores(s, j, rows, edge, cols0, NK, win_left, win_right, CAUSAL, KEY_TAIL, WINDOW, BLOCK_N)
                 m_new = gl.maximum(m_i, gl.max(s, 1))
-                alpha = gl.exp2((m_i - m_new) * qk_scale)
-                p = _exp2_scaled(s, m_new, qk_scale)
+                m_use = _finite(m_new, WINDOW)
+                alpha = gl.exp2((m_i - m_use) * qk_scale)
+                p = _exp2_scaled(s, m_use, qk_scale)
                 l_i = l_i * alpha + gl.sum(p, 1)
                 m_i = m_new
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))  # p_op's registers stay read until here
@@ -270,7 +303,7 @@ if GLUON_ERROR is None:
             # epilogue: O through shared memory and a bulk copy, the lse with stores
             o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
             lse = (m_i * qk_scale + gl.log2(l_i)) * LN_2
-            if CAUSAL:  # a hidden key's inf or NaN in V reaches its tile through P V (0 * inf): mark the row
+            if CAUSAL or WINDOW:  # a hidden key's inf or NaN in V reaches its tile through P V (0 * inf): mark it
                 bad = gl.max(gl.where(gl.abs(acc) < float("inf"), 0, 1), 1)
                 lse = gl.where(gl.convert_layout(bad, row_layout) > 0, float("nan"), lse)
             row0 = row_lo + WG * _WG
@@ -284,10 +317,10 @@ if GLUON_ERROR is None:
         tma.store_wait(0)
 
     @gluon.jit
-    def _attn_fwd_overlap(desc_q, desc_k, desc_v, desc_o, LSE, HQ, NQ, NK, GROUP, offset, qk_scale, n_bh,
-                          HEAD_DIM: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                          CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, PINGPONG: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr):  # fmt: skip
+    def _attn_fwd_overlap(desc_q, desc_k, desc_v, desc_o, LSE, HQ, NQ, NK, GROUP, offset, win_left, win_right,
+                          qk_scale, n_bh, HEAD_DIM: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
+                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, WINDOW: gl.constexpr,
+                          PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr):  # fmt: skip
         """A persistent grid: each program takes (query tile, head) pairs ``_tile_at(pid)``,
         ``_tile_at(pid + programs)``, ..., with a loader warp and ``NUM_WG`` consumer warpgroups of 64 rows."""
         dtype: gl.constexpr = desc_q.dtype
@@ -319,27 +352,29 @@ if GLUON_ERROR is None:
         if NUM_WG == 2:
             gl.warp_specialize([
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, turn, LSE, HQ, NQ, NK, offset, n_m, n_bh, qk_scale, 0, NUM_WG, HEAD_DIM,
-                             BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PINGPONG)),
+                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 0,
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG)),
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, turn, LSE, HQ, NQ, NK, offset, n_m, n_bh, qk_scale, 1, NUM_WG, HEAD_DIM,
-                             BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PINGPONG)),
+                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 1,
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG)),
                 (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                           k_empty, v_empty, HQ, NK, GROUP, offset, n_m, n_bh, NUM_WG, BLOCK_N, STAGES, CAUSAL)),
+                           k_empty, v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, NUM_WG,
+                           BLOCK_N, STAGES, CAUSAL, WINDOW)),
             ], [4, 1], [CONSUMER_REGS, _LOADER_REGS])  # fmt: skip
         else:
             gl.warp_specialize([
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, turn, LSE, HQ, NQ, NK, offset, n_m, n_bh, qk_scale, 0, NUM_WG, HEAD_DIM,
-                             BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PINGPONG)),
+                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 0,
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG)),
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, turn, LSE, HQ, NQ, NK, offset, n_m, n_bh, qk_scale, 1, NUM_WG, HEAD_DIM,
-                             BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PINGPONG)),
+                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 1,
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG)),
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, turn, LSE, HQ, NQ, NK, offset, n_m, n_bh, qk_scale, 2, NUM_WG, HEAD_DIM,
-                             BLOCK_N, STAGES, CAUSAL, KEY_TAIL, PINGPONG)),
+                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 2,
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG)),
                 (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                           k_empty, v_empty, HQ, NK, GROUP, offset, n_m, n_bh, NUM_WG, BLOCK_N, STAGES, CAUSAL)),
+                           k_empty, v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, NUM_WG,
+                           BLOCK_N, STAGES, CAUSAL, WINDOW)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, _LOADER_REGS])  # fmt: skip
 
 
@@ -362,10 +397,12 @@ def unavailable(q, k, v, causal, window) -> str | None:
     d, nq, nk = q.shape[3], q.shape[2], k.shape[2]
     if d not in HEAD_DIMS:
         return f"its tiles are built for head dims {' and '.join(map(str, HEAD_DIMS))}, not {d}"
-    if window is not None:
-        return "it has no sliding window (the Hopper rung has)"
     if causal and nq > nk:
         return "under a causal mask it needs no more queries than keys (some rows would see no key)"
+    if window is not None:
+        offset, _, right = visible_band(nq, nk, causal, window)
+        if offset + right < 0:  # the first row's band ends left of key 0 (the band is bottom-right aligned)
+            return "its window leaves some query rows with no key to see (the Hopper rung gives them zeros)"
     for name, x in (("q", q), ("k", k), ("v", v)):
         why = _not_describable(x)
         if why is not None:
@@ -432,7 +469,7 @@ def launch(q, k, v, o, lse, causal, window, band, config=None):
         raise RuntimeError(f"the overlap rung cannot write o and lse: {why or 'lse is not contiguous'}")
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    offset, _, _, qk_scale = band
+    offset, win_left, win_right, qk_scale = band
     num_wg, block_n, stages = TILES[d]
     desc_q, desc_o = (_descriptor(x, WG_ROWS) for x in (q, o))
     desc_k, desc_v = (_descriptor(x, block_n) for x in (k, v))
@@ -440,12 +477,12 @@ def launch(q, k, v, o, lse, causal, window, band, config=None):
     with torch.cuda.device(q.device):
         programs = min(tiles, sm_count(device_index(q)))  # persistent: one program per multiprocessor
         _attn_fwd_overlap[(programs,)](
-            desc_q, desc_k, desc_v, desc_o, lse, hq, nq, nk, hq // hk, offset, qk_scale, b * hq,
-            HEAD_DIM=d, NUM_WG=num_wg, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal),
-            KEY_TAIL=not causal and nk % block_n != 0, PINGPONG=PINGPONG,
+            desc_q, desc_k, desc_v, desc_o, lse, hq, nq, nk, hq // hk, offset, win_left, win_right, qk_scale, b * hq,
+            HEAD_DIM=d, NUM_WG=num_wg, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), WINDOW=window is not None,
+            KEY_TAIL=not causal and window is None and nk % block_n != 0, PINGPONG=PINGPONG,
             CONSUMER_REGS=CONSUMER_REGS[num_wg], num_warps=4,
         )  # fmt: skip
-    if causal:
+    if causal or window is not None:
         scalars, _, meta = hopper._arguments(q, k, v, o.stride()[:3], causal, window, band, is_cuda=True)
         hopper.repair((q, k, v, o, lse, *scalars), q, meta)
 
