@@ -62,6 +62,8 @@ class World:
         for op in self.inflight:
             if op["kind"] == "mma" and buf in op["reads"]:
                 self.fail(f"copy of {content} into {buf} while a product reads it ({op['what']})")
+            if op["kind"] == "store" and op["buf"] == buf:
+                self.fail(f"copy of {content} into {buf} while O's store reads it")
         self.buffers[buf] = (content, False)
         self.inflight.append(dict(kind="load", buf=buf, content=content, bar=bar, nbytes=nbytes))
 
@@ -81,9 +83,14 @@ class World:
         self.stores[wg].append(op)
 
     def write_smem(self, wg, buf):
-        for op in self.stores[wg]:
-            if op["buf"] == buf:
+        for op in self.inflight:
+            if op["kind"] == "store" and op["buf"] == buf:
                 self.fail(f"WG{wg} writes {buf} while its store runs")
+            if op["kind"] == "mma" and buf in op["reads"]:
+                self.fail(f"WG{wg} writes {buf} while a product reads it ({op['what']})")
+            if op["kind"] == "load" and op["buf"] == buf:
+                self.fail(f"WG{wg} writes {buf} while a copy lands in it")
+        self.buffers[buf] = (("o", wg), True)
 
     def complete_one(self):
         op = self.rng.choice(self.inflight)
@@ -118,25 +125,39 @@ def wait(bar, parity):
         yield
 
 
-def loader(w, B, NUM_WG, pid, nprog, n_m, n_bh, nk_tiles, causal, off, STAGES):
+def loader(w, B, NUM_WG, pid, nprog, n_m, n_bh, nk_tiles, causal, off, STAGES, O_IN_Q):
     count = done = 0
-    for tile in range(pid, n_m * n_bh, nprog):
-        m, bh = tile_at(tile, n_m, n_bh, causal)
+
+    def load_q(tile, done):
         for g in range(NUM_WG):
             yield from wait(B["q_empty"][g], (done & 1) ^ 1)
             B["q_ready"][g].expect(1)
             w.tma_load(f"q{g}", ("q", tile, g), B["q_ready"][g])
-        for j in range(key_tiles(m, nk_tiles, causal, off)):
-            stage, phase = count % STAGES, (count // STAGES) & 1
-            yield from wait(B["k_empty"][stage], phase ^ 1)
-            B["k_ready"][stage].expect(1)
-            w.tma_load(f"k{stage}", ("k", bh, j), B["k_ready"][stage])
-            yield
-            yield from wait(B["v_empty"][stage], phase ^ 1)
-            B["v_ready"][stage].expect(1)
-            w.tma_load(f"v{stage}", ("v", bh, j), B["v_ready"][stage])
+
+    def load_kv(count, bh, j):
+        stage, phase = count % STAGES, (count // STAGES) & 1
+        yield from wait(B["k_empty"][stage], phase ^ 1)
+        B["k_ready"][stage].expect(1)
+        w.tma_load(f"k{stage}", ("k", bh, j), B["k_ready"][stage])
+        yield
+        yield from wait(B["v_empty"][stage], phase ^ 1)
+        B["v_ready"][stage].expect(1)
+        w.tma_load(f"v{stage}", ("v", bh, j), B["v_ready"][stage])
+        yield
+
+    for tile in range(pid, n_m * n_bh, nprog):
+        m, bh = tile_at(tile, n_m, n_bh, causal)
+        j0 = 0
+        if O_IN_Q:  # the first K and V before Q, whose buffer comes back only after O's store
+            yield from load_kv(count, bh, 0)
             count += 1
-            yield
+            yield from load_q(tile, done)
+            j0 = 1
+        else:
+            yield from load_q(tile, done)
+        for j in range(j0, key_tiles(m, nk_tiles, causal, off)):
+            yield from load_kv(count, bh, j)
+            count += 1
         done += 1
 
 
@@ -145,7 +166,7 @@ def mma_wait(w, wg, n):
         yield
 
 
-def consumer(w, B, WG, NUM_WG, pid, nprog, n_m, n_bh, nk_tiles, causal, off, STAGES, PINGPONG):
+def consumer(w, B, WG, NUM_WG, pid, nprog, n_m, n_bh, nk_tiles, causal, off, STAGES, O_IN_Q, PINGPONG):
     count = turns = done = 0
     turn = B["turn"]
 
@@ -187,7 +208,8 @@ def consumer(w, B, WG, NUM_WG, pid, nprog, n_m, n_bh, nk_tiles, causal, off, STA
             yield from mma_wait(w, WG, 0)
             B["v_empty"][prev].arrive()
             yield
-        B["q_empty"][WG].arrive()
+        if not O_IN_Q:
+            B["q_empty"][WG].arrive()
         last = (count + n - 1) % STAGES
         yield from wait(B["v_ready"][last], ((count + n - 1) // STAGES) & 1)
         w.mma(WG, [f"v{last}"], [("v", bh, n - 1)], f"PV t{tile} j{n - 1}")
@@ -195,17 +217,23 @@ def consumer(w, B, WG, NUM_WG, pid, nprog, n_m, n_bh, nk_tiles, causal, off, STA
         B["v_empty"][last].arrive()
         count += n
         yield
-        while w.stores[WG]:  # tma.store_wait(0)
-            yield
-        w.write_smem(WG, f"o{WG}")
-        w.store(WG, f"o{WG}")
+        o_buf = f"q{WG}" if O_IN_Q else f"o{WG}"
+        if not O_IN_Q:
+            while w.stores[WG]:  # tma.store_wait(0)
+                yield
+        w.write_smem(WG, o_buf)
+        w.store(WG, o_buf)
+        if O_IN_Q:
+            while w.stores[WG]:  # tma.store_wait(0), then Q's buffer goes back to the loader
+                yield
+            B["q_empty"][WG].arrive()
         done += 1
         yield
     while w.stores[WG]:
         yield
 
 
-def simulate(seed, NUM_WG, STAGES, PINGPONG, n_m, n_bh, nk_tiles, causal, off, pid=0, nprog=1):
+def simulate(seed, NUM_WG, STAGES, O_IN_Q, PINGPONG, n_m, n_bh, nk_tiles, causal, off, pid=0, nprog=1):
     rng = random.Random(seed)
     w = World(rng)
     B = dict(
@@ -217,7 +245,7 @@ def simulate(seed, NUM_WG, STAGES, PINGPONG, n_m, n_bh, nk_tiles, causal, off, p
         k_empty=[Barrier(NUM_WG) for _ in range(STAGES)],
         v_empty=[Barrier(NUM_WG) for _ in range(STAGES)],
     )
-    args = (NUM_WG, pid, nprog, n_m, n_bh, nk_tiles, causal, off, STAGES)
+    args = (NUM_WG, pid, nprog, n_m, n_bh, nk_tiles, causal, off, STAGES, O_IN_Q)
     procs = {"loader": loader(w, B, *args)}
     for g in range(NUM_WG):
         procs[f"wg{g}"] = consumer(w, B, g, *args, PINGPONG)
@@ -248,7 +276,7 @@ def simulate(seed, NUM_WG, STAGES, PINGPONG, n_m, n_bh, nk_tiles, causal, off, p
 if __name__ == "__main__":
     seeds = int(sys.argv[1]) if len(sys.argv) > 1 else 300
     configs = []
-    for NUM_WG, STAGES in ((2, 2), (2, 3), (3, 2), (3, 3)):
+    for NUM_WG, STAGES, O_IN_Q in ((2, 2, False), (2, 3, False), (3, 2, False), (3, 3, False), (2, 2, True)):
         for PINGPONG in (False, True):
             for causal, off in ((False, 0), (True, 0), (True, 2)):
                 for n_m, n_bh, nk_tiles in ((1, 1, 1), (3, 2, 3), (4, 3, 4), (2, 5, 1)):
@@ -257,14 +285,14 @@ if __name__ == "__main__":
                     else:
                         nk = nk_tiles if not causal else max(nk_tiles, n_m)
                     for nprog in (1, 2, 3):
-                        configs.append((NUM_WG, STAGES, PINGPONG, n_m, n_bh, nk, causal, off, nprog))
+                        configs.append((NUM_WG, STAGES, O_IN_Q, PINGPONG, n_m, n_bh, nk, causal, off, nprog))
     total = 0
     for cfg in configs:
-        NUM_WG, STAGES, PINGPONG, n_m, n_bh, nk, causal, off, nprog = cfg
+        NUM_WG, STAGES, O_IN_Q, PINGPONG, n_m, n_bh, nk, causal, off, nprog = cfg
         for s in range(seeds):
             pid = s % nprog
             try:
-                total += simulate(s, NUM_WG, STAGES, PINGPONG, n_m, n_bh, nk, causal, off, pid, nprog)
+                total += simulate(s, NUM_WG, STAGES, O_IN_Q, PINGPONG, n_m, n_bh, nk, causal, off, pid, nprog)
             except AssertionError as e:
                 print("FAIL", cfg, "seed", s, e)
                 sys.exit(1)

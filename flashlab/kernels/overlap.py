@@ -33,8 +33,8 @@ the last one (its last ``P V``, the division by the sum, O's store through share
 tile would pay that start and end on every tile with the multiprocessor idle between. The copy engine's tensor
 descriptors are built on the host and passed with the launch.
 
-Where it runs: a Hopper GPU (sm_90: ``wgmma`` is Hopper's instruction), 16-bit inputs, D = 64 or 128, any
-lengths (the copy engine fills rows past a head's end with zeros and does not write them back; keys past the end
+Where it runs: a Hopper GPU (sm_90: ``wgmma`` is Hopper's instruction), 16-bit inputs, D = 64, 128 or 256,
+any lengths (the copy engine fills rows past a head's end with zeros and does not write them back; keys past the end
 are masked), Nq <= Nk under a causal mask, a sliding window that leaves every query row some key (a query tile
 reads only the key tiles its rows' bands reach, and masks those that cross a band's edge), and any layout the copy
 engine can describe -- unit stride along D, every other stride and the start at multiples of 16 bytes, so heads
@@ -45,7 +45,8 @@ rung 3's repair pass redoes those query tiles with the guard, as it does for run
 
 Tiles per head dim (``TILES``): how many consumer warpgroups share a program -- two, or three (192 query rows,
 FlashAttention-3's choice at D = 64; with 64-key tiles, so that three warpgroups' registers fit) -- the key tile,
-and the ring's depth.
+and the ring's depth. At D = 256 O leaves through Q's shared memory (``O_THROUGH_Q``): the loader then copies a
+tile's first K and V before its Q, whose buffer comes back only once O's store has read it.
 """
 
 from __future__ import annotations
@@ -79,10 +80,13 @@ except ImportError as error:  # an older Triton: the rung says so in ``unavailab
 NAME = "overlap"  # the rung's name in flashlab.kernels.ladder
 CAPABILITY = 9  # wgmma is sm_90's instruction: Hopper only (Blackwell has its own, tcgen05)
 WG_ROWS = 64  # query rows per consumer warpgroup: one wgmma M
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 # (consumer warpgroups, BLOCK_N, STAGES) per head dim; a program's query tile is 64 rows per consumer warpgroup.
 # Two warpgroups and 128-key tiles won the first H200 sweep at both head dims (against 64-key tiles, 2 or 3 stages).
-TILES = {64: (2, 128, 3), 128: (2, 128, 2)}
+# At D = 256 (not yet measured) 64-key tiles and two stages, and O leaves through Q's buffer: 64 KB of Q and 128 KB
+# of K/V ring leave no room for a separate O buffer.
+TILES = {64: (2, 128, 3), 128: (2, 128, 2), 256: (2, 64, 2)}
+O_THROUGH_Q = (256,)  # head dims whose O is stored through Q's shared memory
 # registers per thread of a consumer warpgroup (setmaxnreg), by how many there are; the first gets what is left
 CONSUMER_REGS = {2: 240, 3: 160}
 LOADER_REGS = 24  # the loader warp only issues copies
@@ -129,14 +133,37 @@ if GLUON_ERROR is None:
         return j0, j1
 
     @gluon.jit
+    def _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, count, b, h_kv, j,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        """Copy key tile ``j``'s K and V into the ring's buffer ``count % STAGES``, each once every consumer has
+        released it."""
+        stage = count % STAGES
+        phase = (count // STAGES) & 1
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)  # the first pass through the ring waits for nothing
+        mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
+        _tma_load(desc_k, [b, h_kv, j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
+        _tma_load(desc_v, [b, h_kv, j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+
+    @gluon.jit
+    def _load_q(desc_q, q_smem, q_ready, q_empty, done, b, h, row_lo, NUM_WG: gl.constexpr):
+        """Copy each warpgroup's 64 query rows, once that warpgroup has released its buffer."""
+        for w in gl.static_range(NUM_WG):
+            mbarrier.wait(q_empty.index(w), (done & 1) ^ 1)  # the first tile waits for nothing
+            mbarrier.expect(q_ready.index(w), desc_q.block_type.nbytes)
+            _tma_load(desc_q, [b, h, row_lo + w * _WG, 0], q_ready.index(w), q_smem.index(w))
+
+    @gluon.jit
     def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                 v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, NUM_WG: gl.constexpr,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                WINDOW: gl.constexpr):  # fmt: skip
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                O_IN_Q: gl.constexpr):  # fmt: skip
         """The loader warp: for each tile of the program, each warpgroup's Q once it has finished with the last
         one, then K and V tile by tile into the ring, each copy waiting until every consumer has released the
         buffer it overwrites. The ring's count runs on across the program's tiles. Rows past a head's end come in
-        as zeros (the descriptors know each head's length)."""
+        as zeros (the descriptors know each head's length). With ``O_IN_Q`` (O leaves through Q's buffer, which
+        is then released only after O's store) the first K and V go before Q, so they are not held up behind it."""
         count = 0  # K/V tiles copied so far: the ring's position and phase
         done = 0  # query tiles started
         for tile in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
@@ -144,20 +171,18 @@ if GLUON_ERROR is None:
             b = bh // HQ
             h = bh % HQ
             row_lo = m * (NUM_WG * _WG)
-            for w in gl.static_range(NUM_WG):
-                mbarrier.wait(q_empty.index(w), (done & 1) ^ 1)  # the first tile waits for nothing
-                mbarrier.expect(q_ready.index(w), desc_q.block_type.nbytes)
-                _tma_load(desc_q, [b, h, row_lo + w * _WG, 0], q_ready.index(w), q_smem.index(w))
             j0, j1 = _key_range(row_lo, NQ, NK, offset, win_left, win_right, NUM_WG * _WG, BLOCK_N, CAUSAL, WINDOW)
+            if O_IN_Q:
+                _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, count, b, h // GROUP, j0,
+                         BLOCK_N, STAGES)  # fmt: skip
+                count += 1
+                _load_q(desc_q, q_smem, q_ready, q_empty, done, b, h, row_lo, NUM_WG)
+                j0 += 1
+            else:
+                _load_q(desc_q, q_smem, q_ready, q_empty, done, b, h, row_lo, NUM_WG)
             for j in range(j0, j1):
-                stage = count % STAGES
-                phase = (count // STAGES) & 1
-                mbarrier.wait(k_empty.index(stage), phase ^ 1)
-                mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
-                _tma_load(desc_k, [b, h // GROUP, j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
-                mbarrier.wait(v_empty.index(stage), phase ^ 1)
-                mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
-                _tma_load(desc_v, [b, h // GROUP, j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+                _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, count, b, h // GROUP, j,
+                         BLOCK_N, STAGES)  # fmt: skip
                 count += 1
             done += 1
 
@@ -220,8 +245,8 @@ if GLUON_ERROR is None:
     def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                   turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, WG: gl.constexpr,
                   NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, WINDOW: gl.constexpr,
-                  PINGPONG: gl.constexpr):  # fmt: skip
+                  CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, WINDOW: gl.constexpr, PINGPONG: gl.constexpr,
+                  O_IN_Q: gl.constexpr):  # fmt: skip
         """One consumer warpgroup: for each tile of the program, 64 query rows through every key tile, the softmax
         of tile j under the P V product of tile j-1 (the module docstring's schedule), then O and the lse. O
         leaves through its own shared memory while the next tile starts; the copy engine drops rows past the
@@ -291,7 +316,8 @@ if GLUON_ERROR is None:
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))  # p_op's registers stay read until here
                 mbarrier.arrive(v_empty.index(prev))
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            mbarrier.arrive(q_empty.index(WG))  # every product reading Q is done: the loader may fetch the next
+            if not O_IN_Q:
+                mbarrier.arrive(q_empty.index(WG))  # every product reading Q is done: the loader may fetch the next
 
             last = (count + n_tiles - 1) % STAGES
             mbarrier.wait(v_ready.index(last), ((count + n_tiles - 1) // STAGES) & 1)
@@ -307,10 +333,14 @@ if GLUON_ERROR is None:
                 bad = gl.max(gl.where(gl.abs(acc) < float("inf"), 0, 1), 1)
                 lse = gl.where(gl.convert_layout(bad, row_layout) > 0, float("nan"), lse)
             row0 = row_lo + WG * _WG
-            tma.store_wait(0)  # the previous tile's O has left the buffer
+            if not O_IN_Q:
+                tma.store_wait(0)  # the previous tile's O has left the buffer
             o_buf.reshape([_WG, HEAD_DIM]).store(o.to(dtype))
             fence_async_shared()
             _tma_store(desc_o, [bh // HQ, bh % HQ, row0, 0], o_buf)
+            if O_IN_Q:  # O left through Q's buffer: release it once the store has read it
+                tma.store_wait(0)
+                mbarrier.arrive(q_empty.index(WG))
             offs = row0 + gl.arange(0, _WG, layout=row_layout)
             gl.store(LSE + bh * NQ + offs, lse, mask=offs < NQ)
             done += 1
@@ -320,14 +350,17 @@ if GLUON_ERROR is None:
     def _attn_fwd_overlap(desc_q, desc_k, desc_v, desc_o, LSE, HQ, NQ, NK, GROUP, offset, win_left, win_right,
                           qk_scale, n_bh, HEAD_DIM: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, WINDOW: gl.constexpr,
-                          PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr):  # fmt: skip
+                          PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr, CONSUMER_REGS: gl.constexpr):  # fmt: skip
         """A persistent grid: each program takes (query tile, head) pairs ``_tile_at(pid)``,
         ``_tile_at(pid + programs)``, ..., with a loader warp and ``NUM_WG`` consumer warpgroups of 64 rows."""
         dtype: gl.constexpr = desc_q.dtype
         BLOCK_M: gl.constexpr = NUM_WG * _WG
         n_m = (NQ + BLOCK_M - 1) // BLOCK_M
         q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, 1, _WG, HEAD_DIM], desc_q.layout)
-        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, 1, _WG, HEAD_DIM], desc_o.layout)
+        if O_IN_Q:  # D = 256: a separate O buffer would not fit beside the K/V ring
+            o_smem = q_smem
+        else:
+            o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, 1, _WG, HEAD_DIM], desc_o.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], desc_k.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], desc_v.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
@@ -353,28 +386,28 @@ if GLUON_ERROR is None:
             gl.warp_specialize([
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                              v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 0,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG)),
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q)),
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                              v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 1,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG)),
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q)),
                 (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                            k_empty, v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, NUM_WG,
-                           BLOCK_N, STAGES, CAUSAL, WINDOW)),
+                           BLOCK_N, STAGES, CAUSAL, WINDOW, O_IN_Q)),
             ], [4, 1], [CONSUMER_REGS, _LOADER_REGS])  # fmt: skip
         else:
             gl.warp_specialize([
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                              v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 0,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG)),
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q)),
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                              v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 1,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG)),
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q)),
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                              v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 2,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG)),
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q)),
                 (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                            k_empty, v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, NUM_WG,
-                           BLOCK_N, STAGES, CAUSAL, WINDOW)),
+                           BLOCK_N, STAGES, CAUSAL, WINDOW, O_IN_Q)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, _LOADER_REGS])  # fmt: skip
 
 
@@ -396,7 +429,7 @@ def unavailable(q, k, v, causal, window) -> str | None:
         return "it runs 16-bit inputs only (its dots are the tensor cores')"
     d, nq, nk = q.shape[3], q.shape[2], k.shape[2]
     if d not in HEAD_DIMS:
-        return f"its tiles are built for head dims {' and '.join(map(str, HEAD_DIMS))}, not {d}"
+        return f"its tiles are built for head dims {', '.join(map(str, HEAD_DIMS))}, not {d}"
     if causal and nq > nk:
         return "under a causal mask it needs no more queries than keys (some rows would see no key)"
     if window is not None:
@@ -480,7 +513,7 @@ def launch(q, k, v, o, lse, causal, window, band, config=None):
             desc_q, desc_k, desc_v, desc_o, lse, hq, nq, nk, hq // hk, offset, win_left, win_right, qk_scale, b * hq,
             HEAD_DIM=d, NUM_WG=num_wg, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), WINDOW=window is not None,
             KEY_TAIL=not causal and window is None and nk % block_n != 0, PINGPONG=PINGPONG,
-            CONSUMER_REGS=CONSUMER_REGS[num_wg], num_warps=4,
+            O_IN_Q=d in O_THROUGH_Q, CONSUMER_REGS=CONSUMER_REGS[num_wg], num_warps=4,
         )  # fmt: skip
     if causal or window is not None:
         scalars, _, meta = hopper._arguments(q, k, v, o.stride()[:3], causal, window, band, is_cuda=True)
