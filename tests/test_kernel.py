@@ -310,5 +310,9 @@ def test_gpu_hidden_non_finite_v_rows_do_not_leak(dtype, nq, nk, causal, window)
     o = flash_attention(q, k, v_bad, causal=causal, window=window)
     sees_bad = torch.from_numpy(visible_mask(nq, nk, causal, window)[:, bad].any(axis=1)).cuda()  # (Nq,)
     assert (~sees_bad).any()
-    torch.testing.assert_close(o[:, :, ~sees_bad], o_clean[:, :, ~sees_bad], rtol=0, atol=0)
+    # Rows that see no bad value stay finite and right. The Hopper rungs find a tile with a non-finite value and
+    # redo it in their repair pass, in another tile order, so those rows may differ from the clean run in the last
+    # bits (rungs 1-2 guard the masked tiles and give the same bits).
+    assert torch.isfinite(o[:, :, ~sees_bad]).all()
+    torch.testing.assert_close(o[:, :, ~sees_bad], o_clean[:, :, ~sees_bad], rtol=0, atol=2e-2)
     assert not torch.isfinite(o[:, :, sees_bad]).all(dim=-1).any()  # every row that sees a bad value shows it

@@ -224,13 +224,13 @@ def test_gradients_through_the_overlap_rung():
 
 
 @pytest.mark.gpu
-def test_the_default_runs_it_at_head_dim_128_on_hopper():
+def test_the_default_runs_it_where_it_is_preferred_on_hopper():
     if not gpu_ready():
         pytest.skip("needs a Hopper GPU")
-    q, k, v = make_qkv(1, 4, 4, 1024, 1024, 128, torch.bfloat16, seed=2, device="cuda")
-    assert ladder.select(None, q, k, v, True, None)[0].name == overlap.NAME
-    q64, k64, v64 = make_qkv(1, 4, 4, 1024, 1024, 64, torch.bfloat16, seed=2, device="cuda")
-    assert ladder.select(None, q64, k64, v64, True, None)[0].name != overlap.NAME
+    for d in overlap.HEAD_DIMS:
+        q, k, v = make_qkv(1, 4, 4, 1000, 1000, d, torch.bfloat16, seed=2, device="cuda")
+        picked = ladder.select(None, q, k, v, True, None)[0].name == overlap.NAME
+        assert picked == (d in overlap.PREFERRED_HEAD_DIMS), d
 
 
 def test_the_default_picks_it_where_the_recording_measured_it_faster_than_the_rungs_below():
@@ -312,3 +312,6 @@ def test_its_grid_is_persistent_one_program_per_multiprocessor_at_most(capabilit
         assert list(desc.shape) == [b, hq, nq, 128] and list(desc.block_shape) == [1, 1, rows, 128]
         assert list(desc.strides) == [hq * nq * 128, nq * 128, 128, 1]
     assert launched["args"][-1] == b * hq  # heads the programs walk
+    monkeypatch.setattr(overlap.hopper, "repair", lambda *args: None)
+    overlap.launch(q, k, v, o, lse, True, None, (0, 0, 0, 1.0))  # causal: one program per tile, the GPU balancing
+    assert launched["grid"] == (-(-nq // (num_wg * overlap.WG_ROWS)) * b * hq,)

@@ -85,7 +85,7 @@ HEAD_DIMS = (64, 128, 256)
 # Two warpgroups and 128-key tiles won the first H200 sweep at both head dims (against 64-key tiles, 2 or 3 stages).
 # At D = 256 (not yet measured) 64-key tiles and two stages, and O leaves through Q's buffer: 64 KB of Q and 128 KB
 # of K/V ring leave no room for a separate O buffer.
-TILES = {64: (2, 128, 3), 128: (2, 128, 2), 256: (2, 64, 2)}
+TILES = {64: (2, 128, 2), 128: (2, 128, 2), 256: (2, 64, 2)}
 O_THROUGH_Q = (256,)  # head dims whose O is stored through Q's shared memory
 # registers per thread of a consumer warpgroup (setmaxnreg), by how many there are; the first gets what is left
 CONSUMER_REGS = {2: 240, 3: 160}
@@ -106,14 +106,15 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _tile_at(tile, n_m, n_bh, CAUSAL: gl.constexpr):
-        """The ``tile``-th (query tile, head) a program takes. Causal: every head's longest query tiles first, so
-        the short ones fill the gaps at the end; otherwise head by head, a head's K/V staying in L2."""
+        """The ``tile``-th (query tile, head) a program takes: head by head, so the programs running at once share
+        a few heads' K/V in L2; causal, each head's longest query tiles first. (Every head's longest tiles first,
+        across heads, left the 132 programs reading 132 heads' K/V at once: at N = 1K, D = 128 it ran 0.47x cuDNN,
+        against 0.64x for one program per tile.)"""
+        bh = tile // n_m
         if CAUSAL:
-            m = n_m - 1 - tile // n_bh
-            bh = tile % n_bh
+            m = n_m - 1 - tile % n_m
         else:
             m = tile % n_m
-            bh = tile // n_m
         return m, bh
 
     @gluon.jit
@@ -463,13 +464,13 @@ def _not_describable(x) -> str | None:
     return None
 
 
-# Where the benchmark measured this rung faster than the Hopper rung (H200, bf16, docs/kernel-notes.md): D = 128.
-PREFERRED_HEAD_DIM = 128
+# Where the benchmark measured this rung faster than the rungs below it (H200, bf16, docs/kernel-notes.md).
+PREFERRED_HEAD_DIMS = (64, 128)
 
 
 def preferred(q, k, v, causal, window) -> bool:
-    """Whether ``flash_attention`` picks this rung by default for these inputs (see ``PREFERRED_HEAD_DIM``)."""
-    return q.shape[3] == PREFERRED_HEAD_DIM
+    """Whether ``flash_attention`` picks this rung by default for these inputs (see ``PREFERRED_HEAD_DIMS``)."""
+    return q.shape[3] in PREFERRED_HEAD_DIMS
 
 
 _LAYOUTS = {}  # (rows, D, dtype) -> the shared-memory layout of a copied tile (a wgmma operand's swizzle)
@@ -508,7 +509,10 @@ def launch(q, k, v, o, lse, causal, window, band, config=None):
     desc_k, desc_v = (_descriptor(x, block_n) for x in (k, v))
     tiles = cdiv(nq, num_wg * WG_ROWS) * b * hq
     with torch.cuda.device(q.device):
-        programs = min(tiles, sm_count(device_index(q)))  # persistent: one program per multiprocessor
+        # persistent without a mask: one program per multiprocessor. Causal, one program per tile: the GPU hands a
+        # tile to a multiprocessor as one finishes, which balances tiles of unequal length in the order they come
+        # (each head's longest first, head by head); a static share of them per program did not (docs/kernel-notes.md)
+        programs = tiles if causal else min(tiles, sm_count(device_index(q)))
         _attn_fwd_overlap[(programs,)](
             desc_q, desc_k, desc_v, desc_o, lse, hq, nq, nk, hq // hk, offset, win_left, win_right, qk_scale, b * hq,
             HEAD_DIM=d, NUM_WG=num_wg, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), WINDOW=window is not None,
