@@ -116,9 +116,9 @@ def test_on_cpu_tensors_it_says_why_and_a_named_call_falls_back_to_a_right_answe
     assert_matches_float64(o, lse, *attention_float64(q, k, v, True, None), q.dtype, "overlap on cpu")
 
 
-def test_it_is_the_top_rung_and_preferred_at_head_dim_128_only():
+def test_it_is_the_top_rung_and_preferred_at_head_dims_64_and_128_only():
     assert ladder.names()[-1] == overlap.NAME
-    for d, picked in ((64, False), (128, True)):
+    for d, picked in ((64, True), (128, True), (256, False)):
         q = OnGpu(torch.empty(1, 1, 1024, d))
         assert overlap.preferred(q, q, q, True, None) is picked
 
