@@ -464,13 +464,18 @@ def _not_describable(x) -> str | None:
     return None
 
 
-# Where the benchmark measured this rung faster than the rungs below it (H200, bf16, docs/kernel-notes.md).
+# Where the benchmark measured this rung faster than the rungs below it (H200, bf16, docs/kernel-notes.md) ...
 PREFERRED_HEAD_DIMS = (64, 128)
+# ... except causal calls at D = 128 with at most this many query rows: there the Hopper rung measured faster
+# (267 against 169-183 TFLOP/s at N = 1K, h200-ladder-bf16-2026-12-01-v2.json; the cause is not yet found).
+SHORT_CAUSAL_ROWS = {128: 1024}
 
 
 def preferred(q, k, v, causal, window) -> bool:
-    """Whether ``flash_attention`` picks this rung by default for these inputs (see ``PREFERRED_HEAD_DIMS``)."""
-    return q.shape[3] in PREFERRED_HEAD_DIMS
+    """Whether ``flash_attention`` picks this rung by default for these inputs (``PREFERRED_HEAD_DIMS``, but not
+    the short causal calls of ``SHORT_CAUSAL_ROWS``)."""
+    d = q.shape[3]
+    return d in PREFERRED_HEAD_DIMS and not (causal and q.shape[2] <= SHORT_CAUSAL_ROWS.get(d, 0))
 
 
 _LAYOUTS = {}  # (rows, D, dtype) -> the shared-memory layout of a copied tile (a wgmma operand's swizzle)
