@@ -6,10 +6,16 @@ host time on the H200's host, most of a decode step's). Here the scalars are pac
 block once, from the compiled kernel's signature; a launch writes the tensors' addresses and calls
 ``cuLaunchKernel``.
 
-Used only where it is exactly right: every parameter is a pointer or a plain scalar, the kernel needs no scratch
-memory from Triton, no cluster, no cooperative or programmatic launch, and the driver confirms the size of every
-parameter of the compiled function (``cuFuncGetParamInfo``). Otherwise ``build`` returns None and Triton's launcher
-is used; its callers also check a direct launch against a launch through Triton once, bit for bit.
+A kernel that takes host-side tensor descriptors (Gluon's, for the copy engine) gets each as Triton's launcher
+passes it: the tensor map (a CUtensorMap by value), then the shape and strides. All of it but the tensor's address
+is fixed by the signature, so the map's encoding arguments are packed once and the launcher encodes the map from
+the address on every launch (``cuTensorMapEncodeTiled``, as Triton's launcher does).
+
+Used only where it is exactly right: every parameter is a pointer, a plain scalar or such a descriptor, the kernel
+needs no scratch memory from Triton, no cluster, no cooperative or programmatic launch, and the driver confirms
+the size of every parameter of the compiled function (``cuFuncGetParamInfo``). Otherwise ``build`` returns None
+and Triton's launcher is used; its callers also check a direct launch against a launch through Triton once, bit
+for bit.
 """
 
 from __future__ import annotations
@@ -39,19 +45,44 @@ def native():
         return None
 
 
-def pack(types, values, tensor_slots, scratch_slot=False):
+MAP_BYTES = 128  # sizeof(CUtensorMap): a tensor map parameter's size
+
+
+def _tensor_map(descriptor, meta, param):
+    """``launcher.make``'s entry for a tensor map parameter ``param`` encoded from ``descriptor``'s address:
+    ``(param, dtype, swizzle, fill, dims, strides, box)`` with the driver's enums and its order (innermost
+    dimension first, strides in bytes), as Triton's launcher encodes it from the kernel's ``tensordesc_meta``; None
+    where this Triton's descriptors are not as expected."""
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    if meta is None or meta.get("fp4_padded") or meta.get("is_im2col") or list(descriptor.strides)[-1] != 1:
+        return None  # packed sub-byte types, im2col maps: not encoded here
+    if getattr(descriptor, "round_f32_to_tf32", False):
+        return None
+    elem = meta["elem_size"]
+    dims = tuple(int(n) for n in reversed(descriptor.shape))
+    strides = tuple(int(s) * elem for s in reversed(list(descriptor.strides)[:-1]))
+    box = tuple(int(n) for n in reversed(meta["block_size"]))
+    fill = 1 if getattr(descriptor, "padding", "zero") == "nan" else 0
+    return (param, TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["swizzle"], fill, dims, strides, box)
+
+
+def pack(types, values, tensor_slots, scratch_slot=False, tensordesc_meta=None):
     """The parameter block of one launch: ``(cells, sizes, tensor_params)`` for ``launcher.make``, or None when a
     parameter is of a kind not packed here.
 
     ``types`` and ``values`` are the kernel's arguments in signature order (Triton's types: "*bf16", "i32",
-    "fp32", "constexpr"...); ``tensor_slots`` the argument positions whose tensors change from launch to launch.
-    Constexprs are not parameters. Every pointer must be such a slot. Two pointers follow the arguments, as
-    Triton's own launcher passes them: its global and profiling scratch, null here; with ``scratch_slot`` the
-    global scratch is one more tensor, after the slots'."""
+    "fp32", "constexpr", "tensordesc<...>"...); ``tensor_slots`` the argument positions whose tensors change from
+    launch to launch. Constexprs are not parameters. Every pointer must be such a slot, and so must every tensor
+    descriptor: its value is the descriptor of this launch, ``tensordesc_meta`` the compiled kernel's list of
+    their encodings (one per descriptor argument, in order); a launch passes the tensor it describes. Two pointers
+    follow the arguments, as Triton's own launcher passes them: its global and profiling scratch, null here; with
+    ``scratch_slot`` the global scratch is one more tensor, after the slots'."""
     cells, sizes = [], []
     slots = set(tensor_slots)
     order = {slot: i for i, slot in enumerate(tensor_slots)}
     params_of_slot = [0] * len(tensor_slots)
+    descriptors = 0  # tensor descriptor arguments so far: their index in tensordesc_meta
     for position, (ty, value) in enumerate(zip(types, values, strict=True)):
         if ty == "constexpr":
             if position in slots:
@@ -66,12 +97,28 @@ def pack(types, values, tensor_slots, scratch_slot=False):
             cells.append(bytes(8))
             sizes.append(8)
             continue
+        if ty.startswith("tensordesc"):
+            meta = tensordesc_meta[descriptors] if tensordesc_meta and descriptors < len(tensordesc_meta) else None
+            descriptors += 1
+            entry = _tensor_map(value, meta, len(cells)) if position in slots and value is not None else None
+            if entry is None:
+                return None  # a descriptor the program builds itself, or of a kind not encoded here
+            params_of_slot[order[position]] = entry
+            cells.append(bytes(8))  # the map, encoded by each launch
+            sizes.append(MAP_BYTES)
+            for n in value.shape:  # then its shape (i32) and strides (i64), as Triton's launcher passes them
+                cells.append(struct.pack("<i", int(n)).ljust(8, b"\0"))
+                sizes.append(4)
+            for stride in value.strides:
+                cells.append(struct.pack("<q", int(stride)))
+                sizes.append(8)
+            continue
         if ty == "bf16":
             cell = (struct.unpack("<I", struct.pack("<f", value))[0] >> 16).to_bytes(2, "little")
         elif ty in _SCALAR_FORMATS:
             cell = struct.pack(_SCALAR_FORMATS[ty], value)
         else:
-            return None  # tensor descriptors and anything newer
+            return None  # anything newer
         cells.append(cell.ljust(8, b"\0"))
         sizes.append(len(cell))
     if scratch_slot:
@@ -84,8 +131,9 @@ def pack(types, values, tensor_slots, scratch_slot=False):
 
 def build(kernel, grid, values, tensor_slots, global_scratch=False):
     """A callable ``launch(stream, *tensors)`` for the CompiledKernel ``kernel`` with its arguments ``values``
-    (signature order, as Triton's binder gives them) and the tensors at ``tensor_slots``; None where this launch is
-    not one ``launcher.c`` does exactly (see the module's docstring).
+    (signature order, as Triton's binder gives them: at a descriptor's slot, the descriptor) and the tensors at
+    ``tensor_slots`` (at a descriptor's slot, the tensor it describes); None where this launch is not one
+    ``launcher.c`` does exactly (see the module's docstring).
 
     A kernel that needs global scratch (device-side tensor descriptors live there) is launched only with
     ``global_scratch``: the launch then takes one more tensor, the scratch, at least ``global_scratch_bytes``."""
@@ -99,7 +147,8 @@ def build(kernel, grid, values, tensor_slots, global_scratch=False):
                 or getattr(meta, "launch_cooperative_grid", False) or getattr(meta, "launch_pdl", False)):  # fmt: skip
             return None
         types = list(kernel.src.signature.values())
-        packed = pack(types, values, tensor_slots, scratch_slot=needs_scratch)
+        tensordesc_meta = getattr(meta, "tensordesc_meta", None)
+        packed = pack(types, values, tensor_slots, scratch_slot=needs_scratch, tensordesc_meta=tensordesc_meta)
         if packed is None:
             return None
         g0, g1, g2 = tuple(grid) + (1,) * (3 - len(grid))
@@ -124,4 +173,4 @@ def global_scratch_bytes(kernel, grid) -> int:
     return programs * kernel.metadata.num_ctas * kernel.metadata.global_scratch_size
 
 
-__all__ = ["build", "global_scratch_bytes", "is_direct", "native", "pack"]
+__all__ = ["MAP_BYTES", "build", "global_scratch_bytes", "is_direct", "native", "pack"]

@@ -121,11 +121,13 @@ class FastLaunch:
         self.tail = tuple(values[len(slots) :]) if slots == tuple(range(len(slots))) else None
 
     @classmethod
-    def build(cls, jit_function, kernel, grid, args, kwargs, tensor_names, global_scratch=False):
+    def build(cls, jit_function, kernel, grid, args, kwargs, tensor_names, global_scratch=False, native_only=False):
         """From the CompiledKernel ``kernel`` that ``jit_function[grid](*args, **kwargs)`` just returned; None
         where this Triton does not look as expected (then the caller keeps launching through the JIT).
         ``global_scratch``: the caller can pass the kernel's global scratch to flashlab's launcher
-        (``direct_launch.build``); Triton's launcher allocates its own."""
+        (``direct_launch.build``); Triton's launcher allocates its own. ``native_only``: flashlab's launcher or
+        None, never Triton's (a kernel taking host-side tensor descriptors: a launch passes the tensors they
+        describe, which only flashlab's launcher encodes)."""
         if not FAST_LAUNCH or kernel is None:
             return None
         try:
@@ -140,14 +142,16 @@ class FastLaunch:
             slots = tuple(names.index(n) for n in tensor_names)
             grid = tuple(grid) + (1,) * (3 - len(grid))
             values = list(bound.values())
-            for slot in slots:  # hold no reference to this call's tensors (a KV cache may be gigabytes)
-                values[slot] = None
+            launch = None
             if NATIVE_LAUNCH and list(getattr(getattr(kernel, "src", None), "signature", ())) == names:
                 from flashlab.kernels import direct_launch
 
+                # the slots' values are read for a descriptor's shape only; the packing keeps no reference
                 launch = direct_launch.build(kernel, grid, values, slots, global_scratch)
-                if launch is not None:
-                    return launch
+            if launch is not None or native_only:
+                return launch
+            for slot in slots:  # hold no reference to this call's tensors (a KV cache may be gigabytes)
+                values[slot] = None
             return cls(kernel.run, kernel.function, kernel.packed_metadata, grid, values, slots)
         except Exception:  # noqa: BLE001 -- any surprise: launch through the JIT instead
             return None
