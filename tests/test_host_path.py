@@ -263,6 +263,23 @@ int cuCtxGetCurrent(void **ctx) { *ctx = current; return 0; }
 int cuCtxSetCurrent(void *ctx) { current = ctx; note("set", (long)ctx); return 0; }
 int cuDeviceGet(int *dev, int ordinal) { *dev = 100 + ordinal; return 0; }
 int cuDevicePrimaryCtxRetain(void **ctx, int dev) { *ctx = (void *)(long)(1000 + dev); note("retain", dev); return 0; }
+/* a tensor map: its arguments logged, and the map marked with the address (first 8 bytes) and 0xAB (last byte) */
+int cuTensorMapEncodeTiled(void *map, int dtype, unsigned rank, void *address, const unsigned long long *dims,
+                           const unsigned long long *strides, const unsigned *box, const unsigned *element_strides,
+                           int interleave, int swizzle, int l2, int fill) {
+  FILE *log = fopen(getenv("FAKE_LOG"), "a");
+  fprintf(log, "encode %d %u %llu", dtype, rank, (unsigned long long)address);
+  for (unsigned i = 0; i < rank; i++) fprintf(log, " %llu", dims[i]);
+  for (unsigned i = 0; i + 1 < rank; i++) fprintf(log, " %llu", strides[i]);
+  for (unsigned i = 0; i < rank; i++) fprintf(log, " %u", box[i]);
+  for (unsigned i = 0; i < rank; i++) fprintf(log, " %u", element_strides[i]);
+  fprintf(log, " %d %d %d %d\n", interleave, swizzle, l2, fill);
+  fclose(log);
+  memset(map, 0, 128);
+  memcpy(map, &address, 8);
+  ((unsigned char *)map)[127] = 0xAB;
+  return 0;
+}
 int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                    unsigned shared, void *stream, void **params, void **extra) {
   read_sizes();
@@ -271,8 +288,12 @@ int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
           (unsigned long long)stream);
   for (int i = 0; i < n_sizes; i++) {
     unsigned long long value = 0;
-    memcpy(&value, params[i], sizes[i]);  /* the driver reads each parameter's own size */
-    fprintf(log, " %llu", value);
+    memcpy(&value, params[i], sizes[i] < 8 ? sizes[i] : 8);  /* the driver reads each parameter's own size */
+    if (sizes[i] == 128)  /* a tensor map: its address, its mark, and whether it sits on a 64-byte boundary */
+      fprintf(log, " map:%llu:%d:%d", value, ((unsigned char *)params[i])[127] == 0xAB,
+              (int)((unsigned long)params[i] % 64 == 0));
+    else
+      fprintf(log, " %llu", value);
   }
   fprintf(log, "\n");
   fclose(log);
@@ -338,6 +359,83 @@ def test_direct_launch_hands_the_driver_the_packed_parameters(tmp_path):
     assert params == [b_ptr, neg3, quarter, a_ptr, 2**33, 0, 0]  # two null scratch pointers last
     assert int(second.split()[8]) == 99
     assert "error: cuLaunchKernel failed: the fake driver says no (CUresult 1)" in out.stdout
+
+
+LAUNCH_A_TENSOR_MAP_THROUGH_FAKE_DRIVER = """
+from types import SimpleNamespace
+import torch
+from flashlab.kernels import direct_launch
+module = direct_launch.native()
+types = ["i32", "tensordesc<bf16[1, 1, 64, 128]>", "*fp32"]
+desc = SimpleNamespace(shape=[2, 3, 100, 128], strides=[38400, 12800, 128, 1], padding="zero")
+meta = [dict(swizzle=3, elem_size=2, elem_type=9, block_size=[1, 1, 64, 128], fp4_padded=False)]
+cells, sizes, slots = direct_launch.pack(types, [5, desc, None], (1, 2), tensordesc_meta=meta)
+print("sizes:", list(sizes))
+print("slots:", slots)
+handle = module.make(77, 4, 1, 1, 288, 1024, cells, sizes, slots, 0)
+x, lse = torch.zeros(8), torch.zeros(3)
+module.launch(handle, 55, x, lse)
+print("addresses:", x.data_ptr(), lse.data_ptr())
+"""
+
+
+def test_direct_launch_encodes_a_tensor_map_from_each_launchs_tensor(tmp_path):
+    # A kernel taking a host-side tensor descriptor (Gluon's) gets, as Triton's launcher passes it, the tensor map
+    # (128 bytes, by value), then the descriptor's shape (i32) and strides (i64). flashlab's launcher encodes the map
+    # on every launch from the launch's tensor, with the arguments packed once: the driver's dtype (Triton's device
+    # enum 9 is the host's 8), dims, byte strides and box innermost first, unit element strides, no interleave,
+    # the swizzle of the compiled kernel, 128-byte L2 promotion (2), no NaN fill -- the map on a 64-byte boundary.
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from flashlab.kernels import direct_launch
+
+    if direct_launch.native() is None or shutil.which("gcc") is None:
+        pytest.skip("no C compiler here to build flashlab's launcher")
+    (tmp_path / "fake.c").write_text(FAKE_DRIVER)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", tmp_path / "libcuda.so.1", tmp_path / "fake.c"], check=True)
+    log = tmp_path / "launches.log"
+    sizes = [4, 128, 4, 4, 4, 4, 8, 8, 8, 8, 8, 8, 8]  # i32; the map, shape, strides; the pointer; two scratch
+    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path), FAKE_LOG=str(log), FAKE_RESULT="0")
+    env["FAKE_SIZES"] = ",".join(map(str, sizes))
+    out = subprocess.run([sys.executable, "-c", LAUNCH_A_TENSOR_MAP_THROUGH_FAKE_DRIVER], env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert f"sizes: {sizes}" in out.stdout
+    assert "slots: ((1, 8, 3, 0, (128, 100, 3, 2), (256, 25600, 76800), (128, 64, 1, 1)), 10)" in out.stdout
+    x_ptr, lse_ptr = (int(n) for n in out.stdout.split("addresses:")[1].split()[:2])
+    lines = [line for line in log.read_text().splitlines() if not line.startswith(("retain", "set"))]
+    encode, launched = lines
+    assert encode.split() == ["encode", "8", "4", str(x_ptr), "128", "100", "3", "2", "256", "25600", "76800",
+                              "128", "64", "1", "1", "1", "1", "1", "1", "0", "3", "2", "0"]  # fmt: skip
+    params = launched.split()[9:]
+    assert params == ["5", f"map:{x_ptr}:1:1", "2", "3", "100", "128", "38400", "12800", "128", "1", str(lse_ptr),
+                      "0", "0"]  # fmt: skip
+
+
+def test_direct_launch_packs_only_the_descriptors_it_can_encode():
+    # a descriptor the programs build themselves (no slot), one with no encoding from the compiled kernel, and
+    # sub-byte packed types are left to Triton's launcher; without a driver no map can be encoded, and it says so
+    from types import SimpleNamespace
+
+    from flashlab.kernels import direct_launch
+
+    types = ["tensordesc<bf16[1, 64]>", "*fp32"]
+    desc = SimpleNamespace(shape=[100, 64], strides=[64, 1], padding="zero")
+    meta = [dict(swizzle=3, elem_size=2, elem_type=9, block_size=[1, 64], fp4_padded=False)]
+    assert direct_launch.pack(types, [desc, None], (1,), tensordesc_meta=meta) is None  # not a slot
+    assert direct_launch.pack(types, [desc, None], (0, 1)) is None  # no encoding given
+    assert direct_launch.pack(types, [desc, None], (0, 1), tensordesc_meta=[{**meta[0], "fp4_padded": True}]) is None
+    packed = direct_launch.pack(types, [desc, None], (0, 1), tensordesc_meta=meta)
+    assert packed is not None and list(packed[1]) == [128, 4, 4, 8, 8, 8, 8, 8]
+    module = direct_launch.native()
+    if module is None or torch.cuda.is_available():
+        return
+    handle = module.make(0, 1, 1, 1, 128, 0, *packed, 0)
+    with pytest.raises(RuntimeError, match="cuTensorMapEncodeTiled"):
+        module.packed(handle, torch.zeros(64), torch.zeros(1))
 
 
 @pytest.mark.gpu
@@ -472,3 +570,36 @@ def test_hopper_prefill_is_planned_and_relaunches_directly_on_gpu(causal, window
     q_odd = buf[1:].view(q.shape).copy_(q)
     assert q_odd.stride() == q.stride() and q_odd.data_ptr() % 16
     torch.testing.assert_close(flash_attention(q_odd, k, v, causal=causal, window=window), o, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, window, nq", [(False, None, 1000), (True, None, 1100), (False, (300, 20), 1100)])
+def test_overlap_rung_is_planned_and_relaunches_directly_on_gpu(causal, window, nq):
+    # Rung 4 takes host-side tensor descriptors: after its first two calls (JIT launch, then a check against it)
+    # flashlab's launcher encodes the four tensor maps from the tensors' addresses and launches it directly, with
+    # the repair pass after it under a mask. Fresh tensors every call (new addresses), and each call equals float64;
+    # the direct launch gives the JIT launch's bits.
+    from flashlab.kernels import overlap
+    from flashlab.reference.torch_float64 import attention_float64
+
+    if torch.cuda.get_device_capability()[0] != overlap.CAPABILITY or overlap.GLUON_ERROR is not None:
+        pytest.skip("rung 4 needs Hopper (sm_90) and Gluon")
+    g = torch.Generator(device="cuda").manual_seed(12)
+    for step in range(5):
+        q = torch.randn(2, 8, nq, 128, device="cuda", generator=g).bfloat16()
+        k, v = (torch.randn(2, 2, nq, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+        o = flash_attention(q, k, v, causal=causal, window=window, rung="overlap")
+        ro, _ = attention_float64(q, k, v, causal=causal, window=window)
+        err = float((o.double() - ro).norm() / ro.norm())
+        assert err < 1.5e-2, (step, err)
+    plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[8] is causal and key[9] == window)
+    planned = plan.rung_launch
+    assert isinstance(planned, overlap.Planned) and planned.fast_state == "checked", planned.fast_state
+    assert is_flashlab_launch(planned.fast)
+    assert (planned.repair_fast is not None) == (causal or window is not None)
+    o2, lse2 = torch.empty_like(o), torch.empty(q.shape[:3], device="cuda")
+    planned(q, k, v, o2, lse2)
+    o3, lse3 = torch.empty_like(o), torch.empty(q.shape[:3], device="cuda")
+    _, offset, win_left, win_right, qk_scale = forward.kernel_args(q, k, v, causal, window, None)
+    overlap.launch(q, k, v, o3, lse3, causal, window, (offset, win_left, win_right, qk_scale))
+    assert runtime.same_bits(o2, o3) and runtime.same_bits(lse2, lse3)

@@ -116,10 +116,11 @@ def test_on_cpu_tensors_it_says_why_and_a_named_call_falls_back_to_a_right_answe
     assert_matches_float64(o, lse, *attention_float64(q, k, v, True, None), q.dtype, "overlap on cpu")
 
 
-def test_it_is_the_top_rung_and_preferred_at_head_dims_64_and_128_only():
+def test_it_is_the_top_rung_and_preferred_at_every_head_dim_it_runs():
     assert ladder.names()[-1] == overlap.NAME
-    for d, causal, n, picked in ((64, True, 1024, True), (128, False, 1024, True), (128, True, 2048, True),
-                                 (128, True, 1024, False), (256, False, 4096, False)):  # fmt: skip
+    cases = [(64, True, 1024, True), (128, False, 1024, True), (128, True, 2048, True), (128, True, 1024, True),
+             (256, False, 4096, True), (96, False, 4096, False)]  # fmt: skip
+    for d, causal, n, picked in cases:
         q = OnGpu(torch.empty(1, 1, n, d))
         assert overlap.preferred(q, q, q, causal, None) is picked, (d, causal, n)
 
@@ -135,11 +136,13 @@ GPU_CASES = [
     (1, 4, 4, 256, 768, 128, True),  # Nq < Nk: the diagonal ends at the last key
     (1, 4, 1, 640, 640, 128, True),  # 4 query heads on one K/V head
     (3, 2, 2, 128, 128, 128, True),  # one query tile, one key tile
-    (8, 16, 16, 1024, 1024, 64, True),  # 1024 tiles: each program walks about 8, of every length
+    (8, 16, 16, 1024, 1024, 64, True),  # 512 units of two query tiles: each program takes about 4
+    (2, 3, 3, 640, 640, 128, True),  # 5 query tiles a head: the middle one is a unit alone
     (2, 4, 4, 1000, 1000, 128, False),  # lengths no multiple of a tile: rows past a head's end
     (1, 8, 2, 200, 333, 128, False),  # GQA, a key tail in the last tile
     (1, 4, 4, 333, 777, 64, True),  # causal, Nq < Nk, both lengths odd
     (3, 2, 2, 65, 65, 64, True),  # one tile, the second warpgroup's rows mostly past the end
+    (1, 4, 2, 2100, 2100, 64, False),  # three warpgroups of 64-key tiles: GQA, rows and keys past the ends
     (2, 4, 4, 512, 512, 256, False),  # D = 256: O through Q's buffer
     (1, 4, 2, 333, 600, 256, True),
 ]
@@ -234,28 +237,37 @@ def test_the_default_runs_it_where_it_is_preferred_on_hopper():
         assert picked == (d in overlap.PREFERRED_HEAD_DIMS), d
 
 
-def test_the_default_picks_it_where_the_recording_measured_it_faster_than_the_rungs_below():
-    # ``preferred`` against the H200 recording of the whole ladder, cell by cell: where it is preferred the rung ran
-    # at least about as fast as both rungs it displaces (3 % for timing noise); where a measured head dim's cell is
-    # not its, one of them ran faster. A head dim the recording does not hold is never preferred.
+# H200 recordings with rung 4 and the rungs it displaces in one run: (file, the column that ran skip and split)
+LADDER_RECORDINGS = [
+    ("h200-ladder-bf16-2026-12-02.json", "flashlab_skip_split"),  # D = 64 and 128
+    ("h200-ladder-bf16-2026-12-01-d256-overlap.json", "flashlab"),  # D = 256, when its default was skip and split
+]
+
+
+def test_the_default_picks_it_where_the_recordings_measured_it_faster_than_the_rungs_below():
+    # ``preferred`` against the H200 recordings of the ladder, cell by cell: where it is preferred the rung ran at
+    # least about as fast as both rungs it displaces (3 % for timing noise); where a measured head dim's cell is
+    # not its, one of them ran faster. A head dim no recording holds is never preferred.
     import json
 
     from conftest import ROOT
 
-    recording = json.loads((ROOT / "data" / "results" / "h200-ladder-bf16-2026-12-01-v2.json").read_text())
-    tflops = {(r["backend"], r["head_dim"], r["causal"], r["seq_len"]): r["tflops"]
-              for r in recording["rows"] if r["status"] == "ok"}  # fmt: skip
-    cells = [key[1:] for key in tflops if key[0] == "flashlab_overlap"]
-    assert len(cells) == 20
-    for d, causal, n in cells:
+    cells = []
+    for name, skip_split_column in LADDER_RECORDINGS:
+        recording = json.loads((ROOT / "data" / "results" / name).read_text())
+        tflops = {(r["backend"], r["head_dim"], r["causal"], r["seq_len"]): r["tflops"]
+                  for r in recording["rows"] if r["status"] == "ok"}  # fmt: skip
+        for key in [key for key in tflops if key[0] == "flashlab_overlap"]:
+            below = max(tflops[("flashlab_hopper", *key[1:])], tflops[(skip_split_column, *key[1:])])
+            cells.append((*key[1:], tflops[key], below))
+    assert len(cells) == 30
+    for d, causal, n, mine, below in cells:
         q = OnGpu(torch.empty(1, 1, n, d))
-        below = max(tflops[("flashlab_hopper", d, causal, n)], tflops[("flashlab_skip_split", d, causal, n)])
-        mine = tflops[("flashlab_overlap", d, causal, n)]
         if overlap.preferred(q, q, q, causal, None):
             assert mine >= 0.97 * below, (d, causal, n, mine, below)
         else:
             assert mine < below, (d, causal, n, mine, below)
-    recorded = {d for d, _, _ in cells}
+    recorded = {cell[0] for cell in cells}
     for d in set(overlap.HEAD_DIMS) - recorded:
         q = OnGpu(torch.empty(1, 1, 4096, d))
         assert not overlap.preferred(q, q, q, False, None), d
@@ -312,6 +324,49 @@ def test_its_grid_is_persistent_one_program_per_multiprocessor_at_most(capabilit
         assert list(desc.shape) == [b, hq, nq, 128] and list(desc.block_shape) == [1, 1, rows, 128]
         assert list(desc.strides) == [hq * nq * 128, nq * 128, 128, 1]
     assert launched["args"][-1] == b * hq  # heads the programs walk
-    monkeypatch.setattr(overlap.hopper, "repair", lambda *args: None)
-    overlap.launch(q, k, v, o, lse, True, None, (0, 0, 0, 1.0))  # causal: one program per tile, the GPU balancing
-    assert launched["grid"] == (-(-nq // (num_wg * overlap.WG_ROWS)) * b * hq,)
+    repaired = []
+
+    class RepairRecorder:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: repaired.append(grid)
+
+    monkeypatch.setattr(overlap.hopper, "repair_parts", lambda *args: (RepairRecorder(), (3,), (), {}))
+    overlap.launch(q, k, v, o, lse, True, None, (0, 0, 0, 1.0))
+    # causal: units of two query tiles of a head (the middle one alone when a head has an odd count), at most one
+    # program per multiprocessor; the repair pass follows
+    n_m = -(-nq // (num_wg * overlap.WG_ROWS))
+    assert launched["grid"] == (min((n_m + 1) // 2 * b * hq, sms),) and launched["meta"]["PAIRS"]
+    assert repaired == [(3,)]
+
+
+@needs_gluon
+@pytest.mark.parametrize(
+    "nq, causal, window, num_wg",
+    [(1024, False, None, 2), (2048, False, None, 3), (4096, True, None, 2), (4096, False, (256, 0), 2)],
+)
+def test_long_calls_at_head_dim_64_without_a_mask_take_three_warpgroups(capability, monkeypatch, nq, causal, window,
+                                                                        num_wg):  # fmt: skip
+    # At D = 64 three consumer warpgroups (192 rows) with 64-key tiles from 2K query rows without a mask or window;
+    # two, with 128-key tiles, otherwise. The key descriptors are cut in the launch's key tiles.
+    import contextlib
+
+    launched = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launched.update(args=args, meta=meta)
+
+    monkeypatch.setattr(overlap, "_attn_fwd_overlap", Recorder())
+    monkeypatch.setattr(overlap.hopper, "repair_parts", lambda *args: ({(1,): lambda *a, **m: None}, (1,), (), {}))
+    monkeypatch.setattr(overlap, "sm_count", lambda index: 132)
+    monkeypatch.setattr(overlap, "device_index", lambda x: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    q, k, v = fake(b=1, hq=2, hk=2, nq=nq, nk=nq, d=64)
+    o, lse = OnGpu(torch.empty(q.shape, dtype=q.dtype)), torch.empty(q.shape[:3])
+    band = forward.kernel_args(torch.empty(1, 1, nq, 64), torch.empty(1, 1, nq, 64), None, causal, window, None)[1:]
+    overlap.launch(q, k, v, o, lse, causal, window, band)
+    block_n = 64 if num_wg == 3 else 128
+    assert (launched["meta"]["NUM_WG"], launched["meta"]["BLOCK_N"]) == (num_wg, block_n)
+    assert launched["meta"]["CONSUMER_REGS"] == overlap.CONSUMER_REGS[num_wg]
+    rows = [list(desc.block_shape)[2] for desc in launched["args"][:4]]  # q, k, v, o
+    assert rows == [overlap.WG_ROWS, block_n, block_n, overlap.WG_ROWS]

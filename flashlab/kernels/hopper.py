@@ -544,7 +544,8 @@ class Planned:
         self.fast_state = "checked" if same else "off"
 
 
-_TENSORS = ("Q", "K", "V", "O", "LSE")
+TENSOR_NAMES = ("Q", "K", "V", "O", "LSE")  # the kernels' five tensor parameters, as FastLaunch names them
+_TENSORS = TENSOR_NAMES
 
 
 def _aligned(x: torch.Tensor) -> bool:
@@ -567,6 +568,15 @@ def repair(args, q, meta) -> None:
         _repair_flagged[grid](*args, *tiles, **rmeta)
 
 
+def repair_parts(q, k, v, strides_o, causal, window, band):
+    """The repair pass over another kernel's output ``o`` (strides ``strides_o``) and lse, for one call signature:
+    ``(kernel, grid, arguments after the five tensors, constexprs)``. How rung 4, whose programs cannot redo a
+    tile, gets its non-finite rows redone."""
+    scalars, _, meta = _arguments(q, k, v, strides_o, causal, window, band, is_cuda=True)
+    tiles, grid, rmeta = _repair_shape(q, meta, True)
+    return _repair_flagged, grid, (*scalars, *tiles), rmeta
+
+
 def best_config() -> str:
     """The autotuner's last pick for this kernel (for the benchmark's records)."""
     return str(hopper_fwd_tuned.best_config)
@@ -586,6 +596,8 @@ __all__ = [
     "plan",
     "Planned",
     "prune_configs",
+    "repair_parts",
+    "TENSOR_NAMES",
     "tuning_class",
     "preferred",
     "unavailable",

@@ -27,11 +27,14 @@ tensor-memory accelerator, mbarriers telling the consumers a tile has arrived an
 finished with it; the scale folded into ``exp2``; GQA reads K/V head ``h // group``. Under a causal mask only the
 tiles that cross some row's diagonal are masked (a branch, which Gluon keeps as written).
 
-The grid is persistent: one program per multiprocessor, each taking (query tile, head) pairs in turn -- causal:
-every head's longest query tiles first -- so a program's next Q and first K, V tiles are copied while it finishes
-the last one (its last ``P V``, the division by the sum, O's store through shared memory), where one program per
-tile would pay that start and end on every tile with the multiprocessor idle between. The copy engine's tensor
-descriptors are built on the host and passed with the launch.
+The grid is persistent: one program per multiprocessor, each taking (query tile, head) pairs in turn, head by head,
+so a program's next Q and first K, V tiles are copied while it finishes the last one (its last ``P V``, the
+division by the sum, O's store through shared memory), where one program per tile would pay that start and end on
+every tile with the multiprocessor idle between. Under a causal mask query tile ``m`` reads ``m + 1`` key tiles, so
+a program takes units of two tiles of one head, its ``r``-th longest and ``r``-th shortest: every unit is the same
+work, and a fixed share of units per program is balanced. The copy engine's tensor descriptors are built on the
+host and passed with the launch; a planned call (``Planned``) has flashlab's launcher encode them from the
+tensors' addresses instead.
 
 Where it runs: a Hopper GPU (sm_90: ``wgmma`` is Hopper's instruction), 16-bit inputs, D = 64, 128 or 256,
 any lengths (the copy engine fills rows past a head's end with zeros and does not write them back; keys past the end
@@ -43,10 +46,11 @@ interpreter path: Gluon compiles for a GPU only. ``unavailable`` says which of t
 the fastest rung that can. A key whose V row holds inf or NaN behind the mask marks its rows with a NaN lse, and
 rung 3's repair pass redoes those query tiles with the guard, as it does for rung 3.
 
-Tiles per head dim (``TILES``): how many consumer warpgroups share a program -- two, or three (192 query rows,
-FlashAttention-3's choice at D = 64; with 64-key tiles, so that three warpgroups' registers fit) -- the key tile,
-and the ring's depth. At D = 256 O leaves through Q's shared memory (``O_THROUGH_Q``): the loader then copies a
-tile's first K and V before its Q, whose buffer comes back only once O's store has read it.
+Tiles per head dim (``TILES``, ``tiles``): how many consumer warpgroups share a program -- two, or three (192 query
+rows, FlashAttention-3's choice at D = 64, used there for long calls without a mask; with 64-key tiles, so that
+three warpgroups' registers fit) -- the key tile, and the ring's depth. At D = 256 O leaves through Q's shared
+memory (``O_THROUGH_Q``): the loader then copies a tile's first K and V before its Q, whose buffer comes back only
+once O's store has read it.
 """
 
 from __future__ import annotations
@@ -57,7 +61,15 @@ import triton
 from flashlab.core.integers import cdiv
 from flashlab.core.masking import visible_band
 from flashlab.kernels import hopper, skip_split
-from flashlab.kernels.runtime import device_index, sm_count
+from flashlab.kernels.runtime import (
+    FastLaunch,
+    current_device_index,
+    current_stream,
+    device_index,
+    reproduces,
+    sm_count,
+    stream_capturing,
+)
 from flashlab.kernels.softmax_step import LN_2
 
 try:  # Gluon's Hopper primitives (Triton >= 3.5)
@@ -83,13 +95,21 @@ WG_ROWS = 64  # query rows per consumer warpgroup: one wgmma M
 HEAD_DIMS = (64, 128, 256)
 # (consumer warpgroups, BLOCK_N, STAGES) per head dim; a program's query tile is 64 rows per consumer warpgroup.
 # Two warpgroups and 128-key tiles won the first H200 sweep at both head dims (against 64-key tiles, 2 or 3 stages).
-# At D = 256 (not yet measured) 64-key tiles and two stages, and O leaves through Q's buffer: 64 KB of Q and 128 KB
-# of K/V ring leave no room for a separate O buffer.
+# At D = 256 64-key tiles and two stages, and O leaves through Q's buffer: 64 KB of Q and 128 KB of K/V ring leave
+# no room for a separate O buffer.
 TILES = {64: (2, 128, 2), 128: (2, 128, 2), 256: (2, 64, 2)}
+# ... and where another shape measured faster: head dim -> (from this many query rows, without a mask or window,
+# these tiles). At D = 64 three warpgroups (192 rows, 64-key tiles) ran 2-5 % faster from 2K rows, 7 % slower at
+# 1K (where 192-row tiles leave 11 % of the last one empty) and 10-23 % slower under a causal mask (H200, GPU time).
+UNMASKED_LONG_TILES = {64: (2048, (3, 64, 2))}
 O_THROUGH_Q = (256,)  # head dims whose O is stored through Q's shared memory
 # registers per thread of a consumer warpgroup (setmaxnreg), by how many there are; the first gets what is left
 CONSUMER_REGS = {2: 240, 3: 160}
 LOADER_REGS = 24  # the loader warp only issues copies
+# Head dims whose causal grid is persistent, in units that pair each head's query tiles n_m - 1 - r and r (equal
+# work per unit); elsewhere one program per query tile. At D = 256 the pairing's extra loop level spills a consumer
+# warpgroup's registers (192 bytes of stack, compiled for sm_90).
+PAIRED_HEAD_DIMS = (64, 128)
 PINGPONG = True  # the consumer warpgroups take turns issuing their products (FlashAttention-3's ping-pong)
 
 if GLUON_ERROR is None:
@@ -105,17 +125,41 @@ if GLUON_ERROR is None:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
     @gluon.jit
-    def _tile_at(tile, n_m, n_bh, CAUSAL: gl.constexpr):
-        """The ``tile``-th (query tile, head) a program takes: head by head, so the programs running at once share
-        a few heads' K/V in L2; causal, each head's longest query tiles first. (Every head's longest tiles first,
-        across heads, left the 132 programs reading 132 heads' K/V at once: at N = 1K, D = 128 it ran 0.47x cuDNN,
-        against 0.64x for one program per tile.)"""
-        bh = tile // n_m
-        if CAUSAL:
-            m = n_m - 1 - tile % n_m
+    def _units(n_m, n_bh, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
+        """How many units of work the programs share: a unit is one (query tile, head) pair, or under a causal mask
+        with ``PAIRS`` two query tiles of one head whose lengths sum to the same for every unit."""
+        if CAUSAL and PAIRS:
+            return (n_m + 1) // 2 * n_bh
         else:
-            m = tile % n_m
-        return m, bh
+            return n_m * n_bh
+
+    @gluon.jit
+    def _tiles_in(unit, n_m, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
+        """How many query tiles ``unit`` holds: one; paired, two, or one for the middle tile of an odd count."""
+        if CAUSAL and PAIRS:
+            r = unit % ((n_m + 1) // 2)
+            return 2 - (2 * r + 1 == n_m).to(gl.int32)
+        else:
+            return 1
+
+    @gluon.jit
+    def _tile_of(unit, side, n_m, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
+        """The (query tile, head) that is tile ``side`` of ``unit``. Units run head by head, so the programs running
+        at once share a few heads' K/V in L2. Causal, each head's longest query tiles first; paired, unit ``r`` of a
+        head is its tiles ``n_m - 1 - r`` and ``r``, whose key tiles add up to the same count for every ``r``, so a
+        static share of units per program is balanced. (Every head's longest tiles first, across heads, left 132
+        programs reading 132 heads' K/V at once: at N = 1K, D = 128 it ran 0.47x cuDNN.)"""
+        if CAUSAL and PAIRS:
+            half = (n_m + 1) // 2
+            r = unit % half
+            m = n_m - 1 - r
+            if side == 1:
+                m = r
+            return m, unit // half
+        elif CAUSAL:
+            return n_m - 1 - unit % n_m, unit // n_m
+        else:
+            return unit % n_m, unit // n_m
 
     @gluon.jit
     def _key_range(row_lo, NQ, NK, offset, win_left, win_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -159,7 +203,7 @@ if GLUON_ERROR is None:
     def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                 v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, NUM_WG: gl.constexpr,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                O_IN_Q: gl.constexpr):  # fmt: skip
+                O_IN_Q: gl.constexpr, PAIRS: gl.constexpr):  # fmt: skip
         """The loader warp: for each tile of the program, each warpgroup's Q once it has finished with the last
         one, then K and V tile by tile into the ring, each copy waiting until every consumer has released the
         buffer it overwrites. The ring's count runs on across the program's tiles. Rows past a head's end come in
@@ -167,25 +211,26 @@ if GLUON_ERROR is None:
         is then released only after O's store) the first K and V go before Q, so they are not held up behind it."""
         count = 0  # K/V tiles copied so far: the ring's position and phase
         done = 0  # query tiles started
-        for tile in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
-            m, bh = _tile_at(tile, n_m, n_bh, CAUSAL)
-            b = bh // HQ
-            h = bh % HQ
-            row_lo = m * (NUM_WG * _WG)
-            j0, j1 = _key_range(row_lo, NQ, NK, offset, win_left, win_right, NUM_WG * _WG, BLOCK_N, CAUSAL, WINDOW)
-            if O_IN_Q:
-                _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, count, b, h // GROUP, j0,
-                         BLOCK_N, STAGES)  # fmt: skip
-                count += 1
-                _load_q(desc_q, q_smem, q_ready, q_empty, done, b, h, row_lo, NUM_WG)
-                j0 += 1
-            else:
-                _load_q(desc_q, q_smem, q_ready, q_empty, done, b, h, row_lo, NUM_WG)
-            for j in range(j0, j1):
-                _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, count, b, h // GROUP, j,
-                         BLOCK_N, STAGES)  # fmt: skip
-                count += 1
-            done += 1
+        for unit in range(gl.program_id(0), _units(n_m, n_bh, CAUSAL, PAIRS), gl.num_programs(0)):
+            for side in range(_tiles_in(unit, n_m, CAUSAL, PAIRS)):
+                m, bh = _tile_of(unit, side, n_m, CAUSAL, PAIRS)
+                b = bh // HQ
+                h_kv = bh % HQ // GROUP
+                row_lo = m * (NUM_WG * _WG)
+                j0, j1 = _key_range(row_lo, NQ, NK, offset, win_left, win_right, NUM_WG * _WG, BLOCK_N, CAUSAL, WINDOW)
+                if O_IN_Q:
+                    _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, count, b, h_kv, j0,
+                             BLOCK_N, STAGES)  # fmt: skip
+                    count += 1
+                    _load_q(desc_q, q_smem, q_ready, q_empty, done, b, bh % HQ, row_lo, NUM_WG)
+                    j0 += 1
+                else:
+                    _load_q(desc_q, q_smem, q_ready, q_empty, done, b, bh % HQ, row_lo, NUM_WG)
+                for j in range(j0, j1):
+                    _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, count, b, h_kv, j,
+                             BLOCK_N, STAGES)  # fmt: skip
+                    count += 1
+                done += 1
 
     @gluon.jit
     def _scores(s, j, rows, first_visible_edge, cols0, NK, win_left, win_right, CAUSAL: gl.constexpr,
@@ -247,7 +292,7 @@ if GLUON_ERROR is None:
                   turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, WG: gl.constexpr,
                   NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, WINDOW: gl.constexpr, PINGPONG: gl.constexpr,
-                  O_IN_Q: gl.constexpr):  # fmt: skip
+                  O_IN_Q: gl.constexpr, PAIRS: gl.constexpr):  # fmt: skip
         """One consumer warpgroup: for each tile of the program, 64 query rows through every key tile, the softmax
         of tile j under the P V product of tile j-1 (the module docstring's schedule), then O and the lse. O
         leaves through its own shared memory while the next tile starts; the copy engine drops rows past the
@@ -266,92 +311,94 @@ if GLUON_ERROR is None:
         count = 0  # K/V tiles consumed so far (the loader's count)
         turns = 0  # products issued in turn (ping-pong)
         done = 0  # query tiles finished
-        for tile in range(gl.program_id(0), n_m * n_bh, gl.num_programs(0)):
-            m, bh = _tile_at(tile, n_m, n_bh, CAUSAL)
-            row_lo = m * BLOCK_M
-            j0, j1 = _key_range(row_lo, NQ, NK, offset, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-            n_tiles = j1 - j0  # at least 1: ``unavailable`` refuses a band that leaves a row with no key
-            edge = row_lo + offset + WG * _WG  # this warpgroup's first row's diagonal (causal: its last key)
-            rows = edge + gl.arange(0, _WG, layout=row_layout)  # each row's diagonal
-            acc = gl.zeros([_WG, HEAD_DIM], gl.float32, o_layout)
-            mbarrier.wait(q_ready.index(WG), done & 1)
+        for unit in range(gl.program_id(0), _units(n_m, n_bh, CAUSAL, PAIRS), gl.num_programs(0)):
+            for side in range(_tiles_in(unit, n_m, CAUSAL, PAIRS)):
+                m, bh = _tile_of(unit, side, n_m, CAUSAL, PAIRS)
+                row_lo = m * BLOCK_M
+                j0, j1 = _key_range(row_lo, NQ, NK, offset, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+                n_tiles = j1 - j0  # at least 1: ``unavailable`` refuses a band that leaves a row with no key
+                edge = row_lo + offset + WG * _WG  # this warpgroup's first row's diagonal (causal: its last key)
+                rows = edge + gl.arange(0, _WG, layout=row_layout)  # each row's diagonal
+                acc = gl.zeros([_WG, HEAD_DIM], gl.float32, o_layout)
+                mbarrier.wait(q_ready.index(WG), done & 1)
 
-            # the first key tile: its scores and softmax (nothing to overlap yet)
-            stage = count % STAGES
-            mbarrier.wait(k_ready.index(stage), (count // STAGES) & 1)
-            _take_turn(turn, turns, WG, PINGPONG)
-            k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-            s = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
-            _give_turn(turn, WG, NUM_WG, PINGPONG)
-            turns += 1
-            s = warpgroup_mma_wait(0, deps=(s,))
-            mbarrier.arrive(k_empty.index(stage))
-            s = _scores(s, j0, rows, edge, cols0, NK, win_left, win_right, CAUSAL, KEY_TAIL, WINDOW, BLOCK_N)
-            m_i = gl.max(s, 1)  # the raw scores' running max; without a window key 0 is in every real row's view
-            p = _exp2_scaled(s, _finite(m_i, WINDOW), qk_scale)
-            l_i = gl.sum(p, 1)
-
-            for i in range(1, n_tiles):
-                j = j0 + i
-                prev = (count + i - 1) % STAGES
-                stage = (count + i) % STAGES
-                mbarrier.wait(k_ready.index(stage), ((count + i) // STAGES) & 1)
+                # the first key tile: its scores and softmax (nothing to overlap yet)
+                stage = count % STAGES
+                mbarrier.wait(k_ready.index(stage), (count // STAGES) & 1)
                 _take_turn(turn, turns, WG, PINGPONG)
                 k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-                s_next = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
-                mbarrier.wait(v_ready.index(prev), ((count + i - 1) // STAGES) & 1)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
-                acc_next = warpgroup_mma(p_op, v_t, acc, is_async=True)
+                s = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
                 _give_turn(turn, WG, NUM_WG, PINGPONG)
                 turns += 1
-                s = warpgroup_mma_wait(1, deps=(s_next,))  # the scores are done; P V of tile j-1 may still run
+                s = warpgroup_mma_wait(0, deps=(s,))
                 mbarrier.arrive(k_empty.index(stage))
-                s = _scores(s, j, rows, edge, cols0, NK, win_left, win_right, CAUSAL, KEY_TAIL, WINDOW, BLOCK_N)
-                m_new = gl.maximum(m_i, gl.max(s, 1))
-                m_use = _finite(m_new, WINDOW)
-                alpha = gl.exp2((m_i - m_use) * qk_scale)
-                p = _exp2_scaled(s, m_use, qk_scale)
-                l_i = l_i * alpha + gl.sum(p, 1)
-                m_i = m_new
-                acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))  # p_op's registers stay read until here
-                mbarrier.arrive(v_empty.index(prev))
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            if not O_IN_Q:
-                mbarrier.arrive(q_empty.index(WG))  # every product reading Q is done: the loader may fetch the next
+                s = _scores(s, j0, rows, edge, cols0, NK, win_left, win_right, CAUSAL, KEY_TAIL, WINDOW, BLOCK_N)
+                m_i = gl.max(s, 1)  # the raw scores' running max; without a window key 0 is in every real row's view
+                p = _exp2_scaled(s, _finite(m_i, WINDOW), qk_scale)
+                l_i = gl.sum(p, 1)
 
-            last = (count + n_tiles - 1) % STAGES
-            mbarrier.wait(v_ready.index(last), ((count + n_tiles - 1) // STAGES) & 1)
-            v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_t, acc)
-            mbarrier.arrive(v_empty.index(last))
-            count += n_tiles
+                for i in range(1, n_tiles):
+                    j = j0 + i
+                    prev = (count + i - 1) % STAGES
+                    stage = (count + i) % STAGES
+                    mbarrier.wait(k_ready.index(stage), ((count + i) // STAGES) & 1)
+                    _take_turn(turn, turns, WG, PINGPONG)
+                    k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+                    s_next = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
+                    mbarrier.wait(v_ready.index(prev), ((count + i - 1) // STAGES) & 1)
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
+                    acc_next = warpgroup_mma(p_op, v_t, acc, is_async=True)
+                    _give_turn(turn, WG, NUM_WG, PINGPONG)
+                    turns += 1
+                    s = warpgroup_mma_wait(1, deps=(s_next,))  # the scores are done; P V of tile j-1 may still run
+                    mbarrier.arrive(k_empty.index(stage))
+                    s = _scores(s, j, rows, edge, cols0, NK, win_left, win_right, CAUSAL, KEY_TAIL, WINDOW, BLOCK_N)
+                    m_new = gl.maximum(m_i, gl.max(s, 1))
+                    m_use = _finite(m_new, WINDOW)
+                    alpha = gl.exp2((m_i - m_use) * qk_scale)
+                    p = _exp2_scaled(s, m_use, qk_scale)
+                    l_i = l_i * alpha + gl.sum(p, 1)
+                    m_i = m_new
+                    acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))  # p_op's registers stay read until here
+                    mbarrier.arrive(v_empty.index(prev))
+                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                if not O_IN_Q:
+                    mbarrier.arrive(q_empty.index(WG))  # every product reading Q is done: the loader may fetch the next
 
-            # epilogue: O through shared memory and a bulk copy, the lse with stores
-            o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-            lse = (m_i * qk_scale + gl.log2(l_i)) * LN_2
-            if CAUSAL or WINDOW:  # a hidden key's inf or NaN in V reaches its tile through P V (0 * inf): mark it
-                bad = gl.max(gl.where(gl.abs(acc) < float("inf"), 0, 1), 1)
-                lse = gl.where(gl.convert_layout(bad, row_layout) > 0, float("nan"), lse)
-            row0 = row_lo + WG * _WG
-            if not O_IN_Q:
-                tma.store_wait(0)  # the previous tile's O has left the buffer
-            o_buf.reshape([_WG, HEAD_DIM]).store(o.to(dtype))
-            fence_async_shared()
-            _tma_store(desc_o, [bh // HQ, bh % HQ, row0, 0], o_buf)
-            if O_IN_Q:  # O left through Q's buffer: release it once the store has read it
-                tma.store_wait(0)
-                mbarrier.arrive(q_empty.index(WG))
-            offs = row0 + gl.arange(0, _WG, layout=row_layout)
-            gl.store(LSE + bh * NQ + offs, lse, mask=offs < NQ)
-            done += 1
+                last = (count + n_tiles - 1) % STAGES
+                mbarrier.wait(v_ready.index(last), ((count + n_tiles - 1) // STAGES) & 1)
+                v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
+                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_t, acc)
+                mbarrier.arrive(v_empty.index(last))
+                count += n_tiles
+
+                # epilogue: O through shared memory and a bulk copy, the lse with stores
+                o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+                lse = (m_i * qk_scale + gl.log2(l_i)) * LN_2
+                if CAUSAL or WINDOW:  # a hidden key's inf or NaN in V reaches its tile through P V (0 * inf): mark it
+                    bad = gl.max(gl.where(gl.abs(acc) < float("inf"), 0, 1), 1)
+                    lse = gl.where(gl.convert_layout(bad, row_layout) > 0, float("nan"), lse)
+                row0 = row_lo + WG * _WG
+                if not O_IN_Q:
+                    tma.store_wait(0)  # the previous tile's O has left the buffer
+                o_buf.reshape([_WG, HEAD_DIM]).store(o.to(dtype))
+                fence_async_shared()
+                _tma_store(desc_o, [bh // HQ, bh % HQ, row0, 0], o_buf)
+                if O_IN_Q:  # O left through Q's buffer: release it once the store has read it
+                    tma.store_wait(0)
+                    mbarrier.arrive(q_empty.index(WG))
+                offs = row0 + gl.arange(0, _WG, layout=row_layout)
+                gl.store(LSE + bh * NQ + offs, lse, mask=offs < NQ)
+                done += 1
         tma.store_wait(0)
 
     @gluon.jit
     def _attn_fwd_overlap(desc_q, desc_k, desc_v, desc_o, LSE, HQ, NQ, NK, GROUP, offset, win_left, win_right,
                           qk_scale, n_bh, HEAD_DIM: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, WINDOW: gl.constexpr,
-                          PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr, CONSUMER_REGS: gl.constexpr):  # fmt: skip
+                          PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr, PAIRS: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr):  # fmt: skip
         """A persistent grid: each program takes (query tile, head) pairs ``_tile_at(pid)``,
         ``_tile_at(pid + programs)``, ..., with a loader warp and ``NUM_WG`` consumer warpgroups of 64 rows."""
         dtype: gl.constexpr = desc_q.dtype
@@ -387,28 +434,28 @@ if GLUON_ERROR is None:
             gl.warp_specialize([
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                              v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 0,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q)),
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, PAIRS)),
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                              v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 1,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q)),
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, PAIRS)),
                 (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                            k_empty, v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, NUM_WG,
-                           BLOCK_N, STAGES, CAUSAL, WINDOW, O_IN_Q)),
+                           BLOCK_N, STAGES, CAUSAL, WINDOW, O_IN_Q, PAIRS)),
             ], [4, 1], [CONSUMER_REGS, _LOADER_REGS])  # fmt: skip
         else:
             gl.warp_specialize([
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                              v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 0,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q)),
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, PAIRS)),
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                              v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 1,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q)),
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, PAIRS)),
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                              v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 2,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q)),
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, PAIRS)),
                 (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                            k_empty, v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, NUM_WG,
-                           BLOCK_N, STAGES, CAUSAL, WINDOW, O_IN_Q)),
+                           BLOCK_N, STAGES, CAUSAL, WINDOW, O_IN_Q, PAIRS)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, _LOADER_REGS])  # fmt: skip
 
 
@@ -464,18 +511,13 @@ def _not_describable(x) -> str | None:
     return None
 
 
-# Where the benchmark measured this rung faster than the rungs below it (H200, bf16, docs/kernel-notes.md) ...
-PREFERRED_HEAD_DIMS = (64, 128)
-# ... except causal calls at D = 128 with at most this many query rows: there the Hopper rung measured faster
-# (267 against 169-183 TFLOP/s at N = 1K, h200-ladder-bf16-2026-12-01-v2.json; the cause is not yet found).
-SHORT_CAUSAL_ROWS = {128: 1024}
+# Where the benchmark measured this rung faster than the rungs below it (H200, 16-bit, docs/kernel-notes.md)
+PREFERRED_HEAD_DIMS = (64, 128, 256)
 
 
 def preferred(q, k, v, causal, window) -> bool:
-    """Whether ``flash_attention`` picks this rung by default for these inputs (``PREFERRED_HEAD_DIMS``, but not
-    the short causal calls of ``SHORT_CAUSAL_ROWS``)."""
-    d = q.shape[3]
-    return d in PREFERRED_HEAD_DIMS and not (causal and q.shape[2] <= SHORT_CAUSAL_ROWS.get(d, 0))
+    """Whether ``flash_attention`` picks this rung by default for these inputs (``PREFERRED_HEAD_DIMS``)."""
+    return q.shape[3] in PREFERRED_HEAD_DIMS
 
 
 _LAYOUTS = {}  # (rows, D, dtype) -> the shared-memory layout of a copied tile (a wgmma operand's swizzle)
@@ -492,12 +534,48 @@ def _descriptor(x, block_rows):
     return TensorDescriptor(x, list(x.shape), _strides(x), [1, 1, block_rows, d], _LAYOUTS[key])
 
 
+def _launch_shape(q, k, causal, window, band):
+    """The kernel's ``(grid, scalar arguments, constexprs)`` for one call signature."""
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    offset, win_left, win_right, qk_scale = band
+    num_wg, block_n, stages = tiles(d, nq, causal, window)
+    n_m = cdiv(nq, num_wg * WG_ROWS)
+    pairs = bool(causal) and d in PAIRED_HEAD_DIMS
+    units = (n_m + 1) // 2 * b * hq if pairs else n_m * b * hq
+    # persistent: one program per multiprocessor. Causal without pairs, one program per tile: the GPU hands a tile
+    # to a multiprocessor as one finishes, which balances tiles of unequal length in the order they come
+    programs = units if causal and not pairs else min(units, sm_count(device_index(q)))
+    scalars = (hq, nq, nk, hq // hk, offset, win_left, win_right, qk_scale, b * hq)
+    meta = dict(
+        HEAD_DIM=d, NUM_WG=num_wg, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), WINDOW=window is not None,
+        KEY_TAIL=not causal and window is None and nk % block_n != 0, PINGPONG=PINGPONG, O_IN_Q=d in O_THROUGH_Q,
+        PAIRS=pairs, CONSUMER_REGS=CONSUMER_REGS[num_wg], num_warps=4,
+    )  # fmt: skip
+    return (programs,), scalars, meta
+
+
+def tiles(d, nq, causal, window):
+    """``(consumer warpgroups, BLOCK_N, STAGES)`` for a call: ``TILES``, or ``UNMASKED_LONG_TILES`` where they
+    apply."""
+    rows, long_tiles = UNMASKED_LONG_TILES.get(d, (None, None))
+    if long_tiles is not None and not causal and window is None and nq >= rows:
+        return long_tiles
+    return TILES[d]
+
+
+def _descriptors(q, k, v, o, block_n):
+    """The four tensors' copy-engine descriptors: Q and O in 64-row tiles, K and V in key tiles of ``block_n``."""
+    return _descriptor(q, WG_ROWS), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(o, WG_ROWS)
+
+
 def launch(q, k, v, o, lse, causal, window, band, config=None):
     """Run the kernel once on prepared inputs, writing ``o (B, Hq, Nq, D)`` and ``lse (B, Hq, Nq)``.
 
     Inputs as ``flashlab.kernels.skip_split.launch`` takes them (``forward`` checks and prepares them). Its tiles
-    are fixed (``TILES``): a ``config`` is refused. Under a causal mask the Hopper rung's repair pass follows,
-    which redoes only query tiles marked non-finite (none, on finite inputs) and otherwise returns at once."""
+    are fixed (``tiles``): a ``config`` is refused. Under a causal mask or a window the Hopper rung's repair pass
+    follows, which redoes only query tiles marked non-finite (none, on finite inputs) and otherwise returns at
+    once."""
     why = unavailable(q, k, v, causal, window)
     if why is not None:
         raise RuntimeError(f"the overlap rung cannot run these inputs: {why}")
@@ -506,49 +584,90 @@ def launch(q, k, v, o, lse, causal, window, band, config=None):
     why = _not_describable(o)
     if why is not None or not lse.is_contiguous():
         raise RuntimeError(f"the overlap rung cannot write o and lse: {why or 'lse is not contiguous'}")
-    b, hq, nq, d = q.shape
-    hk, nk = k.shape[1], k.shape[2]
-    offset, win_left, win_right, qk_scale = band
-    num_wg, block_n, stages = TILES[d]
-    desc_q, desc_o = (_descriptor(x, WG_ROWS) for x in (q, o))
-    desc_k, desc_v = (_descriptor(x, block_n) for x in (k, v))
-    tiles = cdiv(nq, num_wg * WG_ROWS) * b * hq
+    grid, scalars, meta = _launch_shape(q, k, causal, window, band)
     with torch.cuda.device(q.device):
-        # persistent without a mask: one program per multiprocessor. Causal, one program per tile: the GPU hands a
-        # tile to a multiprocessor as one finishes, which balances tiles of unequal length in the order they come
-        # (each head's longest first, head by head); a static share of them per program did not (docs/kernel-notes.md)
-        programs = tiles if causal else min(tiles, sm_count(device_index(q)))
-        _attn_fwd_overlap[(programs,)](
-            desc_q, desc_k, desc_v, desc_o, lse, hq, nq, nk, hq // hk, offset, win_left, win_right, qk_scale, b * hq,
-            HEAD_DIM=d, NUM_WG=num_wg, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), WINDOW=window is not None,
-            KEY_TAIL=not causal and window is None and nk % block_n != 0, PINGPONG=PINGPONG,
-            O_IN_Q=d in O_THROUGH_Q, CONSUMER_REGS=CONSUMER_REGS[num_wg], num_warps=4,
-        )  # fmt: skip
-    if causal or window is not None:
-        scalars, _, meta = hopper._arguments(q, k, v, o.stride()[:3], causal, window, band, is_cuda=True)
-        hopper.repair((q, k, v, o, lse, *scalars), q, meta)
+        _attn_fwd_overlap[grid](*_descriptors(q, k, v, o, meta["BLOCK_N"]), lse, *scalars, **meta)
+        if causal or window is not None:
+            kernel, rgrid, rargs, rmeta = hopper.repair_parts(q, k, v, o.stride()[:3], causal, window, band)
+            kernel[rgrid](q, k, v, o, lse, *rargs, **rmeta)
+
+
+_DESCRIBED = ("desc_q", "desc_k", "desc_v", "desc_o", "LSE")  # the parameters a launch's q, k, v, o, lse go to
 
 
 class Planned:
-    """``launch`` for one call signature (``flash_attention`` keeps it per signature). A signature does not include
-    addresses: a call whose q, k or v is not 16-byte aligned, which the copy engine cannot take, runs skip and split
-    instead (as the Hopper rung's plan does), where ``launch`` would refuse it."""
+    """``launch`` for one call signature (shapes, strides, dtype, device, mask, band: ``flash_attention`` keeps it
+    per signature), decided once: the grid, the arguments and constexprs, and direct relaunches of the kernel and
+    of the repair pass (``runtime.FastLaunch`` through flashlab's own launcher, which encodes the four tensor maps
+    from the tensors' addresses; each checked against a launch through Triton once, bit for bit). Through Triton's
+    JIT, building the four descriptors in Python and binding them cost 140-390 us of host time per call on the
+    H200's host, more than the GPU time of a short call (docs/kernel-notes.md).
 
-    __slots__ = ("mask", "band")
+    A signature does not include addresses: a call whose q, k, v or o is not 16-byte aligned, which the copy
+    engine cannot take, runs skip and split instead (as the Hopper rung's plan does). CPU tensors go to ``launch``,
+    which says why it cannot run them."""
 
-    def __init__(self, causal, window, band):
+    __slots__ = ("mask", "band", "grid", "scalars", "meta", "repair", "fast", "repair_fast", "fast_state")
+
+    def __init__(self, q, k, v, causal, window, band):
         self.mask, self.band = (causal, window), band
+        self.grid = self.scalars = self.meta = None
+        if q.is_cuda:
+            self.grid, self.scalars, self.meta = _launch_shape(q, k, causal, window, band)
+        self.repair = None  # (kernel, grid, arguments, constexprs), from the first call's o
+        self.fast = self.repair_fast = None
+        self.fast_state = "untried"  # "untried" -> "built" -> "checked" or "off"
 
-    def __call__(self, q, k, v, o, lse):  # the strides are the signature's: only the starts can differ
-        if hopper._aligned(q) and hopper._aligned(k) and hopper._aligned(v):
-            launch(q, k, v, o, lse, *self.mask, self.band)
-        else:
+    def __call__(self, q, k, v, o, lse):
+        if not all(hopper._aligned(x) for x in (q, k, v, o)):  # same signature, addresses TMA cannot take
             skip_split.launch(q, k, v, o, lse, *self.mask, self.band)
+            return
+        if not q.is_cuda:
+            launch(q, k, v, o, lse, *self.mask, self.band)
+            return
+        if self.fast_state == "checked" and q.get_device() == current_device_index():
+            self._launch_fast(current_stream(q.get_device()), q, k, v, o, lse)
+            return
+        with torch.cuda.device(q.device):
+            self._launch_jit(q, k, v, o, lse)
+
+    def _launch_fast(self, stream, q, k, v, o, lse):
+        self.fast(stream, q, k, v, o, lse)
+        if self.repair_fast is not None:
+            self.repair_fast(stream, q, k, v, o, lse)
+
+    def _launch_jit(self, q, k, v, o, lse):
+        causal, window = self.mask
+        if self.repair is None and (causal or window is not None):
+            self.repair = hopper.repair_parts(q, k, v, o.stride()[:3], causal, window, self.band)
+        args = (*_descriptors(q, k, v, o, self.meta["BLOCK_N"]), lse, *self.scalars)
+        kernel = _attn_fwd_overlap[self.grid](*args, **self.meta)
+        repair_kernel = None
+        if self.repair is not None:
+            jit, rgrid, rargs, rmeta = self.repair
+            repair_kernel = jit[rgrid](q, k, v, o, lse, *rargs, **rmeta)
+        if self.fast_state == "untried":
+            self._build_fast(kernel, repair_kernel, args, (q, k, v, o, lse))
+        elif self.fast_state == "built" and not stream_capturing():
+            stream = current_stream(q.get_device())
+            same = reproduces(lambda o2, lse2: self._launch_fast(stream, q, k, v, o2, lse2), o, lse)
+            self.fast_state = "checked" if same else "off"
+
+    def _build_fast(self, kernel, repair_kernel, args, tensors):
+        self.fast = FastLaunch.build(_attn_fwd_overlap, kernel, self.grid, args, self.meta, _DESCRIBED,
+                                     native_only=True)  # fmt: skip
+        ok = self.fast is not None
+        if repair_kernel is not None:
+            jit, rgrid, rargs, rmeta = self.repair
+            self.repair_fast = FastLaunch.build(jit, repair_kernel, rgrid, (*tensors, *rargs), rmeta,
+                                                hopper.TENSOR_NAMES)  # fmt: skip
+            ok = ok and self.repair_fast is not None
+        self.fast_state = "built" if ok else "off"
 
 
 def plan(q, k, v, causal, window, band) -> Planned:
     """The planned launch of one call signature (``Planned``), for ``flashlab.kernels.forward``."""
-    return Planned(causal, window, band)
+    return Planned(q, k, v, causal, window, band)
 
 
-__all__ = ["CAPABILITY", "HEAD_DIMS", "NAME", "Planned", "TILES", "launch", "plan", "preferred", "unavailable"]
+__all__ = ["CAPABILITY", "HEAD_DIMS", "NAME", "Planned", "TILES", "launch", "plan", "preferred", "tiles", "unavailable"]
