@@ -150,8 +150,8 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
 
     ``rung`` picks the prefill kernel from the kernel ladder (``flashlab.kernels.ladder.RUNGS``): ``None`` runs the
     rung measured fastest for these inputs on their device -- on a Hopper GPU ``"overlap"`` for 16-bit inputs at
-    D = 64 and 128 (any lengths and windows, layouts the copy engine can describe; causal calls of at most 1K
-    query rows at D = 128 excepted), ``"hopper"`` for other 16-bit inputs at head dims 65-128 from 1K keys,
+    D = 64, 128 and 256 (any lengths and windows, layouts the copy engine can describe), ``"hopper"`` for other
+    16-bit inputs at head dims 65-128 from 1K keys,
     ``"skip_split"`` otherwise -- (and split-KV for decode, as above); a name such as
     ``"lesson_loop"`` or ``"skip_split"`` runs that rung at any Nq (not split-KV, so it cannot be combined with
     ``num_splits``). Where the named rung cannot run here, a ``RuntimeWarning`` names it and the reason, and the
