@@ -107,8 +107,8 @@ O_THROUGH_Q = (256,)  # head dims whose O is stored through Q's shared memory
 CONSUMER_REGS = {2: 240, 3: 160}
 LOADER_REGS = 24  # the loader warp only issues copies
 # Head dims whose causal grid is persistent, in units that pair each head's query tiles n_m - 1 - r and r (equal
-# work per unit); elsewhere one program per query tile. At D = 256 the pairing's extra loop level spills a consumer
-# warpgroup's registers (192 bytes of stack, compiled for sm_90).
+# work per unit); elsewhere one program per query tile. At D = 256 the pairing's extra loop level spills registers
+# (192 bytes of stack compiled for sm_90, none without it).
 PAIRED_HEAD_DIMS = (64, 128)
 PINGPONG = True  # the consumer warpgroups take turns issuing their products (FlashAttention-3's ping-pong)
 
