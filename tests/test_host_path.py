@@ -324,14 +324,12 @@ except RuntimeError as e:
 """
 
 
-def test_direct_launch_hands_the_driver_the_packed_parameters(tmp_path):
-    # flashlab's launcher against a stand-in driver (a libcuda.so.1 of our own, found first on the library path):
-    # the grid, the block, shared memory, the stream, and every parameter at its own size, the tensors' addresses
-    # in their slots; a thread with no current CUDA context gets the function's device's primary context; a packing
-    # the compiled function does not take is refused, a failed launch is an error naming the driver's reason.
+def run_through_fake_driver(tmp_path, script, sizes):
+    """Run ``script`` in a fresh Python whose libcuda.so.1 is ``FAKE_DRIVER`` (built here with gcc, found first on
+    the library path), the compiled function's parameters of ``sizes`` bytes; its output and the driver's log.
+    Skips where there is no C compiler to build flashlab's launcher or the stand-in."""
     import os
     import shutil
-    import struct
     import subprocess
     import sys
 
@@ -342,11 +340,21 @@ def test_direct_launch_hands_the_driver_the_packed_parameters(tmp_path):
     (tmp_path / "fake.c").write_text(FAKE_DRIVER)
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", tmp_path / "libcuda.so.1", tmp_path / "fake.c"], check=True)
     log = tmp_path / "launches.log"
-    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path), FAKE_LOG=str(log), FAKE_SIZES="8,4,4,8,8,8,8")
-    env["FAKE_RESULT"] = "0"
-    run = [sys.executable, "-c", LAUNCH_THROUGH_FAKE_DRIVER]
-    out = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path), FAKE_LOG=str(log), FAKE_RESULT="0")
+    env["FAKE_SIZES"] = ",".join(map(str, sizes))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+    return out, log
+
+
+def test_direct_launch_hands_the_driver_the_packed_parameters(tmp_path):
+    # flashlab's launcher against a stand-in driver (a libcuda.so.1 of our own, found first on the library path):
+    # the grid, the block, shared memory, the stream, and every parameter at its own size, the tensors' addresses
+    # in their slots; a thread with no current CUDA context gets the function's device's primary context; a packing
+    # the compiled function does not take is refused, a failed launch is an error naming the driver's reason.
+    import struct
+
+    out, log = run_through_fake_driver(tmp_path, LAUNCH_THROUGH_FAKE_DRIVER, [8, 4, 4, 8, 8, 8, 8])
     assert "refused: the kernel takes more parameters than were packed" in out.stdout
     b_ptr, a_ptr = (int(x) for x in out.stdout.split("addresses:")[1].split()[:2])
     # the first launch finds no current context and makes device 3's primary context current, once
@@ -385,24 +393,8 @@ def test_direct_launch_encodes_a_tensor_map_from_each_launchs_tensor(tmp_path):
     # on every launch from the launch's tensor, with the arguments packed once: the driver's dtype (Triton's device
     # enum 9 is the host's 8), dims, byte strides and box innermost first, unit element strides, no interleave,
     # the swizzle of the compiled kernel, 128-byte L2 promotion (2), no NaN fill -- the map on a 64-byte boundary.
-    import os
-    import shutil
-    import subprocess
-    import sys
-
-    from flashlab.kernels import direct_launch
-
-    if direct_launch.native() is None or shutil.which("gcc") is None:
-        pytest.skip("no C compiler here to build flashlab's launcher")
-    (tmp_path / "fake.c").write_text(FAKE_DRIVER)
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", tmp_path / "libcuda.so.1", tmp_path / "fake.c"], check=True)
-    log = tmp_path / "launches.log"
     sizes = [4, 128, 4, 4, 4, 4, 8, 8, 8, 8, 8, 8, 8]  # i32; the map, shape, strides; the pointer; two scratch
-    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path), FAKE_LOG=str(log), FAKE_RESULT="0")
-    env["FAKE_SIZES"] = ",".join(map(str, sizes))
-    out = subprocess.run([sys.executable, "-c", LAUNCH_A_TENSOR_MAP_THROUGH_FAKE_DRIVER], env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stderr
+    out, log = run_through_fake_driver(tmp_path, LAUNCH_A_TENSOR_MAP_THROUGH_FAKE_DRIVER, sizes)
     assert f"sizes: {sizes}" in out.stdout
     assert "slots: ((1, 8, 3, 0, (128, 100, 3, 2), (256, 25600, 76800), (128, 64, 1, 1)), 10)" in out.stdout
     x_ptr, lse_ptr = (int(n) for n in out.stdout.split("addresses:")[1].split()[:2])

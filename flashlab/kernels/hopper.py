@@ -527,14 +527,15 @@ class Planned:
 
     def _build_fast(self, kernel, repair_kernel, args, tensors):
         kwargs = {**self.meta, **self.config}
-        self.fast = FastLaunch.build(_attn_fwd_hopper, kernel, self.grid, args, kwargs, _TENSORS, global_scratch=True)
+        self.fast = FastLaunch.build(_attn_fwd_hopper, kernel, self.grid, args, kwargs, TENSOR_NAMES,
+                                     global_scratch=True)  # fmt: skip
         if direct_launch.is_direct(self.fast):
             self.scratch_bytes = direct_launch.global_scratch_bytes(kernel, self.grid)
         ok = self.fast is not None
         if repair_kernel is not None:
             repair_args = (*tensors, *self.args, *self.repair_args)
             self.repair_fast = FastLaunch.build(_repair_flagged, repair_kernel, self.repair_grid, repair_args,
-                                                self.repair_meta, _TENSORS)  # fmt: skip
+                                                self.repair_meta, TENSOR_NAMES)  # fmt: skip
             ok = ok and self.repair_fast is not None
         self.fast_state = "built" if ok else "off"
 
@@ -545,7 +546,6 @@ class Planned:
 
 
 TENSOR_NAMES = ("Q", "K", "V", "O", "LSE")  # the kernels' five tensor parameters, as FastLaunch names them
-_TENSORS = TENSOR_NAMES
 
 
 def _aligned(x: torch.Tensor) -> bool:
