@@ -12,6 +12,9 @@ every configuration below for SEEDS random interleavings. Change the kernel's sy
 same way, and run it:
 
     python scripts/overlap_protocol_model.py [SEEDS]
+
+The test suite runs a share of the configurations and shows that mutations of the protocol make the model fail
+(``tests/test_overlap_protocol.py``).
 """
 
 import random
