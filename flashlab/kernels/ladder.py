@@ -95,7 +95,7 @@ RUNGS: tuple[Rung, ...] = (
     ),
     Rung(
         "overlap",
-        "the softmax's stall on the tensor cores: each tile's exponentials run under the previous tile's P V",
+        "the softmax's stall on the tensor cores: one warpgroup's softmax runs under the other's products",
         "flashlab.kernels.overlap",
         _imported("flashlab.kernels.overlap", "unavailable"),
         _imported("flashlab.kernels.overlap", "preferred"),

@@ -17,10 +17,13 @@ Here the schedule is written out, per consumer warpgroup and key tile ``j``:
     release K_j;     softmax of S_j -> P_j, running max and sum      <- under P_j-1 V_j-1
     wait for P_j-1 V_j-1;  release V_j-1;  rescale O by exp2(m_j-1 - m_j)
 
-so the exponentials of tile ``j`` overlap the matrix product of tile ``j - 1`` (FlashAttention-3's "intra-warpgroup
-overlap"). With ``PINGPONG`` the two warpgroups also take turns issuing their products -- each waits until the
-other has issued its pair -- so the tensor cores run one warpgroup's products while the other runs its softmax
-(FlashAttention-3's "ping-pong" scheduling between warpgroups).
+so the exponentials of tile ``j`` can overlap the matrix product of tile ``j - 1`` (FlashAttention-3's
+"intra-warpgroup overlap"). That is the order of the PTX; the machine code keeps only part of it. ptxas (CUDA 12.8,
+the one Triton 3.6 ships) moves the wait for ``P_j-1 V_j-1`` up, after the first instructions of the row max and
+before the exponentials, at D = 64 and 128, with ping-pong and without (``docs/kernel-notes.md``). With
+``PINGPONG`` the two warpgroups take turns issuing their products -- each waits until the other has issued its pair
+-- so the tensor cores run one warpgroup's products while the other runs its softmax (FlashAttention-3's
+"ping-pong" scheduling between warpgroups): that is what keeps them busy during a softmax.
 
 Around it: one loader warp copies Q and K, V tiles into a ring of ``STAGES`` shared-memory buffers with the
 tensor-memory accelerator, mbarriers telling the consumers a tile has arrived and the loader that both have
