@@ -533,6 +533,24 @@ def test_direct_launch_refuses_a_packing_the_compiled_kernel_does_not_take():
         module.make(kernel.function, 1, 1, 1, 128, 0, cells, bytes(wrong), params, q.get_device())
 
 
+def planned_after_fresh_calls(rung, q_shape, kv_heads, calls, seed, causal, window):
+    """``calls`` calls of ``flash_attention(..., rung=rung)`` on fresh bf16 tensors (new addresses every call), each
+    within 1.5e-2 of float64 (relative norm); the last call's q, k, v, o and the plan's launch of the rung."""
+    from flashlab.reference.torch_float64 import attention_float64
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    b, hq, n, d = q_shape
+    for step in range(calls):
+        q = torch.randn(b, hq, n, d, device="cuda", generator=g).bfloat16()
+        k, v = (torch.randn(b, kv_heads, n, d, device="cuda", generator=g).bfloat16() for _ in range(2))
+        o = flash_attention(q, k, v, causal=causal, window=window, rung=rung)
+        ro, _ = attention_float64(q, k, v, causal=causal, window=window)
+        err = float((o.double() - ro).norm() / ro.norm())
+        assert err < 1.5e-2, (step, err)
+    plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[8] is causal and key[9] == window)
+    return q, k, v, o, plan.rung_launch
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, (300, 40))])
 def test_hopper_prefill_is_planned_and_relaunches_directly_on_gpu(causal, window):
@@ -540,20 +558,11 @@ def test_hopper_prefill_is_planned_and_relaunches_directly_on_gpu(causal, window
     # launched directly with its descriptors' global scratch from the stream's scratch; 1100 keys leave a partial
     # last tile, so its repair pass runs after it every time. Each call still equals float64.
     from flashlab.kernels import hopper
-    from flashlab.reference.torch_float64 import attention_float64
 
     if torch.cuda.get_device_capability()[0] < hopper.MIN_CAPABILITY:
         pytest.skip("the Hopper rung needs sm_90 or newer")
-    g = torch.Generator(device="cuda").manual_seed(11)
-    for step in range(6):  # autotune; JIT launch (direct launch built); checked against the JIT once; direct
-        q = torch.randn(2, 16, 1100, 128, device="cuda", generator=g).bfloat16()
-        k, v = (torch.randn(2, 4, 1100, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
-        o = flash_attention(q, k, v, causal=causal, window=window, rung="hopper")
-        ro, _ = attention_float64(q, k, v, causal=causal, window=window)
-        err = float((o.double() - ro).norm() / ro.norm())
-        assert err < 1.5e-2, (step, err)
-    plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[8] is causal and key[9] == window)
-    planned = plan.rung_launch
+    # autotune; JIT launch (direct launch built); checked against the JIT once; direct
+    q, k, v, o, planned = planned_after_fresh_calls("hopper", (2, 16, 1100, 128), 4, 6, 11, causal, window)
     assert isinstance(planned, hopper.Planned) and planned.fast_state == "checked", planned.fast_state
     assert is_flashlab_launch(planned.fast) and planned.scratch_bytes > 0
     assert planned.repair_fast is not None
@@ -572,20 +581,10 @@ def test_overlap_rung_is_planned_and_relaunches_directly_on_gpu(causal, window, 
     # the repair pass after it under a mask. Fresh tensors every call (new addresses), and each call equals float64;
     # the direct launch gives the JIT launch's bits.
     from flashlab.kernels import overlap
-    from flashlab.reference.torch_float64 import attention_float64
 
     if torch.cuda.get_device_capability()[0] != overlap.CAPABILITY or overlap.GLUON_ERROR is not None:
         pytest.skip("rung 4 needs Hopper (sm_90) and Gluon")
-    g = torch.Generator(device="cuda").manual_seed(12)
-    for step in range(5):
-        q = torch.randn(2, 8, nq, 128, device="cuda", generator=g).bfloat16()
-        k, v = (torch.randn(2, 2, nq, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
-        o = flash_attention(q, k, v, causal=causal, window=window, rung="overlap")
-        ro, _ = attention_float64(q, k, v, causal=causal, window=window)
-        err = float((o.double() - ro).norm() / ro.norm())
-        assert err < 1.5e-2, (step, err)
-    plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[8] is causal and key[9] == window)
-    planned = plan.rung_launch
+    q, k, v, o, planned = planned_after_fresh_calls("overlap", (2, 8, nq, 128), 2, 5, 12, causal, window)
     assert isinstance(planned, overlap.Planned) and planned.fast_state == "checked", planned.fast_state
     assert is_flashlab_launch(planned.fast)
     assert (planned.repair_fast is not None) == (causal or window is not None)
