@@ -57,6 +57,15 @@ def fake(b=1, hq=2, hk=2, nq=256, nk=256, d=128, dtype=torch.bfloat16):
 needs_gluon = pytest.mark.skipif(overlap.GLUON_ERROR is not None, reason=str(overlap.GLUON_ERROR))
 
 
+@pytest.fixture
+def cpu_tables(monkeypatch):
+    """A causal launch on ``OnGpu`` tensors plans its schedule table on the CPU (there is no GPU to copy it to)."""
+    table = overlap.tile_schedule.table
+    monkeypatch.setattr(overlap.tile_schedule, "table", lambda lengths, heads, programs, device: table(
+        lengths, heads, programs, "cpu"))  # fmt: skip
+    monkeypatch.setattr(overlap, "stream_capturing", lambda: False)
+
+
 @needs_gluon
 def test_runs_on_hopper_for_the_shapes_it_was_built_for(capability):
     for d in overlap.HEAD_DIMS:
@@ -282,8 +291,8 @@ def test_its_plan_runs_skip_and_split_for_an_address_the_copy_engine_cannot_take
 @pytest.mark.parametrize(
     "b,hq,nq,sms,programs", [(2, 4, 512, 132, 32), (16, 16, 1024, 132, 132), (1, 1, 128, 8, 1), (1, 3, 200, 132, 6)]
 )
-def test_its_grid_is_persistent_one_program_per_multiprocessor_at_most(capability, monkeypatch, b, hq, nq, sms,
-                                                                       programs):  # fmt: skip
+def test_its_grid_is_persistent_one_program_per_multiprocessor_at_most(capability, monkeypatch, cpu_tables, b, hq,
+                                                                       nq, sms, programs):  # fmt: skip
     # The launch on the host, its kernel replaced by a recorder: min(query tiles x heads, multiprocessors) programs,
     # each walking the tiles (a length no multiple of the tile rounds its tiles up); the copy engine's descriptors
     # are (B, H, N, D) with the tensors' own strides, copied in tiles of one head's rows.
@@ -321,10 +330,14 @@ def test_its_grid_is_persistent_one_program_per_multiprocessor_at_most(capabilit
 
     monkeypatch.setattr(overlap.hopper, "repair_parts", lambda *args: (RepairRecorder(), (3,), (), {}))
     overlap.launch(q, k, v, o, lse, True, None, (0, 0, 0, 1.0))
-    # causal: units of two query tiles of a head (the middle one alone when a head has an odd count), at most one
-    # program per multiprocessor; the repair pass follows
+    # causal: at most one program per multiprocessor, each walking its list from the planned table (passed after
+    # lse: the programs' starts, then every tile once); the repair pass follows
     n_m = -(-nq // (num_wg * overlap.WG_ROWS))
-    assert launched["grid"] == (min((n_m + 1) // 2 * b * hq, sms),) and launched["meta"]["PAIRS"]
+    tiles = n_m * b * hq
+    assert launched["grid"] == (min(tiles, sms),) and launched["meta"]["SCHEDULED"]
+    table = launched["args"][5].tolist()
+    starts, listed = table[: min(tiles, sms) + 1], table[min(tiles, sms) + 1 : -1]
+    assert starts[0] == 0 and starts[-1] == tiles and sorted(listed) == list(range(tiles))
     assert repaired == [(3,)]
 
 
@@ -333,8 +346,8 @@ def test_its_grid_is_persistent_one_program_per_multiprocessor_at_most(capabilit
     "nq, causal, window, num_wg",
     [(1024, False, None, 2), (2048, False, None, 3), (4096, True, None, 2), (4096, False, (256, 0), 2)],
 )
-def test_long_calls_at_head_dim_64_without_a_mask_take_three_warpgroups(capability, monkeypatch, nq, causal, window,
-                                                                        num_wg):  # fmt: skip
+def test_long_calls_at_head_dim_64_without_a_mask_take_three_warpgroups(capability, monkeypatch, cpu_tables, nq,
+                                                                        causal, window, num_wg):  # fmt: skip
     # At D = 64 three consumer warpgroups (192 rows) with 64-key tiles from 2K query rows without a mask or window;
     # two, with 128-key tiles, otherwise. The key descriptors are cut in the launch's key tiles.
     import contextlib

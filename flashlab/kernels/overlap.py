@@ -63,7 +63,7 @@ import triton
 
 from flashlab.core.integers import cdiv
 from flashlab.core.masking import visible_band
-from flashlab.kernels import hopper, skip_split
+from flashlab.kernels import hopper, skip_split, tile_schedule
 from flashlab.kernels.runtime import (
     FastLaunch,
     current_device_index,
@@ -109,10 +109,11 @@ O_THROUGH_Q = (256,)  # head dims whose O is stored through Q's shared memory
 # registers per thread of a consumer warpgroup (setmaxnreg), by how many there are; the first gets what is left
 CONSUMER_REGS = {2: 240, 3: 160}
 LOADER_REGS = 24  # the loader warp only issues copies
-# Head dims whose causal grid is persistent, in units that pair each head's query tiles n_m - 1 - r and r (equal
-# work per unit); elsewhere one program per query tile. At D = 256 the pairing's extra loop level spills registers
-# (192 bytes of stack compiled for sm_90, none without it).
-PAIRED_HEAD_DIMS = (64, 128)
+# Head dims whose causal grid is persistent, each program walking its own list of tiles from a table planned on the
+# host (``flashlab.kernels.tile_schedule``: tiles handed to whichever program is free first, the last waves' tiles
+# longest first, so the programs end together); elsewhere one program per query tile. At D = 256 the walk's extra
+# state spilled registers (192 bytes of stack compiled for sm_90 with the earlier paired walk, none without it).
+SCHEDULED_HEAD_DIMS = (64, 128)
 PINGPONG = True  # the consumer warpgroups take turns issuing their products (FlashAttention-3's ping-pong)
 
 if GLUON_ERROR is None:
@@ -128,41 +129,34 @@ if GLUON_ERROR is None:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
     @gluon.jit
-    def _units(n_m, n_bh, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
-        """How many units of work the programs share: a unit is one (query tile, head) pair, or under a causal mask
-        with ``PAIRS`` two query tiles of one head whose lengths sum to the same for every unit."""
-        if CAUSAL and PAIRS:
-            return (n_m + 1) // 2 * n_bh
+    def _walk(SCHED, n_m, n_bh, SCHEDULED: gl.constexpr):
+        """This program's walk over the tiles: ``(first, end, step)``. Scheduled, its own slice of the host's table
+        (``flashlab.kernels.tile_schedule``: where each program's list starts, then the tiles); otherwise tile
+        ``pid``, ``pid + programs``, ... of all of them."""
+        if SCHEDULED:
+            pid = gl.program_id(0)
+            return gl.load(SCHED + pid), gl.load(SCHED + pid + 1), 1
         else:
-            return n_m * n_bh
+            return gl.program_id(0), n_m * n_bh, gl.num_programs(0)
 
     @gluon.jit
-    def _tiles_in(unit, n_m, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
-        """How many query tiles ``unit`` holds: one; paired, two, or one for the middle tile of an odd count."""
-        if CAUSAL and PAIRS:
-            r = unit % ((n_m + 1) // 2)
-            return 2 - (2 * r + 1 == n_m).to(gl.int32)
+    def _code_at(t, SCHED, SCHEDULED: gl.constexpr):
+        """Tile ``t`` of the walk as ``head * n_m + query tile`` (scheduled: read from the table, which holds one
+        spare entry past its last tile, so a program may read one tile ahead of its last)."""
+        if SCHEDULED:
+            return gl.load(SCHED + gl.num_programs(0) + 1 + t)
         else:
-            return 1
+            return t
 
     @gluon.jit
-    def _tile_of(unit, side, n_m, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
-        """The (query tile, head) that is tile ``side`` of ``unit``. Units run head by head, so the programs running
-        at once share a few heads' K/V in L2. Causal, each head's longest query tiles first; paired, unit ``r`` of a
-        head is its tiles ``n_m - 1 - r`` and ``r``, whose key tiles add up to the same count for every ``r``, so a
-        static share of units per program is balanced. (Every head's longest tiles first, across heads, left 132
-        programs reading 132 heads' K/V at once: at N = 1K, D = 128 it ran 0.47x cuDNN.)"""
-        if CAUSAL and PAIRS:
-            half = (n_m + 1) // 2
-            r = unit % half
-            m = n_m - 1 - r
-            if side == 1:
-                m = r
-            return m, unit // half
-        elif CAUSAL:
-            return n_m - 1 - unit % n_m, unit // n_m
+    def _tile_of(code, n_m, CAUSAL: gl.constexpr, SCHEDULED: gl.constexpr):
+        """The (query tile, head) of a tile's code. Units run head by head, so the programs running at once share
+        a few heads' K/V in L2. Causal and not scheduled (one program per tile), each head's longest query tiles
+        first."""
+        if CAUSAL and not SCHEDULED:
+            return n_m - 1 - code % n_m, code // n_m
         else:
-            return unit % n_m, unit // n_m
+            return code % n_m, code // n_m
 
     @gluon.jit
     def _key_range(row_lo, NQ, NK, offset, win_left, win_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -204,9 +198,9 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, NUM_WG: gl.constexpr,
+                v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, SCHED, NUM_WG: gl.constexpr,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                O_IN_Q: gl.constexpr, PAIRS: gl.constexpr):  # fmt: skip
+                O_IN_Q: gl.constexpr, SCHEDULED: gl.constexpr):  # fmt: skip
         """The loader warp: for each tile of the program, each warpgroup's Q once it has finished with the last
         one, then K and V tile by tile into the ring, each copy waiting until every consumer has released the
         buffer it overwrites. The ring's count runs on across the program's tiles. Rows past a head's end come in
@@ -214,26 +208,29 @@ if GLUON_ERROR is None:
         is then released only after O's store) the first K and V go before Q, so they are not held up behind it."""
         count = 0  # K/V tiles copied so far: the ring's position and phase
         done = 0  # query tiles started
-        for unit in range(gl.program_id(0), _units(n_m, n_bh, CAUSAL, PAIRS), gl.num_programs(0)):
-            for side in range(_tiles_in(unit, n_m, CAUSAL, PAIRS)):
-                m, bh = _tile_of(unit, side, n_m, CAUSAL, PAIRS)
-                b = bh // HQ
-                h_kv = bh % HQ // GROUP
-                row_lo = m * (NUM_WG * _WG)
-                j0, j1 = _key_range(row_lo, NQ, NK, offset, win_left, win_right, NUM_WG * _WG, BLOCK_N, CAUSAL, WINDOW)
-                if O_IN_Q:
-                    _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, count, b, h_kv, j0,
-                             BLOCK_N, STAGES)  # fmt: skip
-                    count += 1
-                    _load_q(desc_q, q_smem, q_ready, q_empty, done, b, bh % HQ, row_lo, NUM_WG)
-                    j0 += 1
-                else:
-                    _load_q(desc_q, q_smem, q_ready, q_empty, done, b, bh % HQ, row_lo, NUM_WG)
-                for j in range(j0, j1):
-                    _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, count, b, h_kv, j,
-                             BLOCK_N, STAGES)  # fmt: skip
-                    count += 1
-                done += 1
+        first, end, step = _walk(SCHED, n_m, n_bh, SCHEDULED)
+        code = _code_at(first, SCHED, SCHEDULED)
+        for t in range(first, end, step):
+            code_next = _code_at(t + step, SCHED, SCHEDULED)  # read ahead: off this tile's critical path
+            m, bh = _tile_of(code, n_m, CAUSAL, SCHEDULED)
+            b = bh // HQ
+            h_kv = bh % HQ // GROUP
+            row_lo = m * (NUM_WG * _WG)
+            j0, j1 = _key_range(row_lo, NQ, NK, offset, win_left, win_right, NUM_WG * _WG, BLOCK_N, CAUSAL, WINDOW)
+            if O_IN_Q:
+                _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, count, b, h_kv, j0,
+                         BLOCK_N, STAGES)  # fmt: skip
+                count += 1
+                _load_q(desc_q, q_smem, q_ready, q_empty, done, b, bh % HQ, row_lo, NUM_WG)
+                j0 += 1
+            else:
+                _load_q(desc_q, q_smem, q_ready, q_empty, done, b, bh % HQ, row_lo, NUM_WG)
+            for j in range(j0, j1):
+                _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, count, b, h_kv, j,
+                         BLOCK_N, STAGES)  # fmt: skip
+                count += 1
+            done += 1
+            code = code_next
 
     @gluon.jit
     def _scores(s, j, rows, first_visible_edge, cols0, NK, win_left, win_right, CAUSAL: gl.constexpr,
@@ -292,10 +289,10 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                  turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, WG: gl.constexpr,
+                  turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, WG: gl.constexpr,
                   NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, WINDOW: gl.constexpr, PINGPONG: gl.constexpr,
-                  O_IN_Q: gl.constexpr, PAIRS: gl.constexpr):  # fmt: skip
+                  O_IN_Q: gl.constexpr, SCHEDULED: gl.constexpr):  # fmt: skip
         """One consumer warpgroup: for each tile of the program, 64 query rows through every key tile, the softmax
         of tile j under the P V product of tile j-1 (the module docstring's schedule), then O and the lse. O
         leaves through its own shared memory while the next tile starts; the copy engine drops rows past the
@@ -314,93 +311,96 @@ if GLUON_ERROR is None:
         count = 0  # K/V tiles consumed so far (the loader's count)
         turns = 0  # products issued in turn (ping-pong)
         done = 0  # query tiles finished
-        for unit in range(gl.program_id(0), _units(n_m, n_bh, CAUSAL, PAIRS), gl.num_programs(0)):
-            for side in range(_tiles_in(unit, n_m, CAUSAL, PAIRS)):
-                m, bh = _tile_of(unit, side, n_m, CAUSAL, PAIRS)
-                row_lo = m * BLOCK_M
-                j0, j1 = _key_range(row_lo, NQ, NK, offset, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-                n_tiles = j1 - j0  # at least 1: ``unavailable`` refuses a band that leaves a row with no key
-                edge = row_lo + offset + WG * _WG  # this warpgroup's first row's diagonal (causal: its last key)
-                rows = edge + gl.arange(0, _WG, layout=row_layout)  # each row's diagonal
-                acc = gl.zeros([_WG, HEAD_DIM], gl.float32, o_layout)
-                mbarrier.wait(q_ready.index(WG), done & 1)
+        first, end, step = _walk(SCHED, n_m, n_bh, SCHEDULED)
+        code = _code_at(first, SCHED, SCHEDULED)
+        for t in range(first, end, step):
+            code_next = _code_at(t + step, SCHED, SCHEDULED)  # read ahead: off this tile's critical path
+            m, bh = _tile_of(code, n_m, CAUSAL, SCHEDULED)
+            row_lo = m * BLOCK_M
+            j0, j1 = _key_range(row_lo, NQ, NK, offset, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+            n_tiles = j1 - j0  # at least 1: ``unavailable`` refuses a band that leaves a row with no key
+            edge = row_lo + offset + WG * _WG  # this warpgroup's first row's diagonal (causal: its last key)
+            rows = edge + gl.arange(0, _WG, layout=row_layout)  # each row's diagonal
+            acc = gl.zeros([_WG, HEAD_DIM], gl.float32, o_layout)
+            mbarrier.wait(q_ready.index(WG), done & 1)
 
-                # the first key tile: its scores and softmax (nothing to overlap yet)
-                stage = count % STAGES
-                mbarrier.wait(k_ready.index(stage), (count // STAGES) & 1)
+            # the first key tile: its scores and softmax (nothing to overlap yet)
+            stage = count % STAGES
+            mbarrier.wait(k_ready.index(stage), (count // STAGES) & 1)
+            _take_turn(turn, turns, WG, PINGPONG)
+            k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+            s = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
+            _give_turn(turn, WG, NUM_WG, PINGPONG)
+            turns += 1
+            s = warpgroup_mma_wait(0, deps=(s,))
+            mbarrier.arrive(k_empty.index(stage))
+            s = _scores(s, j0, rows, edge, cols0, NK, win_left, win_right, CAUSAL, KEY_TAIL, WINDOW, BLOCK_N)
+            m_i = gl.max(s, 1)  # the raw scores' running max; without a window key 0 is in every real row's view
+            p = _exp2_scaled(s, _finite(m_i, WINDOW), qk_scale)
+            l_i = gl.sum(p, 1)
+
+            for i in range(1, n_tiles):
+                j = j0 + i
+                prev = (count + i - 1) % STAGES
+                stage = (count + i) % STAGES
+                mbarrier.wait(k_ready.index(stage), ((count + i) // STAGES) & 1)
                 _take_turn(turn, turns, WG, PINGPONG)
                 k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-                s = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
+                s_next = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(prev), ((count + i - 1) // STAGES) & 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
+                acc_next = warpgroup_mma(p_op, v_t, acc, is_async=True)
                 _give_turn(turn, WG, NUM_WG, PINGPONG)
                 turns += 1
-                s = warpgroup_mma_wait(0, deps=(s,))
+                s = warpgroup_mma_wait(1, deps=(s_next,))  # the scores are done; P V of tile j-1 may still run
                 mbarrier.arrive(k_empty.index(stage))
-                s = _scores(s, j0, rows, edge, cols0, NK, win_left, win_right, CAUSAL, KEY_TAIL, WINDOW, BLOCK_N)
-                m_i = gl.max(s, 1)  # the raw scores' running max; without a window key 0 is in every real row's view
-                p = _exp2_scaled(s, _finite(m_i, WINDOW), qk_scale)
-                l_i = gl.sum(p, 1)
+                s = _scores(s, j, rows, edge, cols0, NK, win_left, win_right, CAUSAL, KEY_TAIL, WINDOW, BLOCK_N)
+                m_new = gl.maximum(m_i, gl.max(s, 1))
+                m_use = _finite(m_new, WINDOW)
+                alpha = gl.exp2((m_i - m_use) * qk_scale)
+                p = _exp2_scaled(s, m_use, qk_scale)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))  # p_op's registers stay read until here
+                mbarrier.arrive(v_empty.index(prev))
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            if not O_IN_Q:
+                mbarrier.arrive(q_empty.index(WG))  # every product reading Q is done: the loader may fetch the next
 
-                for i in range(1, n_tiles):
-                    j = j0 + i
-                    prev = (count + i - 1) % STAGES
-                    stage = (count + i) % STAGES
-                    mbarrier.wait(k_ready.index(stage), ((count + i) // STAGES) & 1)
-                    _take_turn(turn, turns, WG, PINGPONG)
-                    k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-                    s_next = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
-                    mbarrier.wait(v_ready.index(prev), ((count + i - 1) // STAGES) & 1)
-                    p_op = gl.convert_layout(p.to(dtype), p_layout)
-                    v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
-                    acc_next = warpgroup_mma(p_op, v_t, acc, is_async=True)
-                    _give_turn(turn, WG, NUM_WG, PINGPONG)
-                    turns += 1
-                    s = warpgroup_mma_wait(1, deps=(s_next,))  # the scores are done; P V of tile j-1 may still run
-                    mbarrier.arrive(k_empty.index(stage))
-                    s = _scores(s, j, rows, edge, cols0, NK, win_left, win_right, CAUSAL, KEY_TAIL, WINDOW, BLOCK_N)
-                    m_new = gl.maximum(m_i, gl.max(s, 1))
-                    m_use = _finite(m_new, WINDOW)
-                    alpha = gl.exp2((m_i - m_use) * qk_scale)
-                    p = _exp2_scaled(s, m_use, qk_scale)
-                    l_i = l_i * alpha + gl.sum(p, 1)
-                    m_i = m_new
-                    acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))  # p_op's registers stay read until here
-                    mbarrier.arrive(v_empty.index(prev))
-                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                if not O_IN_Q:
-                    mbarrier.arrive(q_empty.index(WG))  # every product reading Q is done: the loader may fetch the next
+            last = (count + n_tiles - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((count + n_tiles - 1) // STAGES) & 1)
+            v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_t, acc)
+            mbarrier.arrive(v_empty.index(last))
+            count += n_tiles
 
-                last = (count + n_tiles - 1) % STAGES
-                mbarrier.wait(v_ready.index(last), ((count + n_tiles - 1) // STAGES) & 1)
-                v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
-                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_t, acc)
-                mbarrier.arrive(v_empty.index(last))
-                count += n_tiles
-
-                # epilogue: O through shared memory and a bulk copy, the lse with stores
-                o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-                lse = (m_i * qk_scale + gl.log2(l_i)) * LN_2
-                if CAUSAL or WINDOW:  # a hidden key's inf or NaN in V reaches its tile through P V (0 * inf): mark it
-                    bad = gl.max(gl.where(gl.abs(acc) < float("inf"), 0, 1), 1)
-                    lse = gl.where(gl.convert_layout(bad, row_layout) > 0, float("nan"), lse)
-                row0 = row_lo + WG * _WG
-                if not O_IN_Q:
-                    tma.store_wait(0)  # the previous tile's O has left the buffer
-                o_buf.reshape([_WG, HEAD_DIM]).store(o.to(dtype))
-                fence_async_shared()
-                _tma_store(desc_o, [bh // HQ, bh % HQ, row0, 0], o_buf)
-                if O_IN_Q:  # O left through Q's buffer: release it once the store has read it
-                    tma.store_wait(0)
-                    mbarrier.arrive(q_empty.index(WG))
-                offs = row0 + gl.arange(0, _WG, layout=row_layout)
-                gl.store(LSE + bh * NQ + offs, lse, mask=offs < NQ)
-                done += 1
+            # epilogue: O through shared memory and a bulk copy, the lse with stores
+            o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+            lse = (m_i * qk_scale + gl.log2(l_i)) * LN_2
+            if CAUSAL or WINDOW:  # a hidden key's inf or NaN in V reaches its tile through P V (0 * inf): mark it
+                bad = gl.max(gl.where(gl.abs(acc) < float("inf"), 0, 1), 1)
+                lse = gl.where(gl.convert_layout(bad, row_layout) > 0, float("nan"), lse)
+            row0 = row_lo + WG * _WG
+            if not O_IN_Q:
+                tma.store_wait(0)  # the previous tile's O has left the buffer
+            o_buf.reshape([_WG, HEAD_DIM]).store(o.to(dtype))
+            fence_async_shared()
+            _tma_store(desc_o, [bh // HQ, bh % HQ, row0, 0], o_buf)
+            if O_IN_Q:  # O left through Q's buffer: release it once the store has read it
+                tma.store_wait(0)
+                mbarrier.arrive(q_empty.index(WG))
+            offs = row0 + gl.arange(0, _WG, layout=row_layout)
+            gl.store(LSE + bh * NQ + offs, lse, mask=offs < NQ)
+            done += 1
+            code = code_next
         tma.store_wait(0)
 
     @gluon.jit
-    def _attn_fwd_overlap(desc_q, desc_k, desc_v, desc_o, LSE, HQ, NQ, NK, GROUP, offset, win_left, win_right,
+    def _attn_fwd_overlap(desc_q, desc_k, desc_v, desc_o, LSE, SCHED, HQ, NQ, NK, GROUP, offset, win_left, win_right,
                           qk_scale, n_bh, HEAD_DIM: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, WINDOW: gl.constexpr,
-                          PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr, PAIRS: gl.constexpr,
+                          PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr, SCHEDULED: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr):  # fmt: skip
         """A persistent grid: each program takes (query tile, head) pairs ``_tile_at(pid)``,
         ``_tile_at(pid + programs)``, ..., with a loader warp and ``NUM_WG`` consumer warpgroups of 64 rows."""
@@ -436,29 +436,29 @@ if GLUON_ERROR is None:
         if NUM_WG == 2:
             gl.warp_specialize([
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 0,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, PAIRS)),
+                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, 0,
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED)),
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 1,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, PAIRS)),
+                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, 1,
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED)),
                 (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                           k_empty, v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, NUM_WG,
-                           BLOCK_N, STAGES, CAUSAL, WINDOW, O_IN_Q, PAIRS)),
+                           k_empty, v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, SCHED,
+                           NUM_WG, BLOCK_N, STAGES, CAUSAL, WINDOW, O_IN_Q, SCHEDULED)),
             ], [4, 1], [CONSUMER_REGS, _LOADER_REGS])  # fmt: skip
         else:
             gl.warp_specialize([
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 0,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, PAIRS)),
+                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, 0,
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED)),
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 1,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, PAIRS)),
+                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, 1,
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED)),
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, qk_scale, 2,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, PAIRS)),
+                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, 2,
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED)),
                 (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                           k_empty, v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, NUM_WG,
-                           BLOCK_N, STAGES, CAUSAL, WINDOW, O_IN_Q, PAIRS)),
+                           k_empty, v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, SCHED,
+                           NUM_WG, BLOCK_N, STAGES, CAUSAL, WINDOW, O_IN_Q, SCHEDULED)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, _LOADER_REGS])  # fmt: skip
 
 
@@ -538,24 +538,35 @@ def _descriptor(x, block_rows):
 
 
 def _launch_shape(q, k, causal, window, band):
-    """The kernel's ``(grid, scalar arguments, constexprs)`` for one call signature."""
+    """The kernel's ``(grid, schedule table, scalar arguments, constexprs)`` for one call signature; the table is
+    None where the programs walk the tiles in a fixed stride (a launch then passes lse in its place, never read)."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     offset, win_left, win_right, qk_scale = band
     num_wg, block_n, stages = tiles(d, nq, causal, window)
-    n_m = cdiv(nq, num_wg * WG_ROWS)
-    pairs = bool(causal) and d in PAIRED_HEAD_DIMS
-    units = (n_m + 1) // 2 * b * hq if pairs else n_m * b * hq
-    # persistent: one program per multiprocessor. Causal without pairs, one program per tile: the GPU hands a tile
-    # to a multiprocessor as one finishes, which balances tiles of unequal length in the order they come
-    programs = units if causal and not pairs else min(units, sm_count(device_index(q)))
+    block_m = num_wg * WG_ROWS
+    n_m = cdiv(nq, block_m)
+    lengths = None
+    if causal and d in SCHEDULED_HEAD_DIMS:
+        lengths = tuple(tile_schedule.key_tiles(m * block_m, block_m, block_n, nq, nk, offset, win_left, win_right,
+                                                causal, window is not None) for m in range(n_m))  # fmt: skip
+    programs = min(n_m * b * hq, sm_count(device_index(q)))
+    table = None
+    if lengths is not None and (tile_schedule.has_table(lengths, b * hq, programs, q.device) or not stream_capturing()):
+        table = tile_schedule.table(lengths, b * hq, programs, q.device)
+    # Causal and not scheduled (D = 256, or a first call inside a CUDA graph's capture, where the table cannot be
+    # copied to the GPU), one program per tile: the GPU hands a tile to a multiprocessor as one finishes, which
+    # balances tiles of unequal length in the order they come. Otherwise persistent, one program per multiprocessor.
+    scheduled = table is not None
+    if causal and not scheduled:
+        programs = n_m * b * hq
     scalars = (hq, nq, nk, hq // hk, offset, win_left, win_right, qk_scale, b * hq)
     meta = dict(
         HEAD_DIM=d, NUM_WG=num_wg, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), WINDOW=window is not None,
         KEY_TAIL=not causal and window is None and nk % block_n != 0, PINGPONG=PINGPONG, O_IN_Q=d in O_THROUGH_Q,
-        PAIRS=pairs, CONSUMER_REGS=CONSUMER_REGS[num_wg], num_warps=4,
+        SCHEDULED=scheduled, CONSUMER_REGS=CONSUMER_REGS[num_wg], num_warps=4,
     )  # fmt: skip
-    return (programs,), scalars, meta
+    return (programs,), table, scalars, meta
 
 
 def tiles(d, nq, causal, window):
@@ -587,15 +598,17 @@ def launch(q, k, v, o, lse, causal, window, band, config=None):
     why = _not_describable(o)
     if why is not None or not lse.is_contiguous():
         raise RuntimeError(f"the overlap rung cannot write o and lse: {why or 'lse is not contiguous'}")
-    grid, scalars, meta = _launch_shape(q, k, causal, window, band)
+    grid, table, scalars, meta = _launch_shape(q, k, causal, window, band)
     with torch.cuda.device(q.device):
-        _attn_fwd_overlap[grid](*_descriptors(q, k, v, o, meta["BLOCK_N"]), lse, *scalars, **meta)
+        table = lse if table is None else table
+        _attn_fwd_overlap[grid](*_descriptors(q, k, v, o, meta["BLOCK_N"]), lse, table, *scalars, **meta)
         if causal or window is not None:
             kernel, rgrid, rargs, rmeta = hopper.repair_parts(q, k, v, o.stride()[:3], causal, window, band)
             kernel[rgrid](q, k, v, o, lse, *rargs, **rmeta)
 
 
-_DESCRIBED = ("desc_q", "desc_k", "desc_v", "desc_o", "LSE")  # the parameters a launch's q, k, v, o, lse go to
+# the parameters a launch's q, k, v, o, lse and the schedule table go to
+_DESCRIBED = ("desc_q", "desc_k", "desc_v", "desc_o", "LSE", "SCHED")
 
 
 class Planned:
@@ -610,13 +623,13 @@ class Planned:
     engine cannot take, runs skip and split instead (as the Hopper rung's plan does). CPU tensors go to ``launch``,
     which says why it cannot run them."""
 
-    __slots__ = ("mask", "band", "grid", "scalars", "meta", "repair", "fast", "repair_fast", "fast_state")
+    __slots__ = ("mask", "band", "grid", "table", "scalars", "meta", "repair", "fast", "repair_fast", "fast_state")
 
     def __init__(self, q, k, v, causal, window, band):
         self.mask, self.band = (causal, window), band
-        self.grid = self.scalars = self.meta = None
+        self.grid = self.table = self.scalars = self.meta = None
         if q.is_cuda:
-            self.grid, self.scalars, self.meta = _launch_shape(q, k, causal, window, band)
+            self.grid, self.table, self.scalars, self.meta = _launch_shape(q, k, causal, window, band)
         self.repair = None  # (kernel, grid, arguments, constexprs), from the first call's o
         self.fast = self.repair_fast = None
         self.fast_state = "untried"  # "untried" -> "built" -> "checked" or "off"
@@ -635,7 +648,7 @@ class Planned:
             self._launch_jit(q, k, v, o, lse)
 
     def _launch_fast(self, stream, q, k, v, o, lse):
-        self.fast(stream, q, k, v, o, lse)
+        self.fast(stream, q, k, v, o, lse, lse if self.table is None else self.table)
         if self.repair_fast is not None:
             self.repair_fast(stream, q, k, v, o, lse)
 
@@ -643,7 +656,8 @@ class Planned:
         causal, window = self.mask
         if self.repair is None and (causal or window is not None):
             self.repair = hopper.repair_parts(q, k, v, o.stride()[:3], causal, window, self.band)
-        args = (*_descriptors(q, k, v, o, self.meta["BLOCK_N"]), lse, *self.scalars)
+        table = lse if self.table is None else self.table
+        args = (*_descriptors(q, k, v, o, self.meta["BLOCK_N"]), lse, table, *self.scalars)
         kernel = _attn_fwd_overlap[self.grid](*args, **self.meta)
         repair_kernel = None
         if self.repair is not None:

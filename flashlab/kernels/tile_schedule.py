@@ -1,0 +1,100 @@
+"""Which query tiles each program of a persistent grid takes, so that the programs finish together.
+
+Under a causal mask query tile ``m`` reads ``m + 1`` key tiles: tiles are unequal work. A persistent grid runs one
+program per multiprocessor, each walking its own list of tiles, and the call ends when the last program does.
+Pairing each head's ``r``-th longest tile with its ``r``-th shortest makes units of equal work, and dealing the
+units round robin balances the programs -- except in the last round: with 2048 units on 132 programs, 68 programs
+take a 16th unit while 64 wait, about 3 % of the call.
+
+``schedule`` deals the pairs round robin, head by head (so the programs running at once share a few heads' K and V
+in L2), but stops a round short. The tiles left over, two to four per program, are then handed out one at a time,
+longest first, each to the program with the least work so far; a program's work counts its key tiles plus a fixed
+cost per tile (its start and end), so the lists stay even in tiles as well as in key tiles. Balancing by key tiles
+alone, with whatever tiles come last, is fragile: the cost of a tile's start and end is not known well, and a program
+handed many short tiles at the end then finishes late. The result is a table the kernel reads: where each program's
+list starts, then the tiles.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from flashlab.core.integers import cdiv
+
+TILE_START_COST = 2.0  # a tile's start and end (Q, first scores, epilogue), counted in key tiles (a rough H200 value)
+TAIL_ROUNDS = 1  # rounds of pairs left out of the round robin, to be handed out tile by tile
+
+
+def key_tiles(row_lo, block_m, block_n, nq, nk, offset, win_left, win_right, causal, window) -> int:
+    """How many key tiles the query tile starting at row ``row_lo`` reads: the kernel's key range (all tiles;
+    causal, up to its last row's diagonal; with a window, those its rows' bands reach)."""
+    j0, j1 = 0, cdiv(nk, block_n)
+    if window:
+        row_hi = min(row_lo + block_m, nq) - 1
+        j0 = max(row_lo + offset - win_left, 0) // block_n
+        j1 = cdiv(min(row_hi + offset + win_right + 1, nk), block_n)
+    elif causal:
+        j1 = min(cdiv(row_lo + block_m + offset, block_n), j1)
+    return max(j1 - j0, 0)
+
+
+def schedule(lengths, heads: int, programs: int, start_cost: float = TILE_START_COST, tail_rounds: int = TAIL_ROUNDS):
+    """Each program's list of tiles: ``(starts, tiles)``, program ``p`` taking ``tiles[starts[p]:starts[p + 1]]`` in
+    that order. A tile is ``head * len(lengths) + m``; ``lengths[m]`` is query tile ``m``'s key tiles (the same in
+    every head). Every tile appears once."""
+    n_m = len(lengths)
+    if n_m == 0 or heads <= 0 or programs <= 0:
+        raise ValueError(f"a schedule needs tiles, heads and programs; got {n_m}, {heads}, {programs}")
+    longest_first = sorted(range(n_m), key=lambda m: (-lengths[m], m))
+    units = []  # per head, its i-th longest tile with its i-th shortest (the middle one alone)
+    for h in range(heads):
+        for i in range((n_m + 1) // 2):
+            a, z = longest_first[i], longest_first[n_m - 1 - i]
+            units.append([h * n_m + a] if a == z else [h * n_m + a, h * n_m + z])
+    dealt = max(len(units) // programs - tail_rounds, 0) * programs
+    lists = [[] for _ in range(programs)]
+    for u in range(dealt):
+        lists[u % programs] += units[u]
+    left = sorted((t for unit in units[dealt:] for t in unit), key=lambda t: (-lengths[t % n_m], t))
+    work = [sum(lengths[t % n_m] + start_cost for t in tiles) for tiles in lists]
+    least = [(work[p], len(lists[p]), p) for p in range(programs)]  # (work so far, tiles, program), least first
+    heapq.heapify(least)
+    for t in left:
+        w, count, p = heapq.heappop(least)
+        lists[p].append(t)
+        heapq.heappush(least, (w + lengths[t % n_m] + start_cost, count + 1, p))
+    starts = [0]
+    for tiles in lists:
+        starts.append(starts[-1] + len(tiles))
+    return starts, [t for tiles in lists for t in tiles]
+
+
+def finish_times(lengths, starts, tiles, start_cost: float = TILE_START_COST) -> list[float]:
+    """When each program ends, by the cost model ``schedule`` plays out (for checks and for the notebooks)."""
+    n_m = len(lengths)
+    spans = zip(starts[:-1], starts[1:], strict=True)
+    return [sum(lengths[t % n_m] + start_cost for t in tiles[a:b]) for a, b in spans]
+
+
+def has_table(lengths, heads: int, programs: int, device) -> bool:
+    """Whether ``table`` holds this schedule already (building one copies it to the GPU, which a CUDA graph's
+    capture does not allow)."""
+    return (tuple(lengths), heads, programs, torch.device(device)) in _TABLES
+
+
+_TABLES = {}  # (lengths, heads, programs, device) -> the table on that device
+
+
+def table(lengths, heads: int, programs: int, device) -> torch.Tensor:
+    """``schedule`` as the kernel reads it, on ``device``, kept per (lengths, heads, programs, device)."""
+    key = (tuple(lengths), heads, programs, torch.device(device))
+    if key not in _TABLES:
+        starts, tiles = schedule(list(lengths), heads, programs)
+        # one int32 table: programs + 1 starts, the tiles, and one spare entry (a program reads one tile ahead)
+        _TABLES[key] = torch.tensor([*starts, *tiles, 0], dtype=torch.int32, device=key[3])
+    return _TABLES[key]
+
+
+__all__ = ["TAIL_ROUNDS", "TILE_START_COST", "finish_times", "has_table", "key_tiles", "schedule", "table"]
