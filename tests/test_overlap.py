@@ -237,7 +237,7 @@ def test_the_default_runs_it_where_it_is_preferred_on_hopper():
 
 # H200 recordings with rung 4 and the rungs it displaces in one run: (file, the column that ran skip and split)
 LADDER_RECORDINGS = [
-    ("h200-ladder-bf16-2026-12-02.json", "flashlab_skip_split"),  # D = 64 and 128
+    ("h200-ladder-bf16-2026-12-02-schedule.json", "flashlab_skip_split"),  # D = 64 and 128
     ("h200-ladder-bf16-2026-12-01-d256-overlap.json", "flashlab"),  # D = 256, when its default was skip and split
 ]
 

@@ -34,10 +34,12 @@ The grid is persistent: one program per multiprocessor, each taking (query tile,
 so a program's next Q and first K, V tiles are copied while it finishes the last one (its last ``P V``, the
 division by the sum, O's store through shared memory), where one program per tile would pay that start and end on
 every tile with the multiprocessor idle between. Under a causal mask query tile ``m`` reads ``m + 1`` key tiles, so
-a program takes units of two tiles of one head, its ``r``-th longest and ``r``-th shortest: every unit is the same
-work, and a fixed share of units per program is balanced. The copy engine's tensor descriptors are built on the
-host and passed with the launch; a planned call (``Planned``) has flashlab's launcher encode them from the
-tensors' addresses instead.
+the tiles are unequal work: each program walks its own list from a table planned on the host
+(``flashlab.kernels.tile_schedule``) -- a head's ``r``-th longest tile paired with its ``r``-th shortest, the pairs
+dealt round robin head by head but one round short, and the tiles left over handed out longest first, each to the
+program with the least work so far, so that the programs end together. The copy engine's tensor descriptors are
+built on the host and passed with the launch; a planned call (``Planned``) has flashlab's launcher encode them from
+the tensors' addresses instead.
 
 Where it runs: a Hopper GPU (sm_90: ``wgmma`` is Hopper's instruction), 16-bit inputs, D = 64, 128 or 256,
 any lengths (the copy engine fills rows past a head's end with zeros and does not write them back; keys past the end
@@ -402,8 +404,8 @@ if GLUON_ERROR is None:
                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, WINDOW: gl.constexpr,
                           PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr, SCHEDULED: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr):  # fmt: skip
-        """A persistent grid: each program takes (query tile, head) pairs ``_tile_at(pid)``,
-        ``_tile_at(pid + programs)``, ..., with a loader warp and ``NUM_WG`` consumer warpgroups of 64 rows."""
+        """A persistent grid: each program walks its (query tile, head) pairs (``_walk``: its list in ``SCHED``, or
+        every ``programs``-th tile), with a loader warp and ``NUM_WG`` consumer warpgroups of 64 rows."""
         dtype: gl.constexpr = desc_q.dtype
         BLOCK_M: gl.constexpr = NUM_WG * _WG
         n_m = (NQ + BLOCK_M - 1) // BLOCK_M
