@@ -112,9 +112,10 @@ O_THROUGH_Q = (256,)  # head dims whose O is stored through Q's shared memory
 CONSUMER_REGS = {2: 240, 3: 160}
 LOADER_REGS = 24  # the loader warp only issues copies
 # Head dims whose causal grid is persistent, each program walking its own list of tiles from a table planned on the
-# host (``flashlab.kernels.tile_schedule``: tiles handed to whichever program is free first, the last waves' tiles
-# longest first, so the programs end together); elsewhere one program per query tile. At D = 256 the walk's extra
-# state spilled registers (192 bytes of stack compiled for sm_90 with the earlier paired walk, none without it).
+# host (``flashlab.kernels.tile_schedule``: pairs of equal work dealt round robin one round short, the tiles left over
+# handed out longest first to the least-loaded program); elsewhere one program per query tile. At D = 256 a
+# persistent causal walk spilled registers (192 bytes of stack compiled for sm_90, measured with the paired walk
+# that came before the table; none with one program per tile).
 SCHEDULED_HEAD_DIMS = (64, 128)
 PINGPONG = True  # the consumer warpgroups take turns issuing their products (FlashAttention-3's ping-pong)
 

@@ -78,18 +78,22 @@ def finish_times(lengths, starts, tiles, start_cost: float = TILE_START_COST) ->
     return [sum(lengths[t % n_m] + start_cost for t in tiles[a:b]) for a, b in spans]
 
 
+_TABLES = {}  # (lengths, heads, programs, device) -> the table on that device
+
+
+def _table_key(lengths, heads, programs, device):
+    return tuple(lengths), heads, programs, torch.device(device)
+
+
 def has_table(lengths, heads: int, programs: int, device) -> bool:
     """Whether ``table`` holds this schedule already (building one copies it to the GPU, which a CUDA graph's
     capture does not allow)."""
-    return (tuple(lengths), heads, programs, torch.device(device)) in _TABLES
-
-
-_TABLES = {}  # (lengths, heads, programs, device) -> the table on that device
+    return _table_key(lengths, heads, programs, device) in _TABLES
 
 
 def table(lengths, heads: int, programs: int, device) -> torch.Tensor:
     """``schedule`` as the kernel reads it, on ``device``, kept per (lengths, heads, programs, device)."""
-    key = (tuple(lengths), heads, programs, torch.device(device))
+    key = _table_key(lengths, heads, programs, device)
     if key not in _TABLES:
         starts, tiles = schedule(list(lengths), heads, programs)
         # one int32 table: programs + 1 starts, the tiles, and one spare entry (a program reads one tile ahead)
