@@ -115,7 +115,7 @@ def test_the_learners_process_runs_under_its_limits_in_a_session_of_its_own():
     import time
 
     from flashlab import exercises
-    from flashlab.grade.session import Answer, Session
+    from flashlab.grade.worker import Answer, Worker
 
     code = (
         "import os, resource as r\n\ndef kv_cache_bytes_per_token(*args, **kwargs):\n"
@@ -123,7 +123,7 @@ def test_the_learners_process_runs_under_its_limits_in_a_session_of_its_own():
         "[os.getsid(0) == os.getpid(), os.getcwd(), sorted(os.environ)]\n"
     )
     ex = exercises.get("07.kv_cache_bytes_per_token")
-    s = Session(ex, code, code, ex.name, time.monotonic() + 30, memory_mib=700)
+    s = Worker(ex, code, code, ex.name, time.monotonic() + 30, memory_mib=700)
     try:
         assert s.start().get("ready") is True
         got = Answer(s)(1, 2, 3)

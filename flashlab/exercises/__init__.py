@@ -6,7 +6,7 @@ starts from, and the notebook it belongs to. Its tests are ordinary pytest funct
 marked with ``@graded(exercise_id, points)``, that take the learner's function as the fixture ``answer``.
 
 The tests run in the grader's own process; ``answer`` sends each call's inputs to the learner's function, which runs
-in a walled-in process of its own, and returns the plain value it gave back (``flashlab.grade.session.Answer``).
+in a walled-in process of its own, and returns the plain value it gave back (``flashlab.grade.worker.Answer``).
 So a test can also ask how the answer computes: ``answer.measure(...)`` gives the peak memory of the call,
 ``answer.stream(blocks)`` hands a streaming answer one block at a time. The same tests run in two places, through
 the same code path (``flashlab.grade``):

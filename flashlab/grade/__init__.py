@@ -6,7 +6,7 @@
 - ``python -m flashlab.grade SUBMISSION... --out DIR`` -- grades notebooks (a folder expands to the notebooks in
   it) and writes ``DIR/grades.csv`` and ``DIR/results.json``.
 
-How it is built: the learner's cell runs in a process of its own (``session``, ``child``), walled in
+How it is built: the learner's cell runs in a process of its own (``worker``, ``child``), walled in
 (``sandbox``): resource limits, its own process group, no flashlab on its import path, and on Linux no reading
 outside the Python installation, no new processes, no network. It only computes answers for the inputs the grader
 sends and sends them back as plain data (``wire``); every test and every score runs here, in the grader's process

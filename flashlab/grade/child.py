@@ -2,7 +2,7 @@
 
 It is untrusted once the learner's code has run, so it decides nothing: it receives inputs, calls the learner's
 function, turns what came back into plain data (``wire.to_plain``) and sends it. Every check and every score is
-computed by the grader (``flashlab.grade.session``). The grader copies this module, ``wire`` and ``sandbox`` into a
+computed by the grader (``flashlab.grade.worker``). The grader copies this module, ``wire`` and ``sandbox`` into a
 package ``gradechild`` in a temporary folder and starts ``python -I -S -c "...; gradechild.child.main(IN, OUT)"``
 there, with a clean environment and an import path without flashlab; it reads requests from the pipe IN and writes
 replies to OUT.

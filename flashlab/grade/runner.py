@@ -24,7 +24,7 @@ from pathlib import Path
 from flashlab import exercises
 from flashlab.grade.cells import expected_exercises, find_exercise_cells, notebook_id, read_notebook, runnable_code
 from flashlab.grade.records import ExerciseResult, Outcome, Submission, TestRecord
-from flashlab.grade.session import Answer, AnswerRaised, Crashed, InputMutated, Session, Timeout, kill_all, raised
+from flashlab.grade.worker import Answer, AnswerRaised, Crashed, InputMutated, Timeout, Worker, kill_all, raised
 
 LOCK_NAME = ".flashlab-grade.lock"
 _STOP = threading.Event()  # set by interrupt(): start no new process, record what is left as not graded
@@ -126,20 +126,20 @@ def run_exercise(
     params = _params(code, function)
     deadline = start + limit
     records: list[TestRecord] = []
-    session, walls = None, {}
+    worker, walls = None, {}
     try:
         for i, fn in enumerate(tests):
             if _STOP.is_set():
                 raise Interrupted()
-            if session is None or session.proc is None:  # first test, or the process died in the last one
-                session = Session(ex, code, source, function, deadline, memory_mib)
-                reply = session.start()
-                walls = session.walls
+            if worker is None or worker.proc is None:  # first test, or the process died in the last one
+                worker = Worker(ex, code, source, function, deadline, memory_mib)
+                reply = worker.start()
+                walls = worker.walls
                 failure = _setup_failure(reply, function)
                 if failure is not None:
                     records += _all(tests[i:], *failure)
                     break
-            records.append(_run_test(fn, Answer(session, params)))
+            records.append(_run_test(fn, Answer(worker, params)))
     except Timeout:
         if _STOP.is_set():
             raise Interrupted() from None
@@ -153,8 +153,8 @@ def run_exercise(
             raise Interrupted() from None
         records += _all(tests[len(records) :], Outcome.CRASHED, str(e))
     finally:
-        if session is not None:
-            session.kill()
+        if worker is not None:
+            worker.kill()
     if _STOP.is_set() and any(r.outcome in (Outcome.CRASHED, Outcome.TIMEOUT) for r in records):
         raise Interrupted()
     return ExerciseResult(ex.id, _apply_gates(tests, records), time.monotonic() - start, walls)

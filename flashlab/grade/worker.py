@@ -1,12 +1,12 @@
 """The grader's side of one submission's process: start it walled in, send it inputs, read back plain answers.
 
-``Session(exercise, code, function, ...)`` starts ``flashlab.grade.child`` in a session of its own (so one signal
-reaches everything it is), with resource limits, an empty temporary working folder, a clean environment and an
+``Worker(exercise, code, function, ...)`` starts ``flashlab.grade.child`` in a process group of its own (so one
+signal reaches everything it is), with resource limits, an empty temporary working folder, a clean environment and an
 import path that holds the standard library and the third-party packages but not flashlab, and no way to read
 outside them (``sandbox``). The timer runs here: when the exercise's time is up, or grading ends or is interrupted,
 the whole process group is killed (``kill_all`` kills every live one).
 
-``Answer(session)`` is what an exercise's tests receive as ``answer``: calling it sends the arguments and returns
+``Answer(worker)`` is what an exercise's tests receive as ``answer``: calling it sends the arguments and returns
 the plain value the function returned; ``answer.measure(...)`` also returns the process's peak memory during the
 call, read here from the kernel; ``answer.stream(blocks)`` feeds a streaming answer one block at a time and yields
 each running state it reports, so a test checks a state before the next block is sent.
@@ -147,9 +147,9 @@ def _inside(path, folder) -> bool:
         return False
 
 
-# -- live sessions: every one is killed when grading ends or is interrupted -------------------------------------
+# -- live workers: every one is killed when grading ends or is interrupted --------------------------------------
 
-_LIVE: set[Session] = set()
+_LIVE: set[Worker] = set()
 _LIVE_LOCK = threading.Lock()
 
 
@@ -162,7 +162,7 @@ def kill_all() -> int:
     return len(live)
 
 
-class Session:
+class Worker:
     """One submission's process for one exercise, started lazily and restarted after a crash."""
 
     def __init__(self, exercise, code: str, source: str, function: str, deadline: float, memory_mib: int | None = None):
@@ -379,10 +379,10 @@ def _same(a, b) -> bool:
 class Answer:
     """The learner's function as the tests see it: it runs in the submission's process, on plain data only."""
 
-    def __init__(self, session: Session, params: list[str] | None = None):
-        self.session = session
+    def __init__(self, worker: Worker, params: list[str] | None = None):
+        self.worker = worker
         self.params = params or []
-        self.check_inputs = session.exercise.check_inputs
+        self.check_inputs = worker.exercise.check_inputs
 
     def _reply(self, reply):
         if "raised" in reply:
@@ -407,7 +407,7 @@ class Answer:
 
     def __call__(self, *args, **kwargs):
         args = wire.to_plain(list(args))
-        reply = self.session.request(
+        reply = self.worker.request(
             {"op": "call", "args": args, "kwargs": wire.to_plain(kwargs), "inputs_back": self.check_inputs}
         )
         value = self._reply(reply)
@@ -417,7 +417,7 @@ class Answer:
 
     def measure(self, *args, **kwargs):
         """``(value, peak_bytes)``: the answer, and how far the process's resident memory rose during the call."""
-        s = self.session
+        s = self.worker
         reply = s.request(
             {"op": "call", "args": wire.to_plain(list(args)), "kwargs": wire.to_plain(kwargs), "measure": True}
         )
@@ -438,7 +438,7 @@ class Answer:
 
     def stream(self, blocks):
         """Feed ``blocks`` one at a time; yield each state the answer reports, one per block, before the next."""
-        s = self.session
+        s = self.worker
         blocks = [wire.to_plain(b) for b in blocks]
         reply = s.request({"op": "stream"})
         sent, stated = 0, 0  # blocks sent, states received
