@@ -150,6 +150,8 @@ GPU_CASES = [
     (2, 4, 4, 1000, 1000, 128, False),  # lengths no multiple of a tile: rows past a head's end
     (1, 8, 2, 200, 333, 128, False),  # GQA, a key tail in the last tile
     (1, 4, 4, 333, 777, 64, True),  # causal, Nq < Nk, both lengths odd
+    (1, 4, 4, 300, 400, 128, True),  # the diagonal 100 keys in: a warpgroup's last tile half hidden, or all
+    (2, 2, 2, 500, 537, 64, True),  # 37 keys in: the first warpgroup's last tile wholly hidden
     (3, 2, 2, 65, 65, 64, True),  # one tile, the second warpgroup's rows mostly past the end
     (1, 4, 2, 2100, 2100, 64, False),  # three warpgroups of 64-key tiles: GQA, rows and keys past the ends
     (2, 4, 4, 512, 512, 256, False),  # D = 256: O through Q's buffer
