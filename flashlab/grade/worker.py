@@ -238,7 +238,7 @@ class Worker:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 pass_fds=(from_parent, to_parent),
-                start_new_session=True,  # its own session and process group: one killpg reaches all of it
+                start_new_session=True,  # setsid: a process group of its own, so one killpg reaches all of it
                 close_fds=True,
             )
         finally:

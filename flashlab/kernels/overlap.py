@@ -153,7 +153,7 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _tile_of(code, n_m, CAUSAL: gl.constexpr, SCHEDULED: gl.constexpr):
-        """The (query tile, head) of a tile's code. Units run head by head, so the programs running at once share
+        """The (query tile, head) of a tile's code. Tiles run head by head, so the programs running at once share
         a few heads' K/V in L2. Causal and not scheduled (one program per tile), each head's longest query tiles
         first."""
         if CAUSAL and not SCHEDULED:

@@ -58,13 +58,13 @@ def schedule(lengths, heads: int, programs: int, start_cost: float = TILE_START_
     for u in range(dealt):
         lists[u % programs] += units[u]
     left = sorted((t for unit in units[dealt:] for t in unit), key=lambda t: (-lengths[t % n_m], t))
-    work = [sum(lengths[t % n_m] + start_cost for t in tiles) for tiles in lists]
+    work = [_work(lengths, tiles, start_cost) for tiles in lists]
     least = [(work[p], len(lists[p]), p) for p in range(programs)]  # (work so far, tiles, program), least first
     heapq.heapify(least)
     for t in left:
         w, count, p = heapq.heappop(least)
         lists[p].append(t)
-        heapq.heappush(least, (w + lengths[t % n_m] + start_cost, count + 1, p))
+        heapq.heappush(least, (w + _work(lengths, [t], start_cost), count + 1, p))
     starts = [0]
     for tiles in lists:
         starts.append(starts[-1] + len(tiles))
@@ -73,9 +73,13 @@ def schedule(lengths, heads: int, programs: int, start_cost: float = TILE_START_
 
 def finish_times(lengths, starts, tiles, start_cost: float = TILE_START_COST) -> list[float]:
     """When each program ends, by the cost model ``schedule`` plays out (for checks and for the notebooks)."""
-    n_m = len(lengths)
     spans = zip(starts[:-1], starts[1:], strict=True)
-    return [sum(lengths[t % n_m] + start_cost for t in tiles[a:b]) for a, b in spans]
+    return [_work(lengths, tiles[a:b], start_cost) for a, b in spans]
+
+
+def _work(lengths, tiles, start_cost) -> float:
+    """The cost model: a list of tiles costs its key tiles plus ``start_cost`` per tile."""
+    return sum(lengths[t % len(lengths)] + start_cost for t in tiles)
 
 
 _TABLES = {}  # (lengths, heads, programs, device) -> the table on that device
