@@ -153,6 +153,7 @@ GPU_CASES = [
     (1, 4, 4, 300, 400, 128, True),  # the diagonal 100 keys in: a warpgroup's last tile half hidden, or all
     (2, 2, 2, 500, 537, 64, True),  # 37 keys in: the first warpgroup's last tile wholly hidden
     (3, 2, 2, 65, 65, 64, True),  # one tile, the second warpgroup's rows mostly past the end
+    (1, 4, 2, 1000, 700, 64, False),  # GQA, a key tail in the last tile, rows past a head's end
     (1, 4, 2, 2100, 2100, 64, False),  # three warpgroups of 64-key tiles: GQA, rows and keys past the ends
     (2, 4, 4, 512, 512, 256, False),  # D = 256: O through Q's buffer
     (1, 4, 2, 333, 600, 256, True),
@@ -374,3 +375,82 @@ def test_long_calls_at_head_dim_64_without_a_mask_take_three_warpgroups(capabili
     assert launched["meta"]["CONSUMER_REGS"] == overlap.CONSUMER_REGS[num_wg]
     rows = [list(desc.block_shape)[2] for desc in launched["args"][:4]]  # q, k, v, o
     assert rows == [overlap.WG_ROWS, block_n, block_n, overlap.WG_ROWS]
+
+
+def sm90_sass(monkeypatch, d, causal, n=1024):
+    """The kernel for one call shape compiled for sm_90 on this machine (Triton's compiler and the ptxas and
+    cuobjdump it ships; no GPU), as the list of its SASS instructions; skipped where this Triton cannot."""
+    import os
+    import subprocess
+
+    import triton
+
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.experimental.gluon._runtime import GluonASTSource
+        from triton.runtime.jit import mangle_type
+    except ImportError as error:
+        pytest.skip(f"this Triton cannot compile Gluon ahead of time here: {error}")
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("this Triton ships no cuobjdump")
+    monkeypatch.setattr(overlap, "sm_count", lambda index: 132)
+    monkeypatch.setattr(overlap, "device_index", lambda x: 0)
+    monkeypatch.setattr(overlap, "stream_capturing", lambda: False)
+    b, h = 16384 // n, 2048 // d
+    q = torch.empty(b, h, n, d, dtype=torch.bfloat16)
+    lse = torch.empty(b, h, n)
+    band = forward.kernel_args(q, q, q, causal, None, None)[1:]
+    _, table, scalars, meta = overlap._launch_shape(q, q, causal, None, band)
+    options = {"num_warps": meta.pop("num_warps")}
+    args = [*overlap._descriptors(q, q, q, q, meta["BLOCK_N"]), lse, lse if table is None else table, *scalars]
+    kernel = overlap._attn_fwd_overlap
+    signature, constants = {}, {}
+    values = iter(args)
+    for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params, strict=True)):
+        if param.is_constexpr:
+            signature[name], constants[(i,)] = "constexpr", meta[name]
+        else:
+            signature[name] = mangle_type(next(values))
+    compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options=options)  # fmt: skip
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"flashlab-overlap-{os.getpid()}-{d}.cubin")
+    with open(path, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.remove(path)
+    return [line.split("*/", 1)[1].split(";")[0].strip() for line in sass.splitlines() if line.strip().startswith("/*")
+            and "*/" in line and line.strip()[2:6].isalnum()]  # fmt: skip
+
+
+def exponentials_under_pv(instructions):
+    """For each key-tile step of the loop: how many exponentials the machine code runs between the wait for the
+    scores (``WARPGROUP.DEPBAR.LE gsb0, 0x1``: at most the newest product, P V, still in flight) and the wait for
+    ``P V`` (``... 0x0``) -- the softmax that runs while the warpgroup's own ``P V`` is on the tensor cores."""
+    counts, inside = [], None
+    for op in instructions:
+        if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1"):
+            inside = 0
+        elif op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0") and inside is not None:
+            counts.append(inside)
+            inside = None
+        elif inside is not None and op.startswith("MUFU.EX2"):
+            inside += 1
+    return counts
+
+
+@needs_gluon
+@pytest.mark.slow
+def test_at_head_dim_128_the_softmax_runs_under_its_own_pv_in_the_machine_code(monkeypatch):
+    # The loop's written order puts tile j's softmax between the wait for its scores and the wait for tile j-1's
+    # P V. ptxas keeps that order only where the second wait starts a basic block of its own (LATE_WAIT, D = 128):
+    # there a tile's 64 exponentials per thread (64 x 128 scores over 128 threads) and the two of the rescale all
+    # sit between the waits. At D = 64, where the early wait measured faster, ptxas moves the wait up above every
+    # exponential.
+    assert overlap.LATE_WAIT_HEAD_DIMS == (128,)
+    late = exponentials_under_pv(sm90_sass(monkeypatch, 128, True))
+    assert late and all(n >= 64 for n in late), late
+    early = exponentials_under_pv(sm90_sass(monkeypatch, 64, True))
+    assert early and all(n == 0 for n in early), f"ptxas no longer moves the wait for P V up at D = 64: {early}"

@@ -18,12 +18,14 @@ Here the schedule is written out, per consumer warpgroup and key tile ``j``:
     wait for P_j-1 V_j-1;  release V_j-1;  rescale O by exp2(m_j-1 - m_j)
 
 so the exponentials of tile ``j`` can overlap the matrix product of tile ``j - 1`` (FlashAttention-3's
-"intra-warpgroup overlap"). That is the order of the PTX; the machine code keeps only part of it. ptxas (CUDA 12.8,
-the one Triton 3.6 ships) moves the wait for ``P_j-1 V_j-1`` up, after the first instructions of the row max and
-before the exponentials, at D = 64 and 128, with ping-pong and without (``docs/kernel-notes.md``). With
-``PINGPONG`` the two warpgroups take turns issuing their products -- each waits until the other has issued its pair
--- so the tensor cores run one warpgroup's products while the other runs its softmax (FlashAttention-3's
-"ping-pong" scheduling between warpgroups): that is what keeps them busy during a softmax.
+"intra-warpgroup overlap"). That is the order of the PTX. ptxas (CUDA 12.8, the one Triton 3.6 ships) schedules
+within a basic block, and there it moves the wait for ``P_j-1 V_j-1`` up to the block's start, after the first
+instructions of the row max and before the exponentials (``docs/kernel-notes.md``). At D = 128
+(``LATE_WAIT_HEAD_DIMS``) the wait starts a block of its own (``_pv_done``), so the machine code keeps the written
+order and the exponentials run under the warpgroup's own ``P V``; at D = 64 the early wait measured faster. With
+``PINGPONG`` the warpgroups of a program take turns issuing their products -- each waits until the other has issued
+its pair -- so the tensor cores run one warpgroup's products while the other runs its softmax (FlashAttention-3's
+"ping-pong" scheduling between warpgroups).
 
 Around it: one loader warp copies Q and K, V tiles into a ring of ``STAGES`` shared-memory buffers with the
 tensor-memory accelerator, mbarriers telling the consumers a tile has arrived and the loader that both have
@@ -118,6 +120,10 @@ LOADER_REGS = 24  # the loader warp only issues copies
 # that came before the table; none with one program per tile).
 SCHEDULED_HEAD_DIMS = (64, 128)
 PINGPONG = True  # the consumer warpgroups take turns issuing their products (FlashAttention-3's ping-pong)
+# Head dims whose wait for P V is kept after the softmax in the machine code (``_pv_done``): at D = 128 it measured
+# 0-4 % faster than the wait ptxas moves up (H200, the benchmark's timing), at D = 64 2-4 % slower -- there the
+# softmax, not the products, bounds each warpgroup; D = 256 was not timed with it.
+LATE_WAIT_HEAD_DIMS = (128,)
 
 if GLUON_ERROR is None:
     # the bulk copies' names: async_load / async_store in newer Tritons (3.9), async_copy_* in older ones (3.6)
@@ -291,11 +297,36 @@ if GLUON_ERROR is None:
             mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
 
     @gluon.jit
+    def _pv_done(acc_next, p_op, scale, v_empty, prev, NQ, LATE_WAIT: gl.constexpr):
+        """Wait for tile j-1's ``P V``, release its V buffer and rescale O by ``scale``. ptxas (CUDA 12.8) schedules
+        within a basic block and moves such a wait up to the block's start, above the softmax written before it,
+        so the warpgroup's exponentials cannot run under its own ``P V``. With ``LATE_WAIT`` the wait starts a
+        block of its own: a branch on ``NQ > 0``, always taken (a launch has query rows; at ``NQ == 1`` Triton
+        folds the branch away and the early wait comes back, which is only slower). Its other side begins and
+        ends differently -- a wait for O's bulk stores first, the release last -- so that the compiler cannot
+        merge the two sides back into the block before them."""
+        if LATE_WAIT:
+            if NQ > 0:
+                acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))  # p_op's registers stay read until here
+                mbarrier.arrive(v_empty.index(prev))
+                acc = acc * scale
+            else:
+                tma.store_wait(0)
+                acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))
+                acc = acc * scale
+                mbarrier.arrive(v_empty.index(prev))
+        else:
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))
+            mbarrier.arrive(v_empty.index(prev))
+            acc = acc * scale
+        return acc
+
+    @gluon.jit
     def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                   turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, WG: gl.constexpr,
                   NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, WINDOW: gl.constexpr, PINGPONG: gl.constexpr,
-                  O_IN_Q: gl.constexpr, SCHEDULED: gl.constexpr):  # fmt: skip
+                  O_IN_Q: gl.constexpr, SCHEDULED: gl.constexpr, LATE_WAIT: gl.constexpr):  # fmt: skip
         """One consumer warpgroup: for each tile of the program, 64 query rows through every key tile, the softmax
         of tile j under the P V product of tile j-1 (the module docstring's schedule), then O and the lse. O
         leaves through its own shared memory while the next tile starts; the copy engine drops rows past the
@@ -365,9 +396,8 @@ if GLUON_ERROR is None:
                 p = _exp2_scaled(s, m_use, qk_scale)
                 l_i = l_i * alpha + gl.sum(p, 1)
                 m_i = m_new
-                acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))  # p_op's registers stay read until here
-                mbarrier.arrive(v_empty.index(prev))
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                scale = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                acc = _pv_done(acc_next, p_op, scale, v_empty, prev, NQ, LATE_WAIT)
             if not O_IN_Q:
                 mbarrier.arrive(q_empty.index(WG))  # every product reading Q is done: the loader may fetch the next
 
@@ -404,7 +434,7 @@ if GLUON_ERROR is None:
                           qk_scale, n_bh, HEAD_DIM: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, WINDOW: gl.constexpr,
                           PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr, SCHEDULED: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr):  # fmt: skip
+                          LATE_WAIT: gl.constexpr, CONSUMER_REGS: gl.constexpr):  # fmt: skip
         """A persistent grid: each program walks its (query tile, head) pairs (``_walk``: its list in ``SCHED``, or
         every ``programs``-th tile), with a loader warp and ``NUM_WG`` consumer warpgroups of 64 rows."""
         dtype: gl.constexpr = desc_q.dtype
@@ -440,10 +470,12 @@ if GLUON_ERROR is None:
             gl.warp_specialize([
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                              v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, 0,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED)),
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED,
+                             LATE_WAIT)),
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                              v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, 1,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED)),
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED,
+                             LATE_WAIT)),
                 (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                            k_empty, v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, SCHED,
                            NUM_WG, BLOCK_N, STAGES, CAUSAL, WINDOW, O_IN_Q, SCHEDULED)),
@@ -452,13 +484,16 @@ if GLUON_ERROR is None:
             gl.warp_specialize([
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                              v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, 0,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED)),
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED,
+                             LATE_WAIT)),
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                              v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, 1,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED)),
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED,
+                             LATE_WAIT)),
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                              v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, 2,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED)),
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED,
+                             LATE_WAIT)),
                 (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                            k_empty, v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, SCHED,
                            NUM_WG, BLOCK_N, STAGES, CAUSAL, WINDOW, O_IN_Q, SCHEDULED)),
@@ -567,7 +602,7 @@ def _launch_shape(q, k, causal, window, band):
     meta = dict(
         HEAD_DIM=d, NUM_WG=num_wg, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), WINDOW=window is not None,
         KEY_TAIL=not causal and window is None and nk % block_n != 0, PINGPONG=PINGPONG, O_IN_Q=d in O_THROUGH_Q,
-        SCHEDULED=scheduled, CONSUMER_REGS=CONSUMER_REGS[num_wg], num_warps=4,
+        SCHEDULED=scheduled, LATE_WAIT=d in LATE_WAIT_HEAD_DIMS, CONSUMER_REGS=CONSUMER_REGS[num_wg], num_warps=4,
     )  # fmt: skip
     return (programs,), table, scalars, meta
 
