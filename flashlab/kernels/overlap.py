@@ -301,10 +301,10 @@ if GLUON_ERROR is None:
         """Wait for tile j-1's ``P V``, release its V buffer and rescale O by ``scale``. ptxas (CUDA 12.8) schedules
         within a basic block and moves such a wait up to the block's start, above the softmax written before it,
         so the warpgroup's exponentials cannot run under its own ``P V``. With ``LATE_WAIT`` the wait starts a
-        block of its own: a branch on ``NQ > 0``, always taken (a launch has query rows; at ``NQ == 1`` Triton
-        folds the branch away and the early wait comes back, which is only slower). Its other side begins and
-        ends differently -- a wait for O's bulk stores first, the release last -- so that the compiler cannot
-        merge the two sides back into the block before them."""
+        block of its own: a branch on ``NQ > 0``, always taken (a launch has query rows; should the compiler ever
+        fold the test, the early wait comes back, which is only slower). Its other side begins and ends
+        differently -- a wait for O's bulk stores first, the release last -- so that the compiler cannot merge the
+        two sides back into the block before them."""
         if LATE_WAIT:
             if NQ > 0:
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))  # p_op's registers stay read until here
