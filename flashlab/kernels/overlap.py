@@ -305,20 +305,15 @@ if GLUON_ERROR is None:
         fold the test, the early wait comes back, which is only slower). Its other side begins and ends
         differently -- a wait for O's bulk stores first, the release last -- so that the compiler cannot merge the
         two sides back into the block before them."""
-        if LATE_WAIT:
-            if NQ > 0:
-                acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))  # p_op's registers stay read until here
-                mbarrier.arrive(v_empty.index(prev))
-                acc = acc * scale
-            else:
-                tma.store_wait(0)
-                acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))
-                acc = acc * scale
-                mbarrier.arrive(v_empty.index(prev))
-        else:
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))
+        if not LATE_WAIT or NQ > 0:  # without LATE_WAIT a constant: no branch
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))  # p_op's registers stay read until here
             mbarrier.arrive(v_empty.index(prev))
             acc = acc * scale
+        else:
+            tma.store_wait(0)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))
+            acc = acc * scale
+            mbarrier.arrive(v_empty.index(prev))
         return acc
 
     @gluon.jit
