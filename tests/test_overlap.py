@@ -149,7 +149,8 @@ GPU_CASES = [
     (2, 3, 3, 640, 640, 128, True),  # 5 query tiles a head: the middle one is a unit alone
     (2, 4, 4, 1000, 1000, 128, False),  # lengths no multiple of a tile: rows past a head's end
     (1, 8, 2, 200, 333, 128, False),  # GQA, a key tail in the last tile
-    (1, 4, 4, 333, 777, 64, True),  # causal, Nq < Nk, both lengths odd
+    (1, 4, 4, 333, 777, 64, True),  # causal, Nq < Nk, both lengths odd (one warpgroup a program, three an SM)
+    (1, 4, 4, 333, 1500, 64, True),  # the same rows, keys past 1K: two warpgroups again
     (1, 4, 4, 300, 400, 128, True),  # the diagonal 100 keys in: a warpgroup's last tile half hidden, or all
     (2, 2, 2, 500, 537, 64, True),  # 37 keys in: the first warpgroup's last tile wholly hidden
     (3, 2, 2, 65, 65, 64, True),  # one tile, the second warpgroup's rows mostly past the end
@@ -204,10 +205,11 @@ def test_heads_interleaved_with_the_rows_run_as_they_are_on_hopper(causal):
 
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-def test_nan_in_values_the_causal_mask_hides_reaches_only_the_rows_that_see_them():
+@pytest.mark.parametrize("d", [64, 128])  # one consumer warpgroup a program at D = 64 (a short causal call), two at 128
+def test_nan_in_values_the_causal_mask_hides_reaches_only_the_rows_that_see_them(d):
     if not gpu_ready():
         pytest.skip("needs a Hopper GPU")
-    q, k, v = make_qkv(1, 2, 2, 512, 512, 128, torch.bfloat16, seed=5, device="cuda")
+    q, k, v = make_qkv(1, 2, 2, 512, 512, d, torch.bfloat16, seed=5, device="cuda")
     v[:, :, 300] = float("nan")  # key 300: rows 300 and after see it, rows before it must not be touched
     o = flash_attention(q, k, v, causal=True, rung="overlap")
     assert torch.isnan(o[:, :, 300:]).all()
@@ -240,7 +242,7 @@ def test_the_default_runs_it_where_it_is_preferred_on_hopper():
 
 # H200 recordings with rung 4 and the rungs it displaces in one run: (file, the column that ran skip and split)
 LADDER_RECORDINGS = [
-    ("h200-ladder-bf16-2026-12-02-schedule.json", "flashlab_skip_split"),  # D = 64 and 128
+    ("h200-ladder-bf16-2026-12-02-all-rungs.json", "flashlab_skip_split"),  # D = 64 and 128
     ("h200-ladder-bf16-2026-12-01-d256-overlap.json", "flashlab"),  # D = 256, when its default was skip and split
 ]
 
@@ -347,12 +349,16 @@ def test_its_grid_is_persistent_one_program_per_multiprocessor_at_most(capabilit
 @needs_gluon
 @pytest.mark.parametrize(
     "nq, causal, window, num_wg",
-    [(1024, False, None, 2), (2048, False, None, 3), (4096, True, None, 2), (4096, False, (256, 0), 2)],
-)
-def test_long_calls_at_head_dim_64_without_a_mask_take_three_warpgroups(capability, monkeypatch, cpu_tables, nq,
-                                                                        causal, window, num_wg):  # fmt: skip
+    [(1024, False, None, 2), (2048, False, None, 3), (4096, True, None, 2), (4096, False, (256, 0), 2),
+     (1024, True, None, 1), (1024, True, (256, 0), 2), (2048, True, None, 2)],
+)  # fmt: skip
+def test_head_dim_64_takes_three_warpgroups_for_long_unmasked_calls_and_one_for_short_causal_ones(
+    capability, monkeypatch, cpu_tables, nq, causal, window, num_wg
+):
     # At D = 64 three consumer warpgroups (192 rows) with 64-key tiles from 2K query rows without a mask or window;
-    # two, with 128-key tiles, otherwise. The key descriptors are cut in the launch's key tiles.
+    # one with 64-key tiles, three programs to a multiprocessor (each launch asking for the registers that lets
+    # three fit), for causal calls of at most 1K rows without a window; two, with 128-key tiles, otherwise. The key
+    # descriptors are cut in the launch's key tiles.
     import contextlib
 
     launched = {}
@@ -370,9 +376,16 @@ def test_long_calls_at_head_dim_64_without_a_mask_take_three_warpgroups(capabili
     o, lse = OnGpu(torch.empty(q.shape, dtype=q.dtype)), torch.empty(q.shape[:3])
     band = forward.kernel_args(torch.empty(1, 1, nq, 64), torch.empty(1, 1, nq, 64), None, causal, window, None)[1:]
     overlap.launch(q, k, v, o, lse, causal, window, band)
-    block_n = 64 if num_wg == 3 else 128
-    assert (launched["meta"]["NUM_WG"], launched["meta"]["BLOCK_N"]) == (num_wg, block_n)
-    assert launched["meta"]["CONSUMER_REGS"] == overlap.CONSUMER_REGS[num_wg]
+    block_n = 128 if num_wg == 2 else 64
+    meta = launched["meta"]
+    assert (meta["NUM_WG"], meta["BLOCK_N"]) == (num_wg, block_n)
+    assert meta["CONSUMER_REGS"] == overlap.CONSUMER_REGS[num_wg]
+    assert meta["PINGPONG"] == (num_wg > 1)  # one warpgroup has no one to take turns with
+    if num_wg == 1:
+        assert overlap.PROGRAMS_PER_SM[1] == 3 and meta["maxnreg"] == overlap.LAUNCH_REGS[1]
+        assert 3 * 256 * meta["maxnreg"] <= 65536  # three programs of a warpgroup and the loader's fit the registers
+    else:
+        assert "maxnreg" not in meta
     rows = [list(desc.block_shape)[2] for desc in launched["args"][:4]]  # q, k, v, o
     assert rows == [overlap.WG_ROWS, block_n, block_n, overlap.WG_ROWS]
 
@@ -402,7 +415,7 @@ def sm90_sass(monkeypatch, d, causal, n=1024):
     lse = torch.empty(b, h, n)
     band = forward.kernel_args(q, q, q, causal, None, None)[1:]
     _, table, scalars, meta = overlap._launch_shape(q, q, causal, None, band)
-    options = {"num_warps": meta.pop("num_warps")}
+    options = {key: meta.pop(key) for key in ("num_warps", "maxnreg") if key in meta}
     args = [*overlap._descriptors(q, q, q, q, meta["BLOCK_N"]), lse, lse if table is None else table, *scalars]
     kernel = overlap._attn_fwd_overlap
     signature, constants = {}, {}
@@ -452,5 +465,19 @@ def test_at_head_dim_128_the_softmax_runs_under_its_own_pv_in_the_machine_code(m
     assert overlap.LATE_WAIT_HEAD_DIMS == (128,)
     late = exponentials_under_pv(sm90_sass(monkeypatch, 128, True))
     assert late and all(n >= 64 for n in late), late
-    early = exponentials_under_pv(sm90_sass(monkeypatch, 64, True))
+    early = exponentials_under_pv(sm90_sass(monkeypatch, 64, True, n=2048))
     assert early and all(n == 0 for n in early), f"ptxas no longer moves the wait for P V up at D = 64: {early}"
+
+
+@needs_gluon
+@pytest.mark.slow
+def test_three_programs_a_multiprocessor_keep_their_products_asynchronous_without_spilling(monkeypatch):
+    # Short causal calls at D = 64 run three programs of one consumer warpgroup on each multiprocessor, the launch
+    # asking for 80 registers a thread. The consumer then rises to CONSUMER_REGS[1] (setmaxnreg), and at that budget
+    # ptxas must neither spill nor wait for each product as soon as it is issued (what it did at 104 registers, four
+    # programs): the loop's wait for the scores still leaves P V in flight (``gsb0, 0x1``).
+    assert overlap.tiles(64, 1024, True, None) == (1, 64, 2)
+    sass = sm90_sass(monkeypatch, 64, True, n=1024)
+    assert f"USETMAXREG.TRY_ALLOC.CTAPOOL UP0, {overlap.CONSUMER_REGS[1]:#x}" in sass
+    assert not [op for op in sass if op.startswith(("STL", "LDL"))], "the consumer spills to local memory"
+    assert any(op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1") for op in sass), "ptxas serialised the products"

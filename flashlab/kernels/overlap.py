@@ -32,16 +32,16 @@ tensor-memory accelerator, mbarriers telling the consumers a tile has arrived an
 finished with it; the scale folded into ``exp2``; GQA reads K/V head ``h // group``. Under a causal mask only the
 tiles that cross some row's diagonal are masked (a branch, which Gluon keeps as written).
 
-The grid is persistent: one program per multiprocessor, each taking (query tile, head) pairs in turn, head by head,
-so a program's next Q and first K, V tiles are copied while it finishes the last one (its last ``P V``, the
-division by the sum, O's store through shared memory), where one program per tile would pay that start and end on
-every tile with the multiprocessor idle between. Under a causal mask query tile ``m`` reads ``m + 1`` key tiles, so
-the tiles are unequal work: each program walks its own list from a table planned on the host
-(``flashlab.kernels.tile_schedule``) -- a head's ``r``-th longest tile paired with its ``r``-th shortest, the pairs
-dealt round robin head by head but one round short, and the tiles left over handed out longest first, each to the
-program with the least work so far, so that the programs end together. The copy engine's tensor descriptors are
-built on the host and passed with the launch; a planned call (``Planned``) has flashlab's launcher encode them from
-the tensors' addresses instead.
+The grid is persistent: one program per multiprocessor (three where a program has one consumer warpgroup), each
+taking (query tile, head) pairs in turn, head by head, so a program's next Q and first K, V tiles are copied while
+it finishes the last one (its last ``P V``, the division by the sum, O's store through shared memory), where one
+program per tile would pay that start and end on every tile with the multiprocessor idle between. Under a causal
+mask query tile ``m`` reads ``m + 1`` key tiles, so the tiles are unequal work: each program walks its own list from
+a table planned on the host (``flashlab.kernels.tile_schedule``) -- a head's ``r``-th longest tile paired with its
+``r``-th shortest, the pairs dealt round robin head by head but one round short, and the tiles left over handed out
+longest first, each to the program with the least work so far, so that the programs end together. The copy engine's
+tensor descriptors are built on the host and passed with the launch; a planned call (``Planned``) has flashlab's
+launcher encode them from the tensors' addresses instead.
 
 Where it runs: a Hopper GPU (sm_90: ``wgmma`` is Hopper's instruction), 16-bit inputs, D = 64, 128 or 256,
 any lengths (the copy engine fills rows past a head's end with zeros and does not write them back; keys past the end
@@ -53,11 +53,13 @@ interpreter path: Gluon compiles for a GPU only. ``unavailable`` says which of t
 the fastest rung that can. A key whose V row holds inf or NaN behind the mask marks its rows with a NaN lse, and
 rung 3's repair pass redoes those query tiles with the guard, as it does for rung 3.
 
-Tiles per head dim (``TILES``, ``tiles``): how many consumer warpgroups share a program -- two, or three (192 query
+Tiles per head dim (``TILES``, ``tiles``): how many consumer warpgroups share a program -- two, three (192 query
 rows, FlashAttention-3's choice at D = 64, used there for long calls without a mask; with 64-key tiles, so that
-three warpgroups' registers fit) -- the key tile, and the ring's depth. At D = 256 O leaves through Q's shared
-memory (``O_THROUGH_Q``): the loader then copies a tile's first K and V before its Q, whose buffer comes back only
-once O's store has read it.
+three warpgroups' registers fit), or one (D = 64, causal, at most 1K rows: 64 query rows and 64-key tiles, three
+programs on each multiprocessor, ``PROGRAMS_PER_SM``, so that one program's start and end run while the others'
+loops feed the tensor cores; no ping-pong then) -- the key tile, and the ring's depth. At D = 256 O leaves through
+Q's shared memory (``O_THROUGH_Q``): the loader then copies a tile's first K and V before its Q, whose buffer comes
+back only once O's store has read it.
 """
 
 from __future__ import annotations
@@ -109,9 +111,19 @@ TILES = {64: (2, 128, 2), 128: (2, 128, 2), 256: (2, 64, 2)}
 # these tiles). At D = 64 three warpgroups (192 rows, 64-key tiles) ran 2-5 % faster from 2K rows, 7 % slower at
 # 1K (where 192-row tiles leave 11 % of the last one empty) and 10-23 % slower under a causal mask (H200, GPU time).
 UNMASKED_LONG_TILES = {64: (2048, (3, 64, 2))}
+# ... and short causal calls: head dim -> (up to this many query and key rows, causal, no window, these tiles). At
+# D = 64 one consumer warpgroup a program (64 query rows, 64-key tiles), three programs on each multiprocessor
+# (``PROGRAMS_PER_SM``): 4-6 % faster at 1K (do_bench), 4-10 % slower at 2K and 4K and without a mask (H200).
+SHORT_CAUSAL_TILES = {64: (1024, (1, 64, 2))}
 O_THROUGH_Q = (256,)  # head dims whose O is stored through Q's shared memory
 # registers per thread of a consumer warpgroup (setmaxnreg), by how many there are; the first gets what is left
-CONSUMER_REGS = {2: 240, 3: 160}
+# (with one, it is all there is: 136 of a launch's 80 per thread once the loader's warpgroup is down to 24)
+CONSUMER_REGS = {1: 136, 2: 240, 3: 160}
+# programs sharing a multiprocessor, by consumer warpgroups; where more than one, the registers per thread each
+# launch asks for: three programs of 256 threads (Triton pads the loader warp to a warpgroup) at 80 take 61,440 of
+# the 65,536-register file. At 104 (four programs) ptxas spills and waits for each product as it is issued.
+PROGRAMS_PER_SM = {1: 3, 2: 1, 3: 1}
+LAUNCH_REGS = {1: 80}
 LOADER_REGS = 24  # the loader warp only issues copies
 # Head dims whose causal grid is persistent, each program walking its own list of tiles from a table planned on the
 # host (``flashlab.kernels.tile_schedule``: pairs of equal work dealt round robin one round short, the tiles left over
@@ -461,7 +473,17 @@ if GLUON_ERROR is None:
 
         # the partitions: consumer warpgroups 0, 1 (, 2) and the loader warp (Gluon takes each one's arguments
         # written out)
-        if NUM_WG == 2:
+        if NUM_WG == 1:
+            gl.warp_specialize([
+                (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, 0,
+                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED,
+                             LATE_WAIT)),
+                (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                           k_empty, v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, SCHED,
+                           NUM_WG, BLOCK_N, STAGES, CAUSAL, WINDOW, O_IN_Q, SCHEDULED)),
+            ], [1], [_LOADER_REGS])  # fmt: skip
+        elif NUM_WG == 2:
             gl.warp_specialize([
                 (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                              v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, 0,
@@ -576,14 +598,14 @@ def _launch_shape(q, k, causal, window, band):
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     offset, win_left, win_right, qk_scale = band
-    num_wg, block_n, stages = tiles(d, nq, causal, window)
+    num_wg, block_n, stages = tiles(d, nq, causal, window, nk)
     block_m = num_wg * WG_ROWS
     n_m = cdiv(nq, block_m)
     lengths = None
     if causal and d in SCHEDULED_HEAD_DIMS:
         lengths = tuple(tile_schedule.key_tiles(m * block_m, block_m, block_n, nq, nk, offset, win_left, win_right,
                                                 causal, window is not None) for m in range(n_m))  # fmt: skip
-    programs = min(n_m * b * hq, sm_count(device_index(q)))
+    programs = min(n_m * b * hq, sm_count(device_index(q)) * PROGRAMS_PER_SM[num_wg])
     table = None
     if lengths is not None and (tile_schedule.has_table(lengths, b * hq, programs, q.device) or not stream_capturing()):
         table = tile_schedule.table(lengths, b * hq, programs, q.device)
@@ -596,18 +618,25 @@ def _launch_shape(q, k, causal, window, band):
     scalars = (hq, nq, nk, hq // hk, offset, win_left, win_right, qk_scale, b * hq)
     meta = dict(
         HEAD_DIM=d, NUM_WG=num_wg, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), WINDOW=window is not None,
-        KEY_TAIL=not causal and window is None and nk % block_n != 0, PINGPONG=PINGPONG, O_IN_Q=d in O_THROUGH_Q,
+        KEY_TAIL=not causal and window is None and nk % block_n != 0, PINGPONG=PINGPONG and num_wg > 1,
+        O_IN_Q=d in O_THROUGH_Q,
         SCHEDULED=scheduled, LATE_WAIT=d in LATE_WAIT_HEAD_DIMS, CONSUMER_REGS=CONSUMER_REGS[num_wg], num_warps=4,
     )  # fmt: skip
+    if num_wg in LAUNCH_REGS:
+        meta["maxnreg"] = LAUNCH_REGS[num_wg]
     return (programs,), table, scalars, meta
 
 
-def tiles(d, nq, causal, window):
-    """``(consumer warpgroups, BLOCK_N, STAGES)`` for a call: ``TILES``, or ``UNMASKED_LONG_TILES`` where they
-    apply."""
+def tiles(d, nq, causal, window, nk=None):
+    """``(consumer warpgroups, BLOCK_N, STAGES)`` for a call: ``TILES``, or ``UNMASKED_LONG_TILES`` or
+    ``SHORT_CAUSAL_TILES`` where they apply (``nk`` defaults to ``nq``)."""
+    nk = nq if nk is None else nk
     rows, long_tiles = UNMASKED_LONG_TILES.get(d, (None, None))
     if long_tiles is not None and not causal and window is None and nq >= rows:
         return long_tiles
+    rows, short_tiles = SHORT_CAUSAL_TILES.get(d, (None, None))
+    if short_tiles is not None and causal and window is None and max(nq, nk) <= rows:
+        return short_tiles
     return TILES[d]
 
 
