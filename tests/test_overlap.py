@@ -476,7 +476,7 @@ def test_three_programs_a_multiprocessor_keep_their_products_asynchronous_withou
     # asking for 80 registers a thread. The consumer then rises to CONSUMER_REGS[1] (setmaxnreg), and at that budget
     # ptxas must neither spill nor wait for each product as soon as it is issued (what it did at 104 registers, four
     # programs): the loop's wait for the scores still leaves P V in flight (``gsb0, 0x1``).
-    assert overlap.tiles(64, 1024, True, None) == (1, 64, 2)
+    assert overlap.tiles(64, 1024, 1024, True, None) == (1, 64, 2)
     sass = sm90_sass(monkeypatch, 64, True, n=1024)
     assert f"USETMAXREG.TRY_ALLOC.CTAPOOL UP0, {overlap.CONSUMER_REGS[1]:#x}" in sass
     assert not [op for op in sass if op.startswith(("STL", "LDL"))], "the consumer spills to local memory"

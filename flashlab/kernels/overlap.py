@@ -113,18 +113,18 @@ TILES = {64: (2, 128, 2), 128: (2, 128, 2), 256: (2, 64, 2)}
 UNMASKED_LONG_TILES = {64: (2048, (3, 64, 2))}
 # ... and short causal calls: head dim -> (up to this many query and key rows, causal, no window, these tiles). At
 # D = 64 one consumer warpgroup a program (64 query rows, 64-key tiles), three programs on each multiprocessor
-# (``PROGRAMS_PER_SM``): 4-6 % faster at 1K (do_bench), 4-10 % slower at 2K and 4K and without a mask (H200).
+# (``PROGRAMS_PER_SM``): 4-6 % faster at 1K (do_bench), 3-11 % slower at 2K and 4K and without a mask (H200).
 SHORT_CAUSAL_TILES = {64: (1024, (1, 64, 2))}
 O_THROUGH_Q = (256,)  # head dims whose O is stored through Q's shared memory
-# registers per thread of a consumer warpgroup (setmaxnreg), by how many there are; the first gets what is left
-# (with one, it is all there is: 136 of a launch's 80 per thread once the loader's warpgroup is down to 24)
-CONSUMER_REGS = {1: 136, 2: 240, 3: 160}
+LOADER_REGS = 24  # the loader warp only issues copies
 # programs sharing a multiprocessor, by consumer warpgroups; where more than one, the registers per thread each
 # launch asks for: three programs of 256 threads (Triton pads the loader warp to a warpgroup) at 80 take 61,440 of
 # the 65,536-register file. At 104 (four programs) ptxas spills and waits for each product as it is issued.
 PROGRAMS_PER_SM = {1: 3, 2: 1, 3: 1}
 LAUNCH_REGS = {1: 80}
-LOADER_REGS = 24  # the loader warp only issues copies
+# registers per thread of a consumer warpgroup (setmaxnreg), by how many there are; the first gets what is left.
+# With one, that is all of its program's: the launch's two warpgroups' worth, less the loader's.
+CONSUMER_REGS = {1: 2 * LAUNCH_REGS[1] - LOADER_REGS, 2: 240, 3: 160}
 # Head dims whose causal grid is persistent, each program walking its own list of tiles from a table planned on the
 # host (``flashlab.kernels.tile_schedule``: pairs of equal work dealt round robin one round short, the tiles left over
 # handed out longest first to the least-loaded program); elsewhere one program per query tile. At D = 256 a
@@ -598,7 +598,7 @@ def _launch_shape(q, k, causal, window, band):
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     offset, win_left, win_right, qk_scale = band
-    num_wg, block_n, stages = tiles(d, nq, causal, window, nk)
+    num_wg, block_n, stages = tiles(d, nq, nk, causal, window)
     block_m = num_wg * WG_ROWS
     n_m = cdiv(nq, block_m)
     lengths = None
@@ -627,10 +627,9 @@ def _launch_shape(q, k, causal, window, band):
     return (programs,), table, scalars, meta
 
 
-def tiles(d, nq, causal, window, nk=None):
+def tiles(d, nq, nk, causal, window):
     """``(consumer warpgroups, BLOCK_N, STAGES)`` for a call: ``TILES``, or ``UNMASKED_LONG_TILES`` or
-    ``SHORT_CAUSAL_TILES`` where they apply (``nk`` defaults to ``nq``)."""
-    nk = nq if nk is None else nk
+    ``SHORT_CAUSAL_TILES`` where they apply."""
     rows, long_tiles = UNMASKED_LONG_TILES.get(d, (None, None))
     if long_tiles is not None and not causal and window is None and nq >= rows:
         return long_tiles
