@@ -5,26 +5,31 @@
 #     OUT=/tmp/h200 STEPS="tests backward" bash scripts/h200_record.sh
 #
 # Steps, each under its own time cap so one slow step cannot starve the rest (names for STEPS):
-#   tests     the GPU test suite (pytest -m gpu)                                  -> $OUT/record.log
+#   tests     the GPU test suite (pytest -m gpu)                                  -> $LOG
 #   backward  dq, dk, dv from dO against SDPA's backends (scripts/backward_gpu_check.py)
 #                                                                                 -> $OUT/backward_gpu_check.json
 #   decode    one-token decode, contiguous and paged KV, host time (--mode decode) -> $OUT/h200-decode-bf16-DATE.*
 #   prefill   the forward on its grid, flashlab against every SDPA backend       -> $OUT/h200-bf16-DATE.{csv,json}
 #   quick     a short forward check against the recorded grid (3 backends, 12 cells) -> $OUT/h200-bf16-DATE-quick.*
-#   ladder    every rung of the kernel ladder beside SDPA, D = 128 (notebook 05)  -> $OUT/h200-ladder-bf16-DATE.*
+#   ladder    every rung of the kernel ladder beside SDPA, D = 64 and 128 (notebook 05)
+#                                                                                 -> $OUT/h200-ladder-bf16-DATE-all-rungs.*
 #   host      decode host time per call and ragged paged decode (scripts/decode_host_time.py)
 #                                                                                 -> $OUT/decode_host_time.json
 #   sdpa      which SDPA backend runs for which dtype / head dim (flashlab.sdpa)  -> $OUT/h200-sdpa-backends.json
 #   traffic   HBM and L2 bytes of every kernel from Nsight Compute (record_traffic.sh) -> $OUT/h200-traffic-*.{json,csv}
 #   memory    training-step memory, naive against flashlab (scripts/backward_memory.py)
 #                                                                                 -> $OUT/h200-backward-memory.json
-# Copy the result files into data/results/ and commit them with this script's log.
+# The log ($LOG, by default $OUT/h200-record-DATE.log) goes to lab/results/. data/results/ keeps one current
+# recording of each kind: a new one replaces the old (git mv the old one to lab/results/) and takes its row in
+# data/results/README.md; the scripts' JSON (backward_gpu_check.json, decode_host_time.json) is renamed
+# h200-<what>-DATE.json first, and whatever no notebook, README or test reads goes to lab/results/
+# (tests/test_data_files.py checks this).
 set -uo pipefail
 OUT=${OUT:-data/results}
 STEPS=${STEPS:-"tests backward decode host prefill ladder sdpa traffic memory"}
 mkdir -p "$OUT"
 DATE=$(date -u +%F)
-LOG="$OUT/record.log"
+LOG=${LOG:-$OUT/h200-record-$DATE.log}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 step() {  # step SECONDS DESCRIPTION COMMAND...
@@ -50,9 +55,9 @@ want prefill && step "${BENCH_CAP:-300}" "prefill benchmark" python3 -m flashlab
     --out "$OUT/h200-bf16-$DATE"
 want quick && step "${QUICK_CAP:-100}" "quick prefill check" python3 -m flashlab.bench --no-progress --no-ceilings \
     --backends flashlab,sdpa_flash,sdpa_cudnn --head-dims 64,128 --seq-lens 1k,4k,16k --out "$OUT/h200-bf16-$DATE-quick"
-want ladder && step "${LADDER_CAP:-150}" "kernel ladder" python3 -m flashlab.bench --no-progress --head-dims 128 \
-    --backends "$(python3 -c 'from flashlab.kernels import ladder; print(",".join("flashlab_" + n for n in ladder.names()))'),sdpa_flash,sdpa_cudnn" \
-    --out "$OUT/h200-ladder-bf16-$DATE"
+want ladder && step "${LADDER_CAP:-300}" "kernel ladder" python3 -m flashlab.bench --no-progress --head-dims 64,128 \
+    --backends "flashlab,$(python3 -c 'from flashlab.kernels import ladder; print(",".join("flashlab_" + n for n in ladder.names()))'),sdpa_flash,sdpa_cudnn" \
+    --out "$OUT/h200-ladder-bf16-$DATE-all-rungs"
 want sdpa && step 60 "SDPA backend probe" python3 -m flashlab.sdpa --device cuda --head-dims 64,96,100,128,192,256,512,1024 \
     --out "$OUT/h200-sdpa-backends.json"
 if want traffic; then  # ncu leaves large reports: keep them beside, copy the tables
