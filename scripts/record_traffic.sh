@@ -11,7 +11,8 @@
 #                                                                         -> $OUT/<gpu>-traffic-bf16-DATE.{json,csv}
 #      with ncu's report, its CSV and the case list (grid.ncu-rep, .csv, .cases.json) to check the attribution
 # The child stops starting cases when 80 % of --timeout has gone, so a slow machine still writes a (shorter) file.
-# Copy $OUT/*-traffic-*.json and .csv into data/results/ and commit them with $OUT/record-traffic.log.
+# Copy $OUT/*-traffic-*.json and .csv into data/results/ (git mv the recording they replace to lab/results/) and
+# $OUT/record-traffic.log into lab/results/.
 set -uo pipefail
 OUT=${OUT:-data/results}
 mkdir -p "$OUT"
