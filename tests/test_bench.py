@@ -331,7 +331,6 @@ def test_decode_pre_check_counts_repeated_kv():
         (dict(warmup=float("nan")), "warmup"),
         (dict(max_memory_gb=float("nan")), "max_memory_gb"),
         (dict(seed=-1), "seed"),
-        (dict(backends=()), "backend"),
         (dict(dtypes=()), "dtypes"),
         (dict(kernel_config=(48, 64, 4, 2)), "powers of 2"),
     ],

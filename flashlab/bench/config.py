@@ -112,9 +112,9 @@ class BenchConfig:
         filled["seq_lens"] = tuple(int(n) for n in filled["seq_lens"])
         filled["head_dims"] = tuple(int(d) for d in filled["head_dims"])
         backends = tuple(self.backends) if self.backends is not None else DEFAULT_BACKENDS
-        unknown = [b for b in backends if b not in BACKENDS]
-        if not backends or unknown:
-            raise ValueError(f"unknown backend(s) {unknown or '(none named)'}; choose from {list(BACKENDS)}")
+        unknown = [b for b in backends if b not in BACKENDS]  # none named: run_sweep's extra_backends only
+        if unknown:
+            raise ValueError(f"unknown backend(s) {unknown}; choose from {list(BACKENDS)}")
         if not filled["dtypes"]:
             raise ValueError(f"dtypes must name at least one of {sorted(DTYPES)}")
         if self.causal not in CAUSAL_CHOICES:
