@@ -42,17 +42,22 @@ copies:
 	done
 	@echo "Your notebooks are in $(CURDIR)/$(WORK)/ (git ignores them; notebooks/ stays as committed)."
 
-# Start one notebook again from its committed version: make reset NB=03. Your old copy is kept in
-# $(WORK)/.before-reset/ until the next reset of the same notebook.
+# Start one notebook again from its committed version: make reset NB=03 (a notebook of notebooks/ by its number or
+# name, no path). Your old copy is kept in $(WORK)/.before-reset/: the first as it was named, later ones numbered
+# (03_....-2.ipynb, -3, ...), none ever replaced.
 reset:
 	@test -n "$(NB)" || { echo "say which notebook to reset, e.g. make reset NB=03"; exit 2; }
+	@case '$(NB)' in *[!A-Za-z0-9_-]*) \
+	    echo "NB=$(NB): name a notebook of notebooks/ by its number or name only, e.g. NB=03 (no path)"; exit 2;; \
+	esac
 	@set -- notebooks/$(NB)*.ipynb; \
 	if [ ! -e "$$1" ] || [ $$# -ne 1 ]; then \
 	    echo "NB=$(NB) must name exactly one notebook in notebooks/; it matches: $$*"; exit 2; fi; \
-	copy="$(WORK)/$${1#notebooks/}"; \
+	name="$${1#notebooks/}"; copy="$(WORK)/$$name"; keep="$(WORK)/.before-reset/$$name"; \
 	mkdir -p "$(WORK)/.before-reset"; \
-	if [ -e "$$copy" ]; then mv "$$copy" "$(WORK)/.before-reset/"; \
-	    echo "your previous copy: $(WORK)/.before-reset/$${1#notebooks/}"; fi; \
+	if [ -e "$$copy" ]; then \
+	    n=1; while [ -e "$$keep" ]; do n=$$((n + 1)); keep="$(WORK)/.before-reset/$${name%.ipynb}-$$n.ipynb"; done; \
+	    mv "$$copy" "$$keep" && echo "your previous copy: $$keep"; fi; \
 	cp "$$1" "$$copy" && echo "reset: $$copy is the committed $$1 again"
 
 test: $(STAMP)
@@ -89,5 +94,8 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# Remove what is rebuilt on demand: the environment, the tools' caches and what the tests write in test-artifacts/.
+# The CPU benchmark's results in test-artifacts/bench/ are kept (delete them yourself if you mean to).
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis test-artifacts
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	@if [ -d test-artifacts ]; then find test-artifacts -mindepth 1 -maxdepth 1 ! -name bench -exec rm -rf {} +; fi

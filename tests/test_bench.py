@@ -18,6 +18,7 @@ import triton
 from conftest import ROOT
 from flashlab import bench, reference
 from flashlab.bench import Backend, BenchConfig, BenchResults, naive_attention, run_sweep
+from flashlab.bench.results import ratio_text
 from flashlab.reference.torch_float64 import attention_float64
 
 # a tiny, awkward sweep: N = 37 (odd), D = 24 (not a power of two), B = 2, H = 2
@@ -235,8 +236,8 @@ def test_speedups_and_geomean():
     assert bench.geomean([2.0, 0.5]) == pytest.approx(1.0)
     assert bench.speedups(results, denominator="sdpa_cudnn") == {("bf16", 64, False, 2048, 8): 0.75}
     table = bench.summary_table(results)
-    assert "geo-mean 1.00x over 2 cells (min 0.50x, max 2.00x)" in table
-    assert "flashlab vs cuDNN (sdpa_cudnn): geo-mean 0.75x over 1 cells" in table
+    assert "geo-mean 1.00x over 2 cells (min 0.500x, max 2.00x)" in table
+    assert "flashlab vs cuDNN (sdpa_cudnn): geo-mean 0.750x over 1 cells" in table
 
 
 def test_newest_gpu_results_ignores_cpu_runs(tmp_path):
@@ -326,6 +327,12 @@ def test_decode_pre_check_counts_repeated_kv():
         (dict(mode="train"), "mode"),
         (dict(mode="decode", q_heads=6, kv_heads=4), "multiple of kv_heads"),
         (dict(mode="decode", batches=(0,)), "batches"),
+        (dict(rep=float("inf")), "rep"),
+        (dict(warmup=float("nan")), "warmup"),
+        (dict(max_memory_gb=float("nan")), "max_memory_gb"),
+        (dict(seed=-1), "seed"),
+        (dict(dtypes=()), "dtypes"),
+        (dict(kernel_config=(48, 64, 4, 2)), "powers of 2"),
     ],
 )
 def test_bad_config_raises_value_error(overrides, match):
@@ -399,6 +406,181 @@ def test_help_explains_every_flag():
         assert flag in done.stdout, f"--help does not list {flag}"
     for action in parser._actions:
         assert action.help and len(action.help) > 10, f"{action.option_strings} has no real help text"
+
+
+# --- every flag checked before anything runs -------------------------------------------------------------------------
+
+# (argv, what the one-line error must name); {tmp} is a fresh folder, {file} a regular file in it
+BAD_ARGUMENTS = [
+    (["--mode", "train"], "--mode"),
+    (["--mode", ""], "--mode"),
+    (["--mode"], "--mode"),
+    (["--seq-lens", ""], "--seq-lens"),
+    (["--seq-lens", "0"], "--seq-lens"),
+    (["--seq-lens=-5"], "--seq-lens"),
+    (["--seq-lens", "1k,two"], "--seq-lens"),
+    (["--seq-lens", "64,,128"], "--seq-lens"),
+    (["--seq-lens", "99999999999"], "--seq-lens"),
+    (["--head-dims", ""], "--head-dims"),
+    (["--head-dims", "0"], "--head-dims"),
+    (["--head-dims", "1.5"], "--head-dims"),
+    (["--dtypes", ""], "--dtypes"),
+    (["--dtypes", ","], "--dtypes"),
+    (["--dtypes", "int8"], "unknown dtype"),
+    (["--causal", "maybe"], "--causal"),
+    (["--backends", ""], "--backends"),
+    (["--backends", "naive,fa9"], "unknown backend"),
+    (["--tokens", "0"], "--tokens"),
+    (["--tokens=-1"], "--tokens"),
+    (["--tokens", "1.5"], "--tokens"),
+    (["--model-dim", ""], "--model-dim"),
+    (["--model-dim", "0"], "--model-dim"),
+    (["--gqa", "0"], "--gqa"),
+    (["--gqa", "nan"], "--gqa"),
+    (["--gqa", "3", "--head-dims", "16", "--model-dim", "64"], "must divide"),
+    (["--mode", "decode", "--batches", "0"], "--batches"),
+    (["--batches", "2"], "--batches is for --mode decode only"),
+    (["--mode", "decode", "--tokens", "64"], "--tokens is not for --mode decode"),
+    (["--mode", "decode", "--q-heads", "0"], "--q-heads"),
+    (["--mode", "decode", "--q-heads", "6", "--kv-heads", "4"], "multiple of kv_heads"),
+    (["--mode", "decode", "--kv-heads", ""], "--kv-heads"),
+    (["--warmup=-1"], "--warmup"),
+    (["--warmup", "nan"], "--warmup"),
+    (["--warmup", "inf"], "--warmup"),
+    (["--rep", "0"], "--rep"),
+    (["--rep", "inf"], "--rep"),
+    (["--rep", "nan"], "--rep"),
+    (["--rep=-1"], "--rep"),
+    (["--rep", ""], "--rep"),
+    (["--rep", "fast"], "--rep"),
+    (["--rounds", "0"], "--rounds"),
+    (["--rounds", "2.5"], "--rounds"),
+    (["--out", ""], "--out"),
+    (["--out", "{tmp}/"], "--out"),
+    (["--out", "{file}/sub/run"], "cannot write"),
+    (["--out", "{tmp}"], "is a folder"),
+    (["--out", "{tmp}/kept"], "already exists"),
+    (["--device", "tpu"], "--device"),
+    (["--quick=yes"], "--quick"),
+    (["--no-ceilings=1"], "--no-ceilings"),
+    (["--overwrite=yes"], "--overwrite"),
+    (["--no-progress=x"], "--no-progress"),
+    (["--check-rows", "0"], "--check-rows"),
+    (["--check-rows", ""], "--check-rows"),
+    (["--max-memory-gb", "0"], "--max-memory-gb"),
+    (["--max-memory-gb", "nan"], "--max-memory-gb"),
+    (["--max-memory-gb=-2"], "--max-memory-gb"),
+    (["--seed=-1"], "--seed"),
+    (["--seed", str(2**64)], "--seed"),
+    (["--seed", "x"], "--seed"),
+    (["--kernel-config", "64,64,4"], "kernel_config must be 4"),
+    (["--kernel-config", "48,64,4,2"], "powers of 2"),
+    (["--kernel-config", "0,64,4,2"], "--kernel-config"),
+    (["--tile-order", "sideways"], "--tile-order"),
+    (["--tma", "maybe"], "--tma"),
+    (["--reps", "5"], "--reps"),
+]
+
+
+@pytest.mark.parametrize("argv,names", BAD_ARGUMENTS, ids=[" ".join(a) or "''" for a, _ in BAD_ARGUMENTS])
+def test_every_bad_argument_is_one_line_and_exit_status_2_before_anything_runs(
+    argv, names, tmp_path, monkeypatch, capsys
+):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the sweep started")
+
+    monkeypatch.setattr("flashlab.bench.cli.run_sweep", must_not_run)
+    monkeypatch.chdir(tmp_path)  # the default output folder, if one is made, lands here
+    (tmp_path / "file").write_text("a regular file")
+    (tmp_path / "kept.json").write_text("an earlier run")
+    argv = [a.format(tmp=tmp_path, file=tmp_path / "file") for a in argv]
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--device", "cpu", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert names in err
+    assert (tmp_path / "kept.json").read_text() == "an earlier run"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_asked_for_without_a_gpu_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--device", "cuda"])
+    assert e.value.code == 2 and "torch sees no CUDA GPU" in capsys.readouterr().err
+
+
+def test_python_m_refuses_an_infinite_rep_at_once():
+    done = run_cli("--device", "cpu", "--rep", "inf", "--no-progress")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "python -m flashlab.bench: error: argument --rep: must be a finite number above 0; got 'inf' "
+        "(--help lists every flag)"
+    ]
+
+
+# --- results on disk are never replaced without --overwrite ---------------------------------------------------------
+
+TINY_CLI = ["--device", "cpu", "--seq-lens", "8", "--head-dims", "4", "--dtypes", "fp32", "--causal", "no"]
+TINY_CLI += ["--backends", "naive", "--tokens", "8", "--model-dim", "4", "--warmup", "0", "--rep", "1", "--no-progress"]
+
+
+def test_out_with_files_there_is_refused_unless_overwrite(tmp_path, capsys):
+    (tmp_path / "run.csv").write_text("an earlier run")
+    with pytest.raises(SystemExit) as e:
+        bench.main([*TINY_CLI, "--out", str(tmp_path / "run")])
+    assert e.value.code == 2 and "run.csv already exists; pass --overwrite" in capsys.readouterr().err
+    assert (tmp_path / "run.csv").read_text() == "an earlier run" and not (tmp_path / "run.json").exists()
+    bench.main([*TINY_CLI, "--out", str(tmp_path / "run"), "--overwrite"])
+    assert (tmp_path / "run.csv").read_text().startswith("backend,")
+    assert json.loads((tmp_path / "run.json").read_text())["rows"][0]["backend"] == "naive"
+
+
+def test_a_second_run_the_same_day_keeps_the_first_ones_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first = bench.main(TINY_CLI)
+    second = bench.main(TINY_CLI)
+    prefix = tmp_path / bench.default_prefix(first.meta)
+    assert prefix.parent == tmp_path / "test-artifacts" / "bench"
+    assert json.loads(prefix.with_suffix(".json").read_text())["meta"]["date"] == first.meta["date"]
+    again = prefix.with_name(prefix.name + "-2.json")
+    assert json.loads(again.read_text())["meta"]["date"] == second.meta["date"]
+    assert sorted(p.name for p in prefix.parent.iterdir()) == sorted(
+        [prefix.name + ".json", prefix.name + ".csv", prefix.name + "-2.json", prefix.name + "-2.csv"]
+    )
+
+
+def test_save_writes_beside_earlier_files_and_replaces_them_only_when_asked(tmp_path):
+    results = BenchResults(meta=dict(n=1), rows=[])
+    assert results.save(tmp_path / "run") == (tmp_path / "run.json", tmp_path / "run.csv")
+    results.meta["n"] = 2
+    assert results.save(tmp_path / "run") == (tmp_path / "run-2.json", tmp_path / "run-2.csv")
+    assert json.loads((tmp_path / "run.json").read_text())["meta"]["n"] == 1
+    results.meta["n"] = 3
+    assert results.save(tmp_path / "run", overwrite=True)[0] == tmp_path / "run.json"
+    assert json.loads((tmp_path / "run.json").read_text())["meta"]["n"] == 3
+    (tmp_path / "solo.csv").write_text("only the csv")  # either file taken moves both
+    assert results.save(tmp_path / "solo")[1] == tmp_path / "solo-2.csv"
+    assert (tmp_path / "solo.csv").read_text() == "only the csv" and not (tmp_path / "solo.json").exists()
+
+
+# --- ratios keep their significant digits ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "x,text",
+    [(0.001234, "0.00123"), (0.0456, "0.0456"), (0.5, "0.500"), (1.0, "1.00"), (2.345, "2.35"), (12.34, "12.3"),
+     (123.4, "123"), (1234.5, "1234")],
+)  # fmt: skip
+def test_ratio_text_has_three_significant_digits(x, text):
+    assert ratio_text(x) == text
+
+
+def test_a_cpu_run_prints_its_small_ratios_with_their_digits():
+    rows = [_row("flashlab", 1024, 812.0), _row("sdpa_flash", 1024, 1.0)]
+    table = bench.summary_table(BenchResults(meta=dict(device_name="CPU", torch="t", triton="t", date="d"), rows=rows))
+    assert "geo-mean 0.00123x over 1 cells (min 0.00123x, max 0.00123x)" in table
+    assert "0.00x" not in table
 
 
 # --- on a GPU ------------------------------------------------------------------------------------------------------

@@ -104,3 +104,17 @@ def test_a_catalogue_entry_round_trips_through_its_dict():
 def test_same_field_in_two_units_is_rejected():
     with pytest.raises(ValueError, match="given twice"):
         gpu_from_dict({"hbm_bandwidth": 3e12, "hbm_bandwidth_TB_s": 3, "tensor_flops": 1e12})
+
+
+@pytest.mark.parametrize(
+    "entry,names",
+    [
+        ({"hbm_bandwidth_TB_s": 10**400, "dense_fp16_TFLOP_s": 989}, "hbm_bandwidth_TB_s"),
+        ({"hbm_bandwidth": 3.35e12, "tensor_flops": 10**400}, "tensor_flops"),
+        ({"hbm_bandwidth": 3.35e12, "tensor_flops": 1e15, "memory_GB": 1e300}, "memory_bytes"),
+    ],
+)
+def test_gpu_figures_past_the_largest_float_are_a_value_error(entry, names):
+    # the roofline divides these as floats: a figure past 1.8e308 is refused by name, never an OverflowError later
+    with pytest.raises(ValueError, match=names):
+        gpu_from_dict(entry)

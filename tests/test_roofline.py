@@ -470,3 +470,85 @@ def test_notebooks_take_each_shared_figure_from_one_source():
             assert typed not in src, f"notebook {name} types the long request as {typed}"
     for name in ("04", "05"):
         assert "h200-bf16-2026-11-29.json" in code(name), f"notebook {name} must name the prefill recording"
+
+
+# --- no OverflowError at any size: exact ints, or a ValueError naming the argument and the limit ---------------------
+
+HUGE = 10**400  # past the largest float (about 1.8e308)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: score_matrix_bytes(HUGE, 0.5),
+        lambda: naive_attention_traffic(HUGE, 128, 0.75, include_qkvo=True),
+        lambda: flash_attention_traffic(HUGE, 128, 0.5),
+        lambda: flash_block_sizes(128, HUGE),
+        lambda: flash_io_accesses(HUGE, 128, 228 * 1024),
+        lambda: flash_io_accesses(1024, 128, HUGE),
+        lambda: attention_flops(HUGE, 128),
+        lambda: model_score_matrix_bytes(HUGE, "lesson-70b", 0.5),
+        lambda: model_naive_traffic(HUGE, "lesson-70b", 0.5),
+        lambda: model_flash_traffic(HUGE, "lesson-70b", 0.5),
+        lambda: kv_cache_bytes("lesson-70b", HUGE, 0.5, batch=HUGE),
+        lambda: tile_sram_bytes(HUGE, HUGE, 128, 0.5, 4.0, include_output=True),
+        lambda: end_to_end_speedup(0.5, HUGE),
+        lambda: decode_read_time("lesson-70b", 1000, bandwidth=HUGE),
+    ],
+)
+def test_calculators_stay_exact_past_the_largest_float(call):
+    assert call() is not None  # no OverflowError
+
+
+def test_exact_answers_past_the_largest_float():
+    assert score_matrix_bytes(HUGE, 0.5) == HUGE * HUGE // 2
+    assert kv_cache_bytes("lesson-70b", HUGE, 0.5) == 81_920 * HUGE  # 163,840 numbers a token, half a byte each
+    assert flash_block_sizes(128, HUGE) == (128, -(-HUGE // 2 // 512))  # M = HUGE / 2 elements, B_c = ceil(M / 4d)
+    assert end_to_end_speedup(0.5, HUGE) == 2.0  # 1 / (0.5 + 0.5 / HUGE)
+
+
+@pytest.mark.parametrize(
+    "call,names",
+    [
+        (lambda: time_bounds(HUGE, 1e9), "flops"),
+        (lambda: time_bounds(1e12, HUGE), "nbytes"),
+        (lambda: prefill_cost(HUGE), "n = 1.000e+400"),
+        (lambda: decode_read_time("lesson-70b", HUGE), "context=1.000e+400"),
+        (lambda: decode_read_time("lesson-70b", 1000, batch=HUGE), "batch=1"),
+        (lambda: end_to_end_speedup(1.0, HUGE), "kernel_speedup=1.000e+400"),
+        (lambda: time_bounds(1e12, 1e9, {"hbm_bandwidth": HUGE, "tensor_flops": 1e12}), "hbm_bandwidth"),
+        (lambda: time_bounds(1e12, 1e9, {"hbm_bandwidth_TB_s": HUGE, "dense_fp16_TFLOP_s": 1}), "hbm_bandwidth_TB_s"),
+        (lambda: format_bytes(HUGE), "nbytes"),
+        (lambda: format_flops(HUGE), "flops"),
+        (lambda: format_seconds(HUGE), "seconds"),
+    ],
+)
+def test_results_past_the_largest_float_name_the_argument_and_the_limit(call, names):
+    with pytest.raises(ValueError, match="1.8e\\+308") as e:
+        call()
+    assert names in str(e.value)
+
+
+@pytest.mark.parametrize("fmt", [format_bytes, format_flops, format_seconds])
+@pytest.mark.parametrize(
+    "value,error,match",
+    [
+        (-1, ValueError, "at least 0"),
+        (-2.5e9, ValueError, "at least 0"),
+        (True, TypeError, "must be a number"),
+        (False, TypeError, "must be a number"),
+        ("12", TypeError, "must be a number"),
+        (None, TypeError, "must be a number"),
+        (float("nan"), ValueError, "NaN"),
+        (float("inf"), ValueError, "finite"),
+    ],
+)
+def test_formatting_refuses_what_is_not_a_size(fmt, value, error, match):
+    with pytest.raises(error, match=match):
+        fmt(value)
+
+
+def test_formatting_refuses_more_digits_than_a_float_holds():
+    with pytest.raises(ValueError, match="at most 17"):
+        format_bytes(1e9, digits=18)
+    assert format_bytes(0) == "0 B" and format_bytes(np.float32(2.5e9)) == "2.50 GB"

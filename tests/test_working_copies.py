@@ -117,3 +117,45 @@ def test_outputs_check_reads_what_git_tracks(repo):
     _git(repo, "add", str(path))
     staged = tracked_notebook(path, root=repo)
     assert any(c.get("outputs") for c in staged.cells if c.cell_type == "code")
+
+
+@pytest.mark.parametrize("nb", ["../notebooks/03", "notebooks/03", "/tmp/03", "03/..", "0*", "03 04", "03;true"])
+def test_reset_takes_a_number_or_name_never_a_path(repo, nb):
+    _make(repo, "copies")
+    committed = {p.name: p.read_bytes() for p in (repo / "notebooks").glob("*.ipynb")}
+    out = _make(repo, "reset", f"NB={nb}", check=False)
+    assert out.returncode != 0 and "by its number or name only" in out.stdout + out.stderr
+    assert {p.name: p.read_bytes() for p in (repo / "notebooks").glob("*.ipynb")} == committed
+    assert not (repo / WORK / ".before-reset").exists()
+    assert _git(repo, "status", "--porcelain") == ""
+
+
+def test_every_reset_keeps_the_copy_it_replaces(repo):
+    _make(repo, "copies")
+    work = repo / WORK
+    target = next(work.glob("03_*.ipynb"))
+    kept = work / ".before-reset"
+    _answer(target, "first answer")
+    _make(repo, "reset", "NB=03")
+    _answer(target, "second answer")
+    out = _make(repo, "reset", "NB=03").stdout
+    second = kept / target.name.replace(".ipynb", "-2.ipynb")
+    assert "first answer" in (kept / target.name).read_text()
+    assert "second answer" in second.read_text() and f"your previous copy: {WORK}/.before-reset/{second.name}" in out
+    _answer(target, "third answer")
+    _make(repo, "reset", "NB=03")
+    assert "third answer" in (kept / target.name.replace(".ipynb", "-3.ipynb")).read_text()
+
+
+def test_clean_keeps_the_cpu_benchmark_results(repo):
+    bench = repo / "test-artifacts" / "bench"
+    bench.mkdir(parents=True)
+    (bench / "cpu-fp32-2026-12-03.json").write_text("{}")
+    (repo / "test-artifacts" / "notebooks").mkdir()
+    (repo / "test-artifacts" / "notebooks" / "01.ipynb").write_text("{}")
+    (repo / "test-artifacts" / "explorer.png").write_text("png")
+    (repo / ".pytest_cache").mkdir()
+    _make(repo, "clean")
+    assert (bench / "cpu-fp32-2026-12-03.json").read_text() == "{}"
+    assert sorted(p.name for p in (repo / "test-artifacts").iterdir()) == ["bench"]
+    assert not (repo / ".pytest_cache").exists()

@@ -1,4 +1,10 @@
-"""The command line: ``python -m flashlab.bench --help`` explains every flag."""
+"""The command line: ``python -m flashlab.bench --help`` explains every flag.
+
+Every flag is checked before anything runs: a bad value, a combination the sweep cannot run, or an ``--out`` that
+cannot be written stops the command with one line naming the problem and exit status 2. Results already on disk
+are never replaced without ``--overwrite``: an ``--out`` whose files exist is refused, and a run without ``--out``
+whose default name is taken (a second run the same day) writes ``NAME-2``, ``NAME-3``, ...
+"""
 
 from __future__ import annotations
 
@@ -8,19 +14,36 @@ import sys
 from collections.abc import Sequence
 
 from flashlab.bench import ladder
-from flashlab.bench.args import name_list, size_list
+from flashlab.bench.args import MAX_SEED, finite_number, name_list, output_prefix, size_list, whole_number
 from flashlab.bench.config import BenchConfig
 from flashlab.bench.grid import CAUSAL_CHOICES, DTYPES
 from flashlab.bench.implementations import BACKENDS, DEFAULT_BACKENDS
-from flashlab.bench.results import BenchResults, default_prefix, summary_table
+from flashlab.bench.results import (
+    BenchResults,
+    default_folder,
+    default_prefix,
+    folder_problem,
+    output_problem,
+    summary_table,
+)
 from flashlab.bench.sweep import run_sweep
 
 # ----------------------------------------------------------------------------------------------------------------
 # Command line
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (what is wrong and where to look), exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
+
+
+POSITIVE = whole_number(1)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m flashlab.bench",
         description=__doc__.split("\n\n")[0]
         + " Each (backend, cell) is checked against a float64 reference before it is timed.",
@@ -55,43 +78,50 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"backends to run, comma-separated, from {','.join(BACKENDS)} (default: {','.join(DEFAULT_BACKENDS)}; "
         "the flashlab_<rung> backends time each rung of flashlab's kernel ladder and run when named)",
     )
-    p.add_argument("--tokens", type=int, help="prefill: tokens per batch B*N; batch B = tokens // N (at least 1)")
-    p.add_argument("--model-dim", type=int, help="prefill: model width H*D; heads H = model_dim // D (at least 1)")
+    p.add_argument("--tokens", type=POSITIVE, help="prefill: tokens per batch B*N; batch B = tokens // N (at least 1)")
+    p.add_argument("--model-dim", type=POSITIVE, help="prefill: model width H*D; heads H = model_dim // D (at least 1)")
     p.add_argument(
         "--gqa",
-        type=int,
+        type=POSITIVE,
         default=1,
         help="prefill and backward: query heads per key/value head (grouped-query attention; default 1)",
     )
     p.add_argument("--batches", type=size_list, help="decode: batch sizes, comma-separated (default 1,8 on a GPU)")
-    p.add_argument("--q-heads", type=int, help="decode: query heads (default 64 on a GPU)")
-    p.add_argument("--kv-heads", type=int, help="decode: key/value heads, dividing --q-heads (default 8 on a GPU)")
-    p.add_argument("--warmup", type=float, help="warm-up time per measurement, ms (do_bench's warmup)")
-    p.add_argument("--rep", type=float, help="timed repetitions per measurement, ms (do_bench's rep); median reported")
+    p.add_argument("--q-heads", type=POSITIVE, help="decode: query heads (default 64 on a GPU)")
+    p.add_argument("--kv-heads", type=POSITIVE, help="decode: key/value heads, dividing --q-heads (default 8 on a GPU)")
+    p.add_argument("--warmup", type=finite_number(0.0), help="warm-up time per measurement, ms (do_bench's warmup)")
+    p.add_argument(
+        "--rep",
+        type=finite_number(0.0, above=True),
+        help="timed repetitions per measurement, ms (do_bench's rep); median reported",
+    )
     p.add_argument(
         "--rounds",
-        type=int,
+        type=POSITIVE,
         help="prefill and decode: time the backends of a cell in this many rounds, sharing --rep, the order "
         "turning by one each round; the median round is reported (default 3 on a GPU, 1 on the CPU)",
     )
     p.add_argument(
         "--out",
-        help="write PREFIX.csv and PREFIX.json (default: data/results/<gpu>-<dtypes>-<date> on a GPU, "
-        "test-artifacts/bench/cpu-<dtypes>-<date> on the CPU)",
+        type=output_prefix,
+        help="write PREFIX.csv and PREFIX.json, refused if they exist unless --overwrite (default: "
+        "data/results/<gpu>-<dtypes>-<date> on a GPU, test-artifacts/bench/cpu-<dtypes>-<date> on the CPU; a name "
+        "taken already gets -2, -3, ...)",
     )
+    p.add_argument("--overwrite", action="store_true", help="replace the files of an --out that exist")
     p.add_argument("--device", choices=["cuda", "cpu"], help="where to run (default: cuda if torch sees a GPU)")
     p.add_argument("--quick", action="store_true", help="a tiny grid that finishes in seconds (smoke test)")
     p.add_argument(
         "--no-ceilings", action="store_true", help="skip measuring copy bandwidth and matmul TFLOP/s (GPU only)"
     )
-    p.add_argument("--check-rows", type=int, default=256, help="query rows per head checked against float64")
+    p.add_argument("--check-rows", type=POSITIVE, default=256, help="query rows per head checked against float64")
     p.add_argument(
         "--max-memory-gb",
-        type=float,
+        type=finite_number(0.0, above=True),
         help="memory (GB) a materialising backend may assume free when pre-checking its score matrix "
         "(default: what the device reports free)",
     )
-    p.add_argument("--seed", type=int, default=0, help="random seed for q, k, v")
+    p.add_argument("--seed", type=whole_number(0, MAX_SEED), default=0, help="random seed for q, k, v")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     study = p.add_argument_group("studying flashlab's prefill kernel (default: the kernel's own choices)")
     study.add_argument(
@@ -138,18 +168,34 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def main(argv: Sequence[str] | None = None) -> BenchResults:
     argv = list(sys.argv[1:] if argv is None else argv)
-    mode = argparse.ArgumentParser(add_help=False)
+    mode = OneLineParser(prog="python -m flashlab.bench", add_help=False)
     mode.add_argument("--mode")
     if mode.parse_known_args(argv)[0].mode == "traffic":  # measured bytes: its own flags (--mode traffic --help)
         from flashlab.bench.traffic import main as traffic_main
 
         return traffic_main(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    decode = args.mode == "decode"
+    for flag in ("--tokens", "--model-dim") if decode else ("--batches", "--q-heads", "--kv-heads"):
+        if getattr(args, flag[2:].replace("-", "_")) is not None:  # a flag the grid would ignore
+            grid = "--mode decode (it takes --batches, --q-heads, --kv-heads)" if decode else "--mode decode only"
+            parser.error(f"{flag} is not for {grid}" if decode else f"{flag} is for {grid}")
     config = config_from_args(args)
+    try:  # every check of the configuration, before anything runs
+        resolved = config.resolve()
+    except ValueError as e:
+        parser.error(str(e))
+    if args.out:
+        problem = output_problem(args.out, args.overwrite)
+    else:
+        problem = folder_problem(default_folder(resolved.device == "cuda"))
+    if problem:
+        parser.error(f"--out {args.out}: {problem}" if args.out else f"{problem} (or pass --out)")
     results = run_sweep(
         config, progress=not args.no_progress, command=shlex.join(["python", "-m", "flashlab.bench", *argv])
     )
-    json_path, csv_path = results.save(args.out or default_prefix(results.meta))
+    json_path, csv_path = results.save(args.out or default_prefix(results.meta), overwrite=args.overwrite)
     print(summary_table(results))
     for line in ladder.step_lines(results):  # the kernel ladder's steps, when the sweep ran two rungs or more
         print(line)

@@ -3,13 +3,15 @@ backends, and the flags that reproduce it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
+from flashlab.bench.args import MAX_SEED
 from flashlab.bench.grid import CAUSAL_CHOICES, DTYPE_ALIASES, DTYPES, Cell
-from flashlab.bench.implementations import DEFAULT_BACKENDS
+from flashlab.bench.implementations import BACKENDS, DEFAULT_BACKENDS
 
 # Timing rounds per cell on a GPU (``flashlab.bench.measure.time_rounds``): the median of three, each backend timed
 # once in each of three positions of the order, the cell's rep shared among them.
@@ -110,12 +112,17 @@ class BenchConfig:
         filled["seq_lens"] = tuple(int(n) for n in filled["seq_lens"])
         filled["head_dims"] = tuple(int(d) for d in filled["head_dims"])
         backends = tuple(self.backends) if self.backends is not None else DEFAULT_BACKENDS
+        unknown = [b for b in backends if b not in BACKENDS]  # none named: run_sweep's extra_backends only
+        if unknown:
+            raise ValueError(f"unknown backend(s) {unknown}; choose from {list(BACKENDS)}")
+        if not filled["dtypes"]:
+            raise ValueError(f"dtypes must name at least one of {sorted(DTYPES)}")
         if self.causal not in CAUSAL_CHOICES:
             raise ValueError(f"causal must be one of {sorted(CAUSAL_CHOICES)}; got {self.causal!r}")
         for name, values in (("seq_lens", filled["seq_lens"]), ("head_dims", filled["head_dims"])):
             if not values or min(values) < 1:
                 raise ValueError(f"{name} must be a non-empty list of positive ints; got {values}")
-        for name in ("tokens", "model_dim") if self.mode == "prefill" else ():
+        for name in ("tokens", "model_dim") if self.mode != "decode" else ():
             if filled[name] < 1:
                 raise ValueError(f"{name} must be a positive int; got {filled[name]}")
         if type(self.gqa) is not int or self.gqa < 1:
@@ -129,16 +136,24 @@ class BenchConfig:
                     raise ValueError(f"gqa ({self.gqa}) must divide the {heads} query heads at D = {d}")
         if type(filled["rounds"]) is not int or filled["rounds"] < 1:
             raise ValueError(f"rounds must be a positive int; got {filled['rounds']!r}")
-        if filled["warmup"] < 0 or filled["rep"] <= 0:
-            raise ValueError(f"warmup must be >= 0 and rep > 0 (ms); got {filled['warmup']}, {filled['rep']}")
+        if not _finite(filled["warmup"]) or not _finite(filled["rep"]) or filled["warmup"] < 0 or filled["rep"] <= 0:
+            raise ValueError(f"warmup must be >= 0 and rep > 0, finite (ms); got {filled['warmup']}, {filled['rep']}")
+        if self.max_memory_gb is not None and (not _finite(self.max_memory_gb) or self.max_memory_gb <= 0):
+            raise ValueError(f"max_memory_gb must be a finite number above 0; got {self.max_memory_gb!r}")
         if self.kernel_config is not None and (len(self.kernel_config) != 4 or min(self.kernel_config) < 1):
             raise ValueError(
                 f"kernel_config must be 4 positive ints BLOCK_M,BLOCK_N,warps,stages; got {self.kernel_config}"
             )
+        if self.kernel_config is not None and any(x & (x - 1) for x in self.kernel_config[:3]):
+            raise ValueError(
+                f"kernel_config's BLOCK_M, BLOCK_N and warps must be powers of 2; got {self.kernel_config}"
+            )
         if self.tile_order not in (None, "forward", "reverse") or self.tma not in (None, "on", "off"):
             raise ValueError(f"tile_order must be forward/reverse and tma on/off; got {self.tile_order}, {self.tma}")
-        if self.check_rows < 1:
-            raise ValueError(f"check_rows must be a positive int; got {self.check_rows}")
+        if type(self.check_rows) is not int or self.check_rows < 1:
+            raise ValueError(f"check_rows must be a positive int; got {self.check_rows!r}")
+        if type(self.seed) is not int or not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be an int from 0 to {MAX_SEED} (torch.manual_seed's range); got {self.seed!r}")
         return replace(self, device=device, backends=backends, **filled)
 
     def cells(self) -> list[Cell]:
@@ -207,6 +222,10 @@ class BenchConfig:
 def prefill_heads(model_dim: int, head_dim: int) -> int:
     """Query heads of a prefill cell: the model width over the head dim (at least 1)."""
     return max(1, model_dim // head_dim)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _dtype_name(name: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,9 +39,10 @@ class BenchResults:
     def to_json(self) -> dict:
         return dict(meta=self.meta, ceilings=self.ceilings, rows=[json_row(r) for r in self.rows])
 
-    def save(self, prefix) -> tuple[Path, Path]:
-        """Write ``PREFIX.json`` (meta, ceilings, rows) and ``PREFIX.csv`` (rows, stamp columns in each)."""
-        return save_tables(prefix, self.to_json(), self.rows, ROW_COLUMNS)
+    def save(self, prefix, overwrite: bool = False) -> tuple[Path, Path]:
+        """Write ``PREFIX.json`` (meta, ceilings, rows) and ``PREFIX.csv`` (rows, stamp columns in each); files
+        already there are kept unless ``overwrite`` (see ``save_tables``). Returns the paths written."""
+        return save_tables(prefix, self.to_json(), self.rows, ROW_COLUMNS, overwrite=overwrite)
 
     @classmethod
     def load(cls, path) -> BenchResults:
@@ -59,19 +61,78 @@ def json_row(r: dict) -> dict:
     return {k: (None if _is_nan(v) else v) for k, v in r.items()}
 
 
-def save_tables(prefix, payload: dict, rows, columns) -> tuple[Path, Path]:
+def table_paths(prefix) -> tuple[Path, Path]:
+    """``PREFIX.json`` and ``PREFIX.csv``."""
+    prefix = Path(prefix)
+    return prefix.with_name(prefix.name + ".json"), prefix.with_name(prefix.name + ".csv")
+
+
+def unused_prefix(prefix) -> Path:
+    """``prefix`` if neither ``PREFIX.json`` nor ``PREFIX.csv`` exists, else the first of ``PREFIX-2``,
+    ``PREFIX-3``, ... for which neither does (a second run on the same day keeps the first one's files)."""
+    prefix = Path(prefix)
+    candidate, n = prefix, 1
+    while any(p.exists() or p.is_symlink() for p in table_paths(candidate)):
+        n += 1
+        candidate = prefix.with_name(f"{prefix.name}-{n}")
+    return candidate
+
+
+def output_problem(prefix, overwrite: bool = False) -> str | None:
+    """Why the tables cannot be written as ``PREFIX.json`` and ``PREFIX.csv``, or None if they can: a folder of
+    that name, files there already (unless ``overwrite``), or a folder that cannot be made or written to. Asked
+    before a run, so that a run's results are never lost at its end; the folder is created."""
+    prefix = Path(prefix)
+    if prefix.is_dir():
+        return f"{prefix} is a folder; --out takes a path PREFIX and writes PREFIX.json and PREFIX.csv"
+    for path in table_paths(prefix):
+        if path.is_dir():
+            return f"{path} is a folder"
+        if (path.exists() or path.is_symlink()) and not overwrite:
+            return f"{path} already exists; pass --overwrite to replace it, or choose another --out"
+    return folder_problem(prefix.parent)
+
+
+def folder_problem(folder) -> str | None:
+    """Why no file can be written in ``folder``, or None if one can (the folder is created if missing)."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        return f"cannot write to {folder}/: {e.strerror or e}"
+    return None
+
+
+def save_tables(prefix, payload: dict, rows, columns, overwrite: bool = False) -> tuple[Path, Path]:
     """Write ``PREFIX.json`` (``payload``) and ``PREFIX.csv`` (``rows`` under ``columns``, a cell left blank where a
-    number was not measured: None or NaN), creating the folder; returns both paths."""
+    number was not measured: None or NaN), creating the folder; returns both paths.
+
+    Files already there are replaced only with ``overwrite``; otherwise the tables go to ``unused_prefix(prefix)``
+    (``PREFIX-2.json``, ...), and the paths returned say where."""
     prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    json_path, csv_path = prefix.with_name(prefix.name + ".json"), prefix.with_name(prefix.name + ".csv")
-    json_path.write_text(json.dumps(payload, indent=1) + "\n")
-    with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: ("" if r.get(k) is None or _is_nan(r.get(k)) else r.get(k)) for k in columns})
-    return json_path, csv_path
+    while True:
+        target = prefix if overwrite else unused_prefix(prefix)
+        json_path, csv_path = table_paths(target)
+        mode = "w" if overwrite else "x"  # "x": never replace a file another process wrote meanwhile
+        try:
+            with json_path.open(mode) as f:
+                f.write(json.dumps(payload, indent=1) + "\n")
+        except FileExistsError:
+            continue
+        try:
+            f = csv_path.open(mode, newline="")
+        except FileExistsError:
+            json_path.unlink()
+            continue
+        with f:
+            writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+            writer.writeheader()
+            for r in rows:
+                writer.writerow({k: ("" if r.get(k) is None or _is_nan(r.get(k)) else r.get(k)) for k in columns})
+        return json_path, csv_path
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -90,6 +151,15 @@ def speedups(results: BenchResults, numerator: str = "flashlab", denominator: st
     num = {key(r): r["time_ms"] for r in results.ok_rows(backend=numerator)}
     den = {key(r): r["time_ms"] for r in results.ok_rows(backend=denominator)}
     return {c: den[c] / num[c] for c in num if c in den}
+
+
+def ratio_text(x: float, digits: int = 3) -> str:
+    """A speed ratio to ``digits`` significant digits, never in exponent form: 0.00123, 0.456, 1.23, 12.3, 1234
+    (a CPU run puts flashlab on the interpreter at a thousandth of PyTorch's speed: two decimals would say 0.00)."""
+    if not math.isfinite(x) or x == 0:
+        return f"{x:g}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(x))))
+    return f"{x:.{decimals}f}"
 
 
 def geomean(values) -> float:
@@ -123,7 +193,7 @@ def summary_table(results: BenchResults) -> str:
                 line.append("-" if r is None else r["status"])
             else:
                 line.append(f"{r['bandwidth_gbps'] / 1e3:.3g}" if decode else f"{r['tflops']:.3g}")
-        line += [f"{vs_fa2[c]:.2f}" if c in vs_fa2 else "-", f"{vs_cudnn[c]:.2f}" if c in vs_cudnn else "-"]
+        line += [ratio_text(vs_fa2[c]) if c in vs_fa2 else "-", ratio_text(vs_cudnn[c]) if c in vs_cudnn else "-"]
         for name in hosts:  # host time per eager call (decode: the launch cost the GPU work must hide)
             r = status.get(c + (name,))
             line.append(f"{r['host_us']:.0f}" if r is not None and r["status"] == "ok" else "-")
@@ -139,8 +209,8 @@ def summary_table(results: BenchResults) -> str:
     for name, ratios in (("FA2 (sdpa_flash)", vs_fa2), ("cuDNN (sdpa_cudnn)", vs_cudnn)):
         if ratios:
             out.append(
-                f"flashlab vs {name}: geo-mean {geomean(ratios.values()):.2f}x over {len(ratios)} cells "
-                f"(min {min(ratios.values()):.2f}x, max {max(ratios.values()):.2f}x)"
+                f"flashlab vs {name}: geo-mean {ratio_text(geomean(ratios.values()))}x over {len(ratios)} cells "
+                f"(min {ratio_text(min(ratios.values()))}x, max {ratio_text(max(ratios.values()))}x)"
             )
         else:
             out.append(f"flashlab vs {name}: no cell where both ran")
@@ -148,9 +218,9 @@ def summary_table(results: BenchResults) -> str:
         ratios = speedups(results, paged, "flashlab")
         if ratios:
             out.append(
-                f"{paged} vs flashlab (contiguous): geo-mean {geomean(ratios.values()):.2f}x, "
-                f"min {min(ratios.values()):.2f}x; "
-                + ", ".join(f"N={c[3]} B={c[4]} {x:.2f}x" for c, x in ratios.items())
+                f"{paged} vs flashlab (contiguous): geo-mean {ratio_text(geomean(ratios.values()))}x, "
+                f"min {ratio_text(min(ratios.values()))}x; "
+                + ", ".join(f"N={c[3]} B={c[4]} {ratio_text(x)}x" for c, x in ratios.items())
             )
     ceil = results.ceilings
     if ceil.get("copy_tbps"):
@@ -174,8 +244,15 @@ def default_prefix(meta: dict) -> Path:
     date = meta["date"][:10]
     if meta["is_cuda_gpu"]:
         slug = meta["device_name"].lower().replace("nvidia", "").strip().replace(" ", "-")
-        return Path("data/results") / f"{slug}-{dtypes}-{date}"
-    return Path("test-artifacts/bench") / f"cpu-{dtypes}-{date}"
+        return default_folder(True) / f"{slug}-{dtypes}-{date}"
+    return default_folder(False) / f"cpu-{dtypes}-{date}"
+
+
+def default_folder(is_cuda_gpu: bool) -> Path:
+    """Where a run without ``--out`` writes: ``data/results/`` for a GPU's recordings, ``test-artifacts/bench/``
+    (ignored by git, kept by ``make clean``) for CPU runs. A name taken already gets ``-2``, ``-3``, ...
+    (``unused_prefix``)."""
+    return Path("data/results") if is_cuda_gpu else Path("test-artifacts/bench")
 
 
 def newest_gpu_results(directory="data/results", mode: str = "prefill") -> Path | None:

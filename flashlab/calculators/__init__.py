@@ -4,6 +4,7 @@
   time bounds, KV-cache reads at decode, Amdahl, tile SRAM footprints.
 - ``catalog`` -- the GPU and model catalogues (``data/*.json`` beside it), every figure with its source.
 - ``flash_versions`` -- FlashAttention 1 to 4 and Flash-Decoding, dated and sourced (``data/flash_versions.json``).
+- ``exact`` -- numbers of any size: counts exact, floats rounded once, a ValueError past the largest float.
 
 They need no torch and no GPU: only ``flashlab.core``.
 """

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from importlib import resources
 
+from flashlab.calculators.exact import as_float
 from flashlab.core.checks import check_positive, check_positive_int
 
 # The catalogues are package data (flashlab/calculators/data/), so any install -- editable, wheel or sdist -- has
@@ -48,11 +49,12 @@ class GPU:
 
     def __post_init__(self):
         _check_name("GPU", self.name)
-        for attr in ("hbm_bandwidth", "tensor_flops"):
-            check_positive(f"GPU {self.name!r} {attr}", getattr(self, attr))
-        for attr in ("sm_count", "smem_per_sm", "l2_bytes", "memory_bytes"):
-            if getattr(self, attr) is not None:
-                check_positive(f"GPU {self.name!r} {attr}", getattr(self, attr))
+        for attr in ("hbm_bandwidth", "tensor_flops", "sm_count", "smem_per_sm", "l2_bytes", "memory_bytes"):
+            value = getattr(self, attr)
+            if value is not None or attr in ("hbm_bandwidth", "tensor_flops"):
+                check_positive(f"GPU {self.name!r} {attr}", value)
+                # rates and sizes the roofline divides as floats: finite, and within a float's range
+                as_float(f"GPU {self.name!r} {attr}", value)
 
     @property
     def ridge_point(self) -> float:
@@ -141,7 +143,7 @@ def gpu_from_dict(entry: Mapping, name: str | None = None) -> GPU:
             attr, scale = _GPU_UNIT_KEYS[key]
             if value is not None:
                 check_positive(f"GPU {key}", value)
-                value = value * scale
+                value = as_float(f"GPU {key}", value) * scale if isinstance(scale, float) else value * scale
                 value = int(round(value)) if attr in ("sm_count", "smem_per_sm", "l2_bytes") else value
         elif key in _GPU_FIELDS:
             attr = key

@@ -29,7 +29,9 @@ import math
 from dataclasses import dataclass
 
 from flashlab.calculators.catalog import GPU, GPUS, MODELS, Model, as_gpu, as_model
+from flashlab.calculators.exact import FLOAT_MAX, as_float, as_size, brief, exact
 from flashlab.core.checks import as_fraction, as_positive, as_positive_int
+from flashlab.core.integers import cdiv
 
 __all__ = [
     "GPU",
@@ -69,13 +71,6 @@ def _dtype_bytes(dtype_bytes) -> int | float:
     return as_positive("dtype_bytes (bytes per element: 2 for fp16/bf16, 4 for fp32, 1 for fp8)", dtype_bytes)
 
 
-def _as_size(value):
-    """Return ints as ints and whole floats as ints, so byte counts stay exact."""
-    if isinstance(value, int):
-        return value
-    return int(value) if float(value).is_integer() else value
-
-
 # --- one head -----------------------------------------------------------------------------------------------------
 
 
@@ -86,8 +81,8 @@ def score_matrix_bytes(n: int, dtype_bytes=2) -> int:
     134217728
     """
     n = as_positive_int("n (sequence length)", n)
-    dtype_bytes = _dtype_bytes(dtype_bytes)
-    return _as_size(n * n * dtype_bytes)
+    dtype_bytes = exact(_dtype_bytes(dtype_bytes))
+    return as_size(n * n * dtype_bytes)
 
 
 def naive_attention_traffic(n: int, d: int, dtype_bytes=2, passes: int = 4, include_qkvo: bool = False) -> int:
@@ -106,7 +101,7 @@ def naive_attention_traffic(n: int, d: int, dtype_bytes=2, passes: int = 4, incl
     traffic = passes * score_matrix_bytes(n, dtype_bytes)
     if include_qkvo:
         traffic += flash_attention_traffic(n, d, dtype_bytes)
-    return _as_size(traffic)
+    return as_size(traffic)
 
 
 def flash_attention_traffic(n: int, d: int, dtype_bytes=2) -> int:
@@ -121,8 +116,8 @@ def flash_attention_traffic(n: int, d: int, dtype_bytes=2) -> int:
     """
     n = as_positive_int("n (sequence length)", n)
     d = as_positive_int("d (head dim)", d)
-    dtype_bytes = _dtype_bytes(dtype_bytes)
-    return _as_size(4 * n * d * dtype_bytes)
+    dtype_bytes = exact(_dtype_bytes(dtype_bytes))
+    return as_size(4 * n * d * dtype_bytes)
 
 
 def flash_block_sizes(d: int, sram_bytes, dtype_bytes=2) -> tuple[int, int]:
@@ -132,11 +127,11 @@ def flash_block_sizes(d: int, sram_bytes, dtype_bytes=2) -> tuple[int, int]:
     d = as_positive_int("d (head dim)", d)
     sram_bytes = as_positive("sram_bytes (on-chip SRAM size in bytes)", sram_bytes)
     dtype_bytes = _dtype_bytes(dtype_bytes)
-    m = sram_bytes / dtype_bytes  # M, in elements
+    m = exact(sram_bytes) / exact(dtype_bytes)  # M, in elements (exact: any size)
     if m < 4 * d:
         raise ValueError(
-            f"sram_bytes={sram_bytes} holds {m:g} elements of {dtype_bytes} B, fewer than 4 d = {4 * d}: not even one "
-            f"row each of Q, K, V and O fits on chip"
+            f"sram_bytes={brief(sram_bytes)} holds {brief(m)} elements of {brief(dtype_bytes)} B, fewer than "
+            f"4 d = {brief(4 * d)}: not even one row each of Q, K, V and O fits on chip"
         )
     block_c = math.ceil(m / (4 * d))
     return min(block_c, d), block_c
@@ -164,9 +159,9 @@ def flash_io_accesses(n: int, d: int, sram_bytes, dtype_bytes=2) -> int:
     d = as_positive_int("d (head dim)", d)
     dtype_bytes = _dtype_bytes(dtype_bytes)
     _, block_c = flash_block_sizes(d, sram_bytes, dtype_bytes)
-    t_c = math.ceil(n / block_c)  # number of K/V blocks: outer-loop iterations
+    t_c = cdiv(n, block_c)  # number of K/V blocks: outer-loop iterations
     elements = (n * d + 2 * n) + 2 * n * d + t_c * (3 * n * d + 4 * n)
-    return _as_size(elements * dtype_bytes)
+    return as_size(elements * exact(dtype_bytes))
 
 
 def attention_flops(n: int, d: int, causal: bool = False, dv: int | None = None) -> int:
@@ -202,7 +197,7 @@ def model_score_matrix_bytes(n: int, model, dtype_bytes=2, per: str = "model") -
     """Bytes of all score matrices if every head's were held at once (``per="model"``: query heads x layers; or
     ``per="layer"`` / ``"head"``). lesson-70b at 8K in fp16: 134 MB x 64 x 80 = 687 GB."""
     model = as_model(model)
-    return _as_size(score_matrix_bytes(n, dtype_bytes) * _copies(model, per))
+    return as_size(exact(score_matrix_bytes(n, dtype_bytes)) * _copies(model, per))
 
 
 def model_naive_traffic(n: int, model, dtype_bytes=2, per: str = "model", passes: int = 4, include_qkvo=False) -> int:
@@ -210,14 +205,14 @@ def model_naive_traffic(n: int, model, dtype_bytes=2, per: str = "model", passes
     layer (``per="model"``: 2.75 TB)."""
     model = as_model(model)
     per_head = naive_attention_traffic(n, int(model.head_dim), dtype_bytes, passes=passes, include_qkvo=include_qkvo)
-    return _as_size(per_head * _copies(model, per))
+    return as_size(exact(per_head) * _copies(model, per))
 
 
 def model_flash_traffic(n: int, model, dtype_bytes=2, per: str = "model") -> int:
     """``flash_attention_traffic`` for every query head and layer (the simplified per-head count, as the lesson:
     GQA heads that share K and V are not credited with reading them once)."""
     model = as_model(model)
-    return _as_size(flash_attention_traffic(n, int(model.head_dim), dtype_bytes) * _copies(model, per))
+    return as_size(exact(flash_attention_traffic(n, int(model.head_dim), dtype_bytes)) * _copies(model, per))
 
 
 def model_attention_flops(n: int, model, causal: bool = False, per: str = "model") -> int:
@@ -265,7 +260,12 @@ def time_bounds(flops, nbytes, gpu="lesson-gpu") -> TimeBounds:
     takes 0.92 s, 176 TFLOP take 0.35 s -- memory-bound, the tensor cores wait.
     """
     gpu = as_gpu(gpu)
-    flops, nbytes = as_positive("flops", flops), as_positive("nbytes", nbytes)
+    flops = as_float("flops", as_positive("flops", flops))  # the bounds are seconds, floats
+    nbytes = as_float("nbytes", as_positive("nbytes", nbytes))
+    for what, seconds in (("flops / the GPU's FLOP/s", flops / gpu.tensor_flops),
+                          ("nbytes / the GPU's bytes/s", nbytes / gpu.hbm_bandwidth)):  # fmt: skip
+        if not math.isfinite(seconds):
+            raise ValueError(f"{what} is more seconds than the largest floating-point number ({FLOAT_MAX:.3g})")
     return TimeBounds(
         flops=flops,
         nbytes=nbytes,
@@ -308,6 +308,10 @@ def prefill_cost(n: int, model="lesson-70b", gpu="lesson-gpu", dtype_bytes=2, ca
     naive = model_naive_traffic(n, model, dtype_bytes)
     flash = model_flash_traffic(n, model, dtype_bytes)
     flops = model_attention_flops(n, model, causal=causal)
+    try:
+        bounds = time_bounds(flops, naive, gpu_), time_bounds(flops, flash, gpu_)
+    except ValueError as e:
+        raise ValueError(f"n = {brief(n)} at dtype_bytes = {brief(dtype_bytes)} is past the time bounds: {e}") from None
     return PrefillCost(
         n=n,
         model=model.name,
@@ -319,8 +323,8 @@ def prefill_cost(n: int, model="lesson-70b", gpu="lesson-gpu", dtype_bytes=2, ca
         naive_traffic=naive,
         flash_traffic=flash,
         flops=flops,
-        naive=time_bounds(flops, naive, gpu_),
-        flash=time_bounds(flops, flash, gpu_),
+        naive=bounds[0],
+        flash=bounds[1],
     )
 
 
@@ -339,8 +343,8 @@ def kv_cache_bytes_per_token(model, dtype_bytes=2) -> int:
     4-bit cache).
     """
     model = as_model(model)
-    dtype_bytes = _dtype_bytes(dtype_bytes)
-    return _as_size(int(model.kv_elements_per_token) * dtype_bytes)
+    dtype_bytes = exact(_dtype_bytes(dtype_bytes))
+    return as_size(int(model.kv_elements_per_token) * dtype_bytes)
 
 
 def kv_cache_bytes(model, context: int, dtype_bytes=2, batch: int = 1) -> int:
@@ -348,7 +352,7 @@ def kv_cache_bytes(model, context: int, dtype_bytes=2, batch: int = 1) -> int:
     128,000-token request (``LONG_REQUEST_TOKENS``); 336 GB for the same shape with one KV head per query head."""
     context = as_positive_int("context (tokens in the KV cache)", context)
     batch = as_positive_int("batch (requests)", batch)
-    return _as_size(kv_cache_bytes_per_token(model, dtype_bytes) * context * batch)
+    return as_size(exact(kv_cache_bytes_per_token(model, dtype_bytes)) * context * batch)
 
 
 def decode_read_time(model, context: int, gpus: int = 1, gpu="lesson-gpu", dtype_bytes=2, bandwidth=None, batch=1):
@@ -362,7 +366,10 @@ def decode_read_time(model, context: int, gpus: int = 1, gpu="lesson-gpu", dtype
     if bandwidth is None:
         bandwidth = as_gpu(gpu).hbm_bandwidth
     bandwidth = as_positive("bandwidth (bytes/s per GPU)", bandwidth)
-    return kv_cache_bytes(model, context, dtype_bytes, batch) / (gpus * bandwidth)
+    nbytes = kv_cache_bytes(model, context, dtype_bytes, batch)
+    seconds = exact(nbytes) / (gpus * exact(bandwidth))  # exact, then rounded once
+    return as_float(f"the read time in seconds of {brief(nbytes)} B (context={brief(context)}, batch={batch})",
+                         seconds)  # fmt: skip
 
 
 # --- Amdahl and the tile footprint --------------------------------------------------------------------------------
@@ -373,8 +380,10 @@ def end_to_end_speedup(attention_share, kernel_speedup) -> float:
     faster. 30 % at 2x: 1 / (0.7 + 0.3 / 2) = 1.18x, not 2x. ``attention_share`` is a fraction in [0, 1]: at 0
     nothing got faster (1.0x), at 1 the whole step did (``kernel_speedup``)."""
     attention_share = as_fraction("attention_share", attention_share)
-    kernel_speedup = float(as_positive("kernel_speedup", kernel_speedup))
-    return 1.0 / ((1.0 - attention_share) + attention_share / kernel_speedup)
+    kernel_speedup = as_positive("kernel_speedup", kernel_speedup)
+    share = exact(attention_share)  # exact at any kernel_speedup, rounded once at the end
+    speedup = 1 / ((1 - share) + share / exact(kernel_speedup))
+    return as_float(f"the speedup at kernel_speedup={brief(kernel_speedup)}", speedup)
 
 
 def tile_sram_bytes(block_m: int, block_n: int, d: int, dtype_bytes=2, acc_bytes=4, include_output=False) -> int:
@@ -388,25 +397,35 @@ def tile_sram_bytes(block_m: int, block_n: int, d: int, dtype_bytes=2, acc_bytes
     block_m = as_positive_int("block_m", block_m)
     block_n = as_positive_int("block_n", block_n)
     d = as_positive_int("d (head dim)", d)
-    dtype_bytes = _dtype_bytes(dtype_bytes)
-    acc_bytes = as_positive("acc_bytes (bytes per accumulator element, 4 for fp32)", acc_bytes)
+    dtype_bytes = exact(_dtype_bytes(dtype_bytes))
+    acc_bytes = exact(as_positive("acc_bytes (bytes per accumulator element, 4 for fp32)", acc_bytes))
     nbytes = (block_m + 2 * block_n) * d * dtype_bytes + block_m * block_n * acc_bytes
     if include_output:
         nbytes += block_m * d * acc_bytes
-    return _as_size(nbytes)
+    return as_size(nbytes)
 
 
 # --- printing numbers the way the lesson does ---------------------------------------------------------------------
 
 
-def _format(value, digits: int, units) -> str:
+# A float carries 17 significant digits; asking for more prints noise.
+MAX_DIGITS = 17
+
+
+def _format(what: str, value, digits: int, units) -> str:
     """``units`` is [(scale, name, threshold)]: use the last unit whose threshold the value reaches.
 
     The value is rounded to ``digits`` significant figures first; a rounding that reaches the next unit's threshold
-    moves up to that unit (999,999 B is "1.00 MB", not "1000 kB").
+    moves up to that unit (999,999 B is "1.00 MB", not "1000 kB"). ``value`` is a real number from 0 up to the
+    largest float (TypeError for a bool, a string or anything else, ValueError for a negative, NaN or infinite one
+    or one past the largest float, each naming ``what``).
     """
     digits = as_positive_int("digits (significant figures)", digits)
-    value = float(value)
+    if digits > MAX_DIGITS:
+        raise ValueError(f"digits (significant figures) must be at most {MAX_DIGITS}; got {digits}")
+    value = as_float(what, value)
+    if value < 0:
+        raise ValueError(f"{what} must be at least 0; got {value!r}")
     if value == 0:
         return f"0 {units[0][1]}"
     i = max((k for k, u in enumerate(units) if abs(value) >= u[2]), default=0)
@@ -427,17 +446,17 @@ def _si(*names):
 
 def format_bytes(nbytes, digits: int = 3) -> str:
     """Decimal units to ``digits`` significant figures: 134,217,728 -> '134 MB', 2.75e12 -> '2.75 TB'."""
-    return _format(nbytes, digits, _si("B", "kB", "MB", "GB", "TB", "PB"))
+    return _format("nbytes", nbytes, digits, _si("B", "kB", "MB", "GB", "TB", "PB"))
 
 
 def format_flops(flops, digits: int = 3) -> str:
     """FLOPs in decimal units: 3.4e10 -> '34.4 GFLOP'."""
-    return _format(flops, digits, _si("FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP"))
+    return _format("flops", flops, digits, _si("FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP"))
 
 
 def format_seconds(seconds, digits: int = 3) -> str:
     """Seconds in s / ms / µs: 0.00159 -> '1.59 ms'; from 0.1 s up in seconds, as the lesson's '0.92 s'."""
-    return _format(seconds, digits, [(1e-9, "ns", 0), (1e-6, "µs", 1e-6), (1e-3, "ms", 1e-3), (1, "s", 0.1)])
+    return _format("seconds", seconds, digits, [(1e-9, "ns", 0), (1e-6, "µs", 1e-6), (1e-3, "ms", 1e-3), (1, "s", 0.1)])
 
 
 # --- measured against modelled: the passes PyTorch's eager naive attention really makes ---------------------------
@@ -491,20 +510,20 @@ def eager_naive_attention_kernels(n: int, d: int, dtype_bytes=2, causal: bool = 
     d = as_positive_int("d (head dim)", d)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False; got {causal!r}")
-    s = score_matrix_bytes(n, dtype_bytes)  # one n x n matrix, S or P
-    x = n * d * dtype_bytes  # one n x d matrix: Q, K, V or O
-    kernels = [KernelTraffic("QK^T", 2 * x, s), KernelTraffic("scale", s, s)]
+    s = exact(score_matrix_bytes(n, dtype_bytes))  # one n x n matrix, S or P
+    x = n * d * exact(_dtype_bytes(dtype_bytes))  # one n x d matrix: Q, K, V or O
+    passes = [("QK^T", 2 * x, s), ("scale", s, s)]
     if causal:
-        kernels.append(KernelTraffic("mask", s + n * n, s))
-    kernels += [KernelTraffic("softmax", s, s), KernelTraffic("PV", s + x, x)]
-    return kernels
+        passes.append(("mask", s + n * n, s))
+    passes += [("softmax", s, s), ("PV", s + x, x)]
+    return [KernelTraffic(name, as_size(read), as_size(write)) for name, read, write in passes]
 
 
 def eager_naive_attention_traffic(n: int, d: int, dtype_bytes=2, causal: bool = False) -> int:
     """Total HBM bytes of ``eager_naive_attention_kernels``: what the counters should show for one head of naive
     attention run kernel by kernel in eager PyTorch (6 passes over S plus Q, K, V, O; 7 passes under a causal
     mask, plus the mask's own n x n bytes)."""
-    return _as_size(sum(k.total for k in eager_naive_attention_kernels(n, d, dtype_bytes, causal)))
+    return as_size(sum(exact(k.total) for k in eager_naive_attention_kernels(n, d, dtype_bytes, causal)))
 
 
 # --- the backward pass: training ----------------------------------------------------------------------------------
@@ -551,8 +570,8 @@ def naive_attention_backward_traffic(n: int, d: int, dtype_bytes=2, passes: int 
         raise TypeError(f"include_qkvo must be True or False; got {include_qkvo!r}")
     traffic = passes * score_matrix_bytes(n, dtype_bytes)
     if include_qkvo:
-        traffic += 7 * n * d * dtype_bytes
-    return _as_size(traffic)
+        traffic = exact(traffic) + 7 * n * d * exact(_dtype_bytes(dtype_bytes))
+    return as_size(traffic)
 
 
 def flash_attention_backward_traffic(n: int, d: int, dtype_bytes=2, stat_bytes=4) -> int:
@@ -567,9 +586,9 @@ def flash_attention_backward_traffic(n: int, d: int, dtype_bytes=2, stat_bytes=4
     """
     n = as_positive_int("n (sequence length)", n)
     d = as_positive_int("d (head dim)", d)
-    dtype_bytes = _dtype_bytes(dtype_bytes)
-    stat_bytes = as_positive("stat_bytes (bytes per lse / delta number, 4 for fp32)", stat_bytes)
-    return _as_size(8 * n * d * dtype_bytes + 3 * n * stat_bytes)
+    dtype_bytes = exact(_dtype_bytes(dtype_bytes))
+    stat_bytes = exact(as_positive("stat_bytes (bytes per lse / delta number, 4 for fp32)", stat_bytes))
+    return as_size(8 * n * d * dtype_bytes + 3 * n * stat_bytes)
 
 
 def naive_saved_for_backward_bytes(n: int, d: int, dtype_bytes=2) -> int:
@@ -581,8 +600,8 @@ def naive_saved_for_backward_bytes(n: int, d: int, dtype_bytes=2) -> int:
     """
     n = as_positive_int("n (sequence length)", n)
     d = as_positive_int("d (head dim)", d)
-    dtype_bytes = _dtype_bytes(dtype_bytes)
-    return _as_size((n * n + 3 * n * d) * dtype_bytes)
+    dtype_bytes = exact(_dtype_bytes(dtype_bytes))
+    return as_size((n * n + 3 * n * d) * dtype_bytes)
 
 
 def flash_saved_for_backward_bytes(n: int, d: int, dtype_bytes=2, stat_bytes=4) -> int:
@@ -594,9 +613,9 @@ def flash_saved_for_backward_bytes(n: int, d: int, dtype_bytes=2, stat_bytes=4) 
     """
     n = as_positive_int("n (sequence length)", n)
     d = as_positive_int("d (head dim)", d)
-    dtype_bytes = _dtype_bytes(dtype_bytes)
-    stat_bytes = as_positive("stat_bytes (bytes per lse number, 4 for fp32)", stat_bytes)
-    return _as_size(4 * n * d * dtype_bytes + n * stat_bytes)
+    dtype_bytes = exact(_dtype_bytes(dtype_bytes))
+    stat_bytes = exact(as_positive("stat_bytes (bytes per lse number, 4 for fp32)", stat_bytes))
+    return as_size(4 * n * d * dtype_bytes + n * stat_bytes)
 
 
 __all__ += [

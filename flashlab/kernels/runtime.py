@@ -24,6 +24,7 @@ import torch
 import triton.language as tl
 
 from flashlab.core.integers import cdiv, next_power_of_2
+from flashlab.kernels.interpreter_rounding import nearest_even_bf16
 
 # Head dims the kernels accept. Non-powers of two (24, 80, 96, 160...) are padded to the next power of two
 # inside the tile with masked loads; the padding columns are zeros and are never stored.
@@ -296,7 +297,7 @@ def interpreted_language(*device_modules):
         import triton.experimental.gluon  # noqa: F401
     except ImportError:  # pragma: no cover - older Triton
         pass
-    with _INTERPRETER_LOCK:
+    with _INTERPRETER_LOCK, nearest_even_bf16(interpreter):  # fp32 -> bf16 rounded as on the GPU
         # The interpreter patches triton.language so its builtins compute with NumPy. Its own scope undoes the
         # patches of the kernel, but each nested device-function call (tl.max, tl.sum...) patches again and never
         # undoes it, which left tl.core's builtins on the interpreter: a later GPU compile in the same process then
