@@ -35,7 +35,7 @@ def geomean(values) -> float:
 
 
 def ok_rows(data: dict, **match) -> list[dict]:
-    return [r for r in data["rows"] if r.get("status") == "ok" and all(r.get(k) == v for k, v in match.items())]
+    return [r for r in data.get("rows", []) if r.get("status") == "ok" and all(r.get(k) == v for k, v in match.items())]
 
 
 def ratios(data: dict, fast: str, other: str) -> list[float]:
