@@ -30,8 +30,12 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: lab copies reset test lint format install constraints clean
 
+# JupyterLab's settings for the lab (jupyter/lab-settings/overrides.json): no news feed and no update check, whose
+# first-start question would cover a corner of the notebooks' widgets. Settings you change in JupyterLab still win.
+LAB_SETTINGS := jupyter/lab-settings
+
 lab: $(STAMP) copies
-	$(BIN)/jupyter lab $(ROOT_FLAG) $(WORK)/
+	$(BIN)/jupyter lab $(ROOT_FLAG) --LabApp.app_settings_dir=$(CURDIR)/$(LAB_SETTINGS) $(WORK)/
 
 # Copy every notebook that is missing from $(WORK)/; a copy that exists is yours and is left alone.
 copies:

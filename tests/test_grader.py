@@ -527,7 +527,7 @@ def test_an_answer_that_builds_the_score_matrix_earns_nothing(stubs_and_solution
 
 def test_reports_have_the_promised_shape(stubs_and_solutions):
     _, out = stubs_and_solutions
-    rows = list(csv.DictReader(open(out / "grades.csv")))
+    rows = list(csv.DictReader((out / "grades.csv").read_text().splitlines()))
     assert rows and set(all_exercises()) <= set(rows[0])
     assert {"submission", "notebook", "total", "max_total", "status"} <= set(rows[0])
     solved01 = next(r for r in rows if r["submission"] == "01_solved.ipynb")  # relative to the folder given
@@ -574,7 +574,7 @@ def test_clean_submissions_beside_the_probes_are_graded_as_if_alone(probe_run):
         assert sub.score == sub.max_score == points(nb_id), [t.message for r in sub.results for t in r.tests]
     text = (out / "grades.csv").read_text()
     assert "HACKED" not in text and "4000" not in text
-    rows = {r["submission"]: r for r in csv.DictReader(open(out / "grades.csv"))}
+    rows = {r["submission"]: r for r in csv.DictReader((out / "grades.csv").read_text().splitlines())}
     assert int(rows["clean_07.ipynb"]["total"]) == points("07")
 
 

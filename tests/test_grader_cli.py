@@ -129,7 +129,7 @@ def test_an_interrupted_run_kills_its_children_and_marks_its_report(tmp_path, si
     assert not [c for c in children if Path(f"/proc/{c}").exists() and "zombie" not in _state(c)], "child lives on"
     report = json.loads((out / "results.json").read_text())
     assert report["complete"] is False and "interrupted" in report["reason"]
-    rows = list(csv.DictReader(open(out / "grades.csv")))
+    rows = list(csv.DictReader((out / "grades.csv").read_text().splitlines()))
     assert [r["submission"] for r in rows] == ["07_spins.ipynb"] and rows[0]["status"] == "incomplete"
 
 

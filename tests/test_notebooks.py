@@ -5,7 +5,8 @@ so a notebook opened and saved in place does not fail it until its outputs are s
 copies (``make lab``, ``my-notebooks/``), which git ignores. Outside a git checkout the files themselves are read.
 
 A notebook states its CPU budget in its metadata (``metadata.flashlab.cpu_budget_s``; 60 s if absent). The
-executed copies are kept under ``test-artifacts/notebooks/`` for anyone who wants to look at what ran.
+executed copies are kept under ``test-artifacts/notebooks/`` for anyone who wants to look at what ran. What the
+executed copy says about speed is checked against the recordings it drew (``notebook_claims``), in the same run.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import subprocess
 import time
 
 import nbformat
+import notebook_claims
 import pytest
 
 from conftest import ARTIFACTS, NOTEBOOKS, ROOT
@@ -48,6 +50,11 @@ def test_notebook_committed_without_outputs(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=[p.name for p in NOTEBOOK_PATHS])
+def test_notebook_names_the_newest_recordings_and_types_no_ratio(path):
+    notebook_claims.check_source(path.name, tracked_notebook(path))
+
+
+@pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=[p.name for p in NOTEBOOK_PATHS])
 def test_notebook_executes_on_cpu(path):
     from nbclient import NotebookClient
 
@@ -65,3 +72,4 @@ def test_notebook_executes_on_cpu(path):
         nbformat.write(nb, out / path.name)
     elapsed = time.perf_counter() - start
     assert elapsed < budget, f"{path.name} took {elapsed:.0f} s on CPU; its budget is {budget} s"
+    notebook_claims.check_executed(path.name, nb)

@@ -468,8 +468,8 @@ def test_notebooks_take_each_shared_figure_from_one_source():
         assert "LONG_REQUEST_TOKENS" in src
         for typed in ("128 * 1024", "131_072", "131072", "128_000", "2**17"):
             assert typed not in src, f"notebook {name} types the long request as {typed}"
-    for name in ("04", "05"):
-        assert "h200-bf16-2026-11-29.json" in code(name), f"notebook {name} must name the prefill recording"
+    for name, recording in (("04", "h200-ladder-bf16-2026-12-02-all-rungs.json"), ("05", "h200-bf16-2026-11-29.json")):
+        assert recording in code(name), f"notebook {name} must name the prefill recording {recording}"
 
 
 # --- no OverflowError at any size: exact ints, or a ValueError naming the argument and the limit ---------------------

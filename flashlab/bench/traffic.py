@@ -979,6 +979,7 @@ def _stream(cmd: list[str], timeout: float) -> str:
                 print(line, end="", flush=True)
     finally:
         timer.cancel()
+        proc.stdout.close()
     if proc.wait() in (-9, 137):
         lines.append(f"==ERROR== stopped after {timeout:.0f} s (the time limit)\n")
     return "".join(lines)

@@ -82,7 +82,7 @@ def tiled_attention(
             # -- update m and l: new running max, rescale what was summed against the old one
             m_new = np.maximum(m, s.max(axis=-1))  # (BH, bm)
             m_safe = np.where(np.isneginf(m_new), 0.0, m_new)  # rows with nothing visible yet
-            alpha = np.exp(m - m_safe)  # (BH, bm) rescale factor, 0 on a row's first visible tile
+            alpha = np.exp(m - m_safe)  # (BH, bm) rescale factor; a first tile has nothing to rescale (l, acc = 0)
             p = np.exp(s - m_safe[..., None])  # (BH, bm, bn)
             l = alpha * l + p.sum(axis=-1)
             # -- rescale the output and accumulate this tile's P @ V
