@@ -4,6 +4,8 @@ the cell reader survives malformed notebooks, and the streaming test's ground tr
 from __future__ import annotations
 
 import math
+import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -109,6 +111,64 @@ def test_the_sandbox_holds(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "NOT BLOCKED" not in out.stdout and "done" in out.stdout, out.stdout
     assert (tmp_path / "ok").read_text() == "mine" and not (ROOT / "stray.txt").exists()
+
+
+_WALLED = (
+    f"import ctypes, os, sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom flashlab.grade import sandbox\n"
+    "assert sandbox.forbid_new_processes()\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+)
+_I386 = """
+import ctypes, mmap
+
+def i386(nr):  # one system call through the i386 table: mov eax, nr; int 0x80; ret
+    page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    page.write(b"\\xb8" + nr.to_bytes(4, "little") + b"\\xcd\\x80\\xc3")
+    return ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(page)))()
+"""
+
+
+def _python(script: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the i386 and x32 system-call tables are x86-64's")
+def test_seccomp_kills_a_call_through_another_table():
+    plain = _python(_I386 + "import os\nprint(i386(20) == os.getpid())")  # getpid, no filter
+    if plain.returncode != 0 or "True" not in plain.stdout:
+        pytest.skip("this kernel runs no i386 system calls (no IA32 emulation), so there is no other table to try")
+    fork = _python(_WALLED + _I386 + "r = i386(2)\nif r == 0:\n    os._exit(0)\nprint('forked', r)")  # i386 fork
+    assert fork.returncode == -signal.SIGSYS, (fork.returncode, fork.stdout, fork.stderr[-500:])
+    x32 = _python(_WALLED + "print('x32 fork:', libc.syscall(0x40000000 | 57))")
+    assert x32.returncode == -signal.SIGSYS, (x32.returncode, x32.stdout, x32.stderr[-500:])
+
+
+@pytest.mark.skipif(
+    platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"),
+    reason="the seccomp filter is installed on Linux x86-64 and arm64 only",
+)
+def test_seccomp_denies_namespaces_and_other_processes_memory():
+    script = _WALLED + textwrap.dedent(
+        """
+        import threading
+        t = threading.Thread(target=print, args=("thread ok",))
+        t.start(); t.join()
+        buf = ctypes.create_string_buffer(8)
+        iov = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 8)
+        for what, call in [
+            ("unshare", lambda: libc.unshare(0x04000000)),  # CLONE_NEWUTS
+            ("setns", lambda: libc.setns(os.open("/proc/self/ns/uts", os.O_RDONLY), 0)),
+            ("ptrace", lambda: libc.ptrace(16, os.getppid(), None, None)),  # PTRACE_ATTACH
+            ("process_vm_readv", lambda: libc.process_vm_readv(os.getppid(), iov, 1, iov, 1, 0)),
+        ]:
+            r = call()
+            print(what, r, ctypes.get_errno())
+        """
+    )
+    out = _python(script)
+    assert out.returncode == 0, out.stderr[-1000:]
+    assert "thread ok" in out.stdout
+    for what in ("unshare", "setns", "ptrace", "process_vm_readv"):
+        assert f"{what} -1 1\n" in out.stdout, out.stdout  # EPERM
 
 
 def test_the_learners_process_runs_under_its_limits_in_a_session_of_its_own():

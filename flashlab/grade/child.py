@@ -137,7 +137,7 @@ def _start(wire, sandbox, boot: dict):
     harness = __import__(boot["harness"]) if boot.get("harness") else None
     walls = {"landlock": 0, "no_new_processes": False}
     if boot.get("sandbox", True):
-        walls.update(sandbox.restrict_filesystem(boot["readable"], boot["writable"]))
+        walls.update(sandbox.restrict_filesystem(boot["readable"], boot["writable"], boot["listable"]))
         walls["no_new_processes"] = sandbox.forbid_new_processes()
     source, code = boot["source"], boot["code"]
     linecache.cache[CELL_NAME] = (len(source), None, source.splitlines(True), CELL_NAME)

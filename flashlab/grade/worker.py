@@ -110,41 +110,70 @@ def _stdlib_dirs() -> list[str]:
     return [d for i, d in enumerate(out) if d not in out[:i] and os.path.exists(d)]
 
 
-def _readable_site_entries(site_dirs) -> list[str]:
-    """Every entry of site-packages except flashlab's own (an installed copy of flashlab, its editable finder)."""
-    out = []
-    for d in site_dirs:
-        out.append(d)  # the folder itself, for listing; its files are allowed one entry at a time
-        for name in os.listdir(d):
-            if "flashlab" not in name.lower():
-                out.append(os.path.join(d, name))
-    return out
-
-
 def child_path(runtime: Path) -> list[str]:
     """The child's import path: its runtime, the standard library, site-packages (no .pth files, so no flashlab)."""
     return [str(runtime), *_stdlib_dirs(), *_site_dirs()]
 
 
-def readable_paths(runtime: Path) -> list[str]:
-    """What the child may read once walled in: the Python installation, third-party packages, system libraries."""
-    site_dirs = _site_dirs()
-    base = [sys.base_prefix, sys.exec_prefix] if not _inside(sys.base_prefix, FLASHLAB_ROOT.parent) else []
-    # a folder above site-packages (a venv's lib/pythonX.Y) would open all of it, flashlab's entries included
-    above_site = {d for d in [*base, *_stdlib_dirs()] if any(_inside(s, d) for s in site_dirs)}
-    dirs = [d for d in [*base, *_stdlib_dirs()] if d not in above_site] + _readable_site_entries(site_dirs)
-    dirs += ["/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/local/lib", "/usr/share/zoneinfo", "/dev/null"]
-    dirs += ["/dev/urandom", "/proc/self", "/sys/devices/system/cpu", "/etc/ld.so.cache"]
-    dirs += [str(runtime)]
-    return [d for d in dirs if os.path.exists(d)]
+def _beneath(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
-def _inside(path, folder) -> bool:
+def hidden_paths(site_dirs=None) -> list[str]:
+    """What the child must not read even where it lies inside a readable folder: flashlab itself (the package it
+    runs from, every entry of site-packages that names flashlab, the checkout an editable install points at)."""
+    site_dirs = _site_dirs() if site_dirs is None else site_dirs
+    out = [FLASHLAB_ROOT, FLASHLAB_ROOT.parent] if _is_checkout(FLASHLAB_ROOT.parent) else [FLASHLAB_ROOT]
+    for d in site_dirs:
+        out += [Path(d) / name for name in os.listdir(d) if "flashlab" in name.lower()]
+    return sorted({os.path.realpath(p) for p in out})
+
+
+def _is_checkout(folder: Path) -> bool:
+    return (folder / "pyproject.toml").exists() or (folder / ".git").exists()
+
+
+def _open_except(path: str, hidden: list[str], seen: set, parent: str | None = None) -> tuple[list, list]:
+    """``(readable, listable)`` that open ``path`` but nothing in ``hidden``: the folder itself where nothing hidden
+    lies inside it, else its names (listable) and, one by one, what beside the hidden entries it holds."""
+    real = os.path.realpath(path)
+    if parent is not None and not _beneath(real, parent) and any(_beneath(real, h) for h in hidden):
+        return [], []  # a link out of the folder being opened, into a hidden one
+    if real in seen or real in hidden:
+        return [], []
+    seen.add(real)
+    if not any(_beneath(h, real) for h in hidden):
+        return [real], []
+    readable, listable = [], [real]
     try:
-        Path(path).resolve().relative_to(Path(folder).resolve())
-        return True
-    except ValueError:
-        return False
+        names = sorted(os.listdir(real))
+    except OSError:
+        return [], listable
+    for name in names:
+        r, ls = _open_except(os.path.join(real, name), hidden, seen, parent=real)
+        readable += r
+        listable += ls
+    return readable, listable
+
+
+def readable_paths(runtime: Path, site_dirs=None) -> tuple[list[str], list[str]]:
+    """``(readable, listable)`` for the walled-in child: the Python installation, the third-party packages, system
+    libraries and its runtime, each opened except flashlab's entries (``hidden_paths``) inside it; ``listable``
+    are the folders the child may list but whose files it may read only as ``readable`` allows."""
+    site_dirs = _site_dirs() if site_dirs is None else site_dirs
+    hidden = hidden_paths(site_dirs)
+    tops = [sys.base_prefix, sys.exec_prefix, *_stdlib_dirs(), *site_dirs]
+    tops += ["/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/local/lib", "/usr/share/zoneinfo", "/dev/null"]
+    tops += ["/dev/urandom", "/proc/self", "/sys/devices/system/cpu", "/etc/ld.so.cache", str(runtime)]
+    readable, listable, seen = [], [], set()
+    for top in tops:
+        if top.startswith("/proc/self"):  # the child's own, resolved in the child: never realpath'd here
+            readable.append(top)
+        elif os.path.exists(top):
+            r, ls = _open_except(top, hidden, seen)
+            readable += r
+            listable += ls
+    return readable, listable
 
 
 # -- live workers: every one is killed when grading ends or is interrupted --------------------------------------
@@ -248,12 +277,14 @@ class Worker:
         self.to_child, self.from_child = to_child, from_child
         with _LIVE_LOCK:
             _LIVE.add(self)
+        readable, listable = readable_paths(runtime)
         boot = {
             "path": child_path(runtime),
             "cwd": str(work),
             "imports": list(self.exercise.child_imports),
             "harness": self.exercise.harness,
-            "readable": readable_paths(runtime),
+            "readable": readable,
+            "listable": listable,
             "writable": [str(work)],
             "code": self.code,
             "source": self.source,
