@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import platform
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -24,8 +25,11 @@ from flashlab.reference import softmax
 
 
 def _roundtrip(x):
-    frame = wire.encode(wire.to_plain(x))
-    return wire.decode(frame[8:])
+    return wire.decode(wire.encode(wire.to_plain(x)))
+
+
+def _frame(header: bytes, arrays: bytes = b"") -> bytes:
+    return struct.pack(wire.PREFIX, len(header), len(arrays)) + header + arrays
 
 
 def test_plain_values_cross_unchanged():
@@ -35,6 +39,9 @@ def test_plain_values_cross_unchanged():
     assert np.array_equal(got[8]["a"], value[8]["a"]) and got[8]["a"].dtype == np.float64
     assert _roundtrip(np.float32(1.5)) == 1.5 and type(_roundtrip(np.int64(3))) is int
     assert _roundtrip(np.array([1, 2], dtype=">i4")).tolist() == [1, 2]  # byte order normalised
+    both = _roundtrip([np.float16([1.5, -2.0]), np.zeros((0, 3)), np.arange(5, dtype=np.uint8)[::2]])
+    assert both[0].dtype == np.float16 and both[0].tolist() == [1.5, -2.0] and both[1].shape == (0, 3)
+    assert both[2].tolist() == [0, 2, 4]
 
 
 def test_what_an_answer_returns_becomes_exact_builtin_types():
@@ -51,31 +58,63 @@ def test_what_an_answer_returns_becomes_exact_builtin_types():
 
 
 @pytest.mark.parametrize(
-    "body",
+    "frame",
     [
-        b'{"$pickle": "gASV"}',
-        b'{"$array": {"dtype": "|O", "shape": [1], "data": ""}}',
-        b'{"$array": {"dtype": "<f8", "shape": [2], "data": "AAAA"}}',
-        b'{"a": 1}',
-        b"[1, 2]",
-        b"not json",
-        b"[" * 100_000,
+        _frame(b'{"$pickle": "gASV"}'),
+        _frame(b'{"$array": {"dtype": "|O", "shape": [1]}}', b"\0" * 8),
+        _frame(b'{"$array": {"dtype": "<f8", "shape": [2]}}', b"\0" * 8),  # fewer bytes than the array needs
+        _frame(b'{"$array": {"dtype": "<f8", "shape": [1]}}', b"\0" * 16),  # bytes that belong to no array
+        _frame(b'{"$array": {"dtype": "<f8", "shape": [1], "data": "AAAAAAAAAAA="}}', b"\0" * 8),
+        _frame(b'{"$array": {"dtype": "<f8", "shape": [1000000000000]}}'),
+        _frame(b'{"a": 1}'),
+        _frame(b"[1, 2]"),
+        _frame(b"not json"),
+        _frame(b"[" * 100_000),
+        _frame(b"{}")[:-1],
+        b"short",
     ],
 )
-def test_anything_else_is_refused_not_run(body):
+def test_anything_else_is_refused_not_run(frame):
     with pytest.raises(wire.WireError):
-        wire.decode(body)
+        wire.decode(frame)
 
 
-def test_an_oversized_frame_is_refused_unread():
+@pytest.mark.parametrize("lengths", [(10**9, 0), (0, 10**9)])
+def test_an_oversized_frame_is_refused_unread(lengths):
     import os
 
     r, w = os.pipe()
-    os.write(w, (10**9).to_bytes(8, "big"))
+    os.write(w, struct.pack(wire.PREFIX, *lengths))
     with pytest.raises(wire.WireError, match="over the"):
-        wire.receive(r, max_bytes=1000)
+        wire.receive(r, max_bytes=1000, max_header=1000)
     os.close(r)
     os.close(w)
+
+
+def test_an_array_is_received_into_its_own_memory_only():
+    """The receiving process holds the array and the header, not a text copy of the array's bytes."""
+    script = textwrap.dedent(
+        f"""
+        import os, sys, threading
+        import numpy as np
+        sys.path.insert(0, {str(ROOT)!r})
+        from flashlab.grade import wire
+        frame = wire.encode(wire.to_plain(np.ones((4096, 1024))))  # 32 MiB
+        r, w = os.pipe()
+        threading.Thread(target=lambda: os.write(w, frame), daemon=True).start()
+        del frame
+        def kib(field):
+            return int(next(x for x in open("/proc/self/status") if x.startswith(field)).split()[1])
+        open("/proc/self/clear_refs", "w").write("5")
+        before = kib("VmRSS")
+        got = wire.receive(r)
+        print((kib("VmHWM") - before) / 1024, got.shape)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rise_mib = float(out.stdout.split()[0])
+    assert 30 < rise_mib < 40, out.stdout  # the array itself, 32 MiB, and little else
 
 
 # -- the sandbox -------------------------------------------------------------------------------------------------
