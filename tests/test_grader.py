@@ -57,6 +57,26 @@ def points(nb_id: str) -> int:
 # as the strongest student would: one who knows where the checkout and the grader's output are.
 
 OUT_PLACEHOLDER = "@OUT@"
+DENSE_03 = """
+import numpy as np
+
+_S = np.ones((3072, 3072))  # allocated and touched when the cell runs
+
+
+def tiled_attention(q, k, v, block_m, block_n, causal=False):
+    nq, nk = q.shape[0], k.shape[0]
+    s = @S@  # (Nq, Nk): the whole score matrix
+    np.matmul(q, k.T, out=s)
+    s /= np.sqrt(q.shape[1])
+    if causal:
+        s[np.arange(nk)[None, :] > np.arange(nq)[:, None] + (nk - nq)] = -np.inf
+    m = s.max(axis=1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    np.subtract(s, m, out=s)
+    np.exp(s, out=s)
+    l = s.sum(axis=1, keepdims=True)
+    return np.where(l > 0, s @ v / np.where(l > 0, l, 1.0), 0.0)
+"""
 PROBES = {
     # it believes what the submission writes
     "fake_records": (
@@ -304,7 +324,132 @@ def close_enough(actual, expected, dtype):
 """,
         "partial",
     ),
+    # the memory gates: the peak over the process's whole life, against a baseline taken before the cell ran
+    "dense_buffer_from_cell_time": ("03", "03.tiled_attention", DENSE_03.replace("@S@", "_S[:nq, :nk]"), 0),
+    "dense_skipping_memory_steps": (
+        "03",
+        "03.tiled_attention",
+        """
+import sys
+
+
+def _answer_measured_calls_as_plain_ones():  # no memory step: the grader once took a peak of 0 then
+    child = sys.modules["gradechild.child"]
+    plain_call = child._call
+
+    def _call(wire, fds, fn, msg):
+        return plain_call(wire, fds, fn, {k: v for k, v in msg.items() if k != "measure"})
+
+    child._call = _call
+    return True
+
+
+_PATCHED = _answer_measured_calls_as_plain_ones()
+"""
+        + DENSE_03.replace("_S = np.ones((3072, 3072))  # allocated and touched when the cell runs", "").replace(
+            "@S@", "np.empty((nq, nk))"
+        ),
+        0,
+    ),
+    "dense_before_the_measured_call": (
+        "03",
+        "03.tiled_attention",
+        DENSE_03.replace("_S = np.ones((3072, 3072))  # allocated and touched when the cell runs", "").replace(
+            "@S@", "np.empty((nq, nk))"
+        )
+        + """
+import sys
+
+
+def _compute_when_the_request_arrives(dense):  # before the call, and before the grader once reset its peak mark
+    child = sys.modules["gradechild.child"]
+    plain_call = child._call
+
+    def _call(wire, fds, fn, msg):
+        answer = dense(*msg.get("args", ()), **msg.get("kwargs", {}))
+        return plain_call(wire, fds, lambda *a, **k: answer, msg)
+
+    child._call = _call
+    return True
+
+
+_PATCHED = _compute_when_the_request_arrives(tiled_attention)
+""",
+        0,
+    ),
+    "delta_through_a_buffer_from_cell_time": (
+        "09",
+        "09.delta",
+        """
+import numpy as np
+
+_P = np.ones((3000, 3000))  # an N x N buffer, touched when the cell runs
+
+
+def delta(do, o):
+    do, o = np.asarray(do, dtype=np.float64), np.asarray(o, dtype=np.float64)
+    if do.ndim != 2:
+        return (do * o).sum(axis=-1)
+    n = do.shape[0]
+    p = _P[:n, :n]
+    np.matmul(do, o.T, out=p)  # the N x N matrix dO O^T; delta is its diagonal
+    return np.diagonal(p).copy()
+""",
+        0,
+    ),
+    # the seccomp filter: one system-call table, no namespaces (each answers right only where a wall failed)
+    "forks_through_the_i386_table": (
+        "07",
+        "07.kv_cache_bytes_per_token",
+        """
+import ctypes, mmap, os
+
+
+def _fork_through_i386():  # the cell runs only assignments and definitions: the attempt is one
+    page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    page.write(b"\\xb8\\x02\\x00\\x00\\x00\\xcd\\x80\\xc3")  # mov eax, 2 (i386 fork); int 0x80; ret
+    pid = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(page)))()
+    if pid == 0:
+        os._exit(0)
+    return pid > 0
+
+
+_FORKED = _fork_through_i386()
+"""
+        + SOLUTIONS["07.kv_cache_bytes_per_token"].replace(
+            "    if latent_dim is not None:", "    assert _FORKED\n    if latent_dim is not None:"
+        ),
+        0,
+    ),
+    "unshares_a_namespace": (
+        "07",
+        "07.kv_cache_bytes_per_token",
+        "import ctypes\n\n_UNSHARED = ctypes.CDLL(None).unshare(0x04000000) == 0  # CLONE_NEWUTS\n"
+        + SOLUTIONS["07.kv_cache_bytes_per_token"].replace(
+            "    if latent_dim is not None:", "    assert _UNSHARED\n    if latent_dim is not None:"
+        ),
+        0,
+    ),
     # the answers the old tests already caught
+    # what the grader's own process reads and quotes is capped
+    "huge_cell": (
+        "07",
+        "07.kv_cache_bytes_per_token",
+        "#" + "x" * 2_000_000 + "\n" + SOLUTIONS["07.kv_cache_bytes_per_token"],
+        0,
+    ),
+    "string_answer_quoted": (
+        "08",
+        "08.close_enough",
+        "def close_enough(actual, expected, dtype):\n    return 'x' * 3_000_000  # quoted by the check\n",
+        0,
+    ),
+    "string_answer_over_the_frame_limit": (
+        "05",
+        "05.achieved_tflops",
+        "def achieved_tflops(batch, heads, n, d, seconds, causal=False):\n    return 'x' * 40_000_000\n",
+        0,
+    ),
     "wrong_rescale": (
         "01",
         "01.online_softmax_update",
@@ -375,6 +520,14 @@ WORDS = {  # what the learner's message must say
     "raises": "raised ValueError",
     "hangs": "timed out",
     "mutates": "changed its input `outs`",
+    "dense_buffer_from_cell_time": "voided",
+    "dense_skipping_memory_steps": "voided",
+    "dense_before_the_measured_call": "voided",
+    "delta_through_a_buffer_from_cell_time": "voided",
+    "forks_through_the_i386_table": "killed by signal",
+    "huge_cell": "over the grader's limit",
+    "string_answer_quoted": "more characters not shown",
+    "string_answer_over_the_frame_limit": "over the",
     "syntax_error": "syntax error",
     "exits": "stopped unexpectedly",
 }
@@ -443,6 +596,10 @@ def probe_run(tmp_path_factory):
     nb07.cells += [c for c in solved_notebook("02").cells if c.cell_type == "code"]
     nbformat.write(nb07, subs / "07_with_02_pasted.ipynb")
     (subs / "01_not_a_notebook.ipynb").write_text("{ this is not JSON")
+    # a tagged cell without exercise metadata that makes the parser run out of memory, beside the solved cells
+    bomb = solved_notebook("01")
+    bomb.cells.append(nbformat.v4.new_code_cell("-" * 100_000 + "1", metadata={"tags": ["exercise"]}))
+    nbformat.write(bomb, subs / "01_parser_bomb.ipynb")
     result = grade([subs], out_dir=out, jobs=2, time_limit=PROBE_TIME_LIMIT_S, progress=False)
     return {s.name: s for s in result}, out
 
@@ -599,6 +756,20 @@ def test_expected_exercises_come_from_the_notebook_not_its_file_name(probe_run):
     assert foreign.notebook == "07" and (foreign.score, foreign.max_score) == (0, points("07"))
     pasted = [r for r in foreign.results if r.exercise_id.startswith("02.")]
     assert pasted and all(r.status is Status.FOREIGN and r.score == 0 for r in pasted)
+
+
+def test_what_the_grader_writes_stays_small_whatever_an_answer_holds(probe_run):
+    _, out = probe_run
+    report = json.loads((out / "results.json").read_text())
+    sizes = {e["submission"]: len(json.dumps(e)) for e in report["submissions"]}
+    for name in ("07_huge_cell.ipynb", "08_string_answer_quoted.ipynb", "05_string_answer_over_the_frame_limit.ipynb"):
+        assert sizes[name] < 64_000, (name, sizes[name])
+
+
+def test_a_notebook_that_exhausts_the_parser_costs_only_itself(probe_run):
+    graded, _ = probe_run
+    sub = graded["01_parser_bomb.ipynb"]  # the run went on, and the notebook's own exercises are graded
+    assert sub.score == sub.max_score == points("01"), [t.message for r in sub.results for t in r.tests]
 
 
 def test_a_malformed_cell_costs_only_its_own_exercise(probe_run):

@@ -7,6 +7,7 @@ import csv
 import fcntl
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -138,3 +139,54 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
     except (OSError, IndexError):
         return "zombie"
+
+
+# -- what is a submission ----------------------------------------------------------------------------------------
+
+
+def test_only_regular_files_are_submissions(tmp_path, capsys):
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    nbformat.write(solved_notebook("07"), subs / "07_real.ipynb")
+    os.mkfifo(subs / "07_fifo.ipynb")  # reading it would wait for a writer forever
+    (subs / "07_zero.ipynb").symlink_to("/dev/zero")  # reading it would never end
+    (subs / "07_link.ipynb").symlink_to(subs / "07_real.ipynb")  # another learner's file, by link
+    out = tmp_path / "out"
+    assert main([str(subs), "/dev/zero", "--out", str(out), "--no-progress"]) == 0
+    table = capsys.readouterr().out
+    rows = {r["submission"]: r for r in csv.DictReader(open(out / "grades.csv"))}
+    assert int(rows["07_real.ipynb"]["total"]) == int(rows["07_real.ipynb"]["max_total"]) > 0
+    for name in ("07_fifo.ipynb", "07_zero.ipynb", "07_link.ipynb", "/dev/zero"):
+        assert rows[name]["total"] == "0" and rows[name]["max_total"] == "0", rows[name]
+    lines = {line.split()[0]: line for line in table.splitlines() if " total " in line}
+    assert "skipped: not a regular file (a FIFO)" in lines["07_fifo.ipynb"]
+    assert "skipped: not a regular file (a character device)" in lines["/dev/zero"]
+    assert "skipped: a symbolic link" in lines["07_zero.ipynb"] and "skipped: a symbolic link" in lines["07_link.ipynb"]
+
+
+def test_grading_refuses_to_run_without_landlock_unless_told(one_submission, tmp_path, capsys, monkeypatch):
+    from flashlab.grade import __main__ as command
+
+    monkeypatch.setattr(command.sandbox, "landlock_abi", lambda: 0)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        main([str(one_submission), "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "no Landlock" in err and "--allow-without-landlock" in err
+    assert "signal your processes" in err and not out.exists()
+    assert main([str(one_submission), "--out", str(out), "--no-progress", "--allow-without-landlock"]) == 0
+    assert json.loads((out / "results.json").read_text())["complete"] is True
+
+
+def test_the_documented_output_folders_are_ignored_by_git():
+    readme = (ROOT / "instructor" / "README.md").read_text()
+    outs = re.findall(r"--out (\S+)", "\n".join(re.findall(r"```bash\n(.*?)```", readme, flags=re.S)))
+    assert len(outs) >= 3, outs
+    for out in outs:
+        ignored = subprocess.run(["git", "check-ignore", "-q", out.rstrip("/") + "/x"], cwd=ROOT)
+        assert ignored.returncode == 0, f"--out {out} in instructor/README.md is not ignored by git"
+    for command in ("flashlab.grade", "flashlab.grade.solutions"):
+        help_text = subprocess.run(
+            [sys.executable, "-m", command, "--help"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
+        assert "grading/" in help_text and "ignores" in help_text, help_text

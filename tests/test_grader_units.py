@@ -4,6 +4,9 @@ the cell reader survives malformed notebooks, and the streaming test's ground tr
 from __future__ import annotations
 
 import math
+import platform
+import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -22,8 +25,11 @@ from flashlab.reference import softmax
 
 
 def _roundtrip(x):
-    frame = wire.encode(wire.to_plain(x))
-    return wire.decode(frame[8:])
+    return wire.decode(wire.encode(wire.to_plain(x)))
+
+
+def _frame(header: bytes, arrays: bytes = b"") -> bytes:
+    return struct.pack(wire.PREFIX, len(header), len(arrays)) + header + arrays
 
 
 def test_plain_values_cross_unchanged():
@@ -33,6 +39,9 @@ def test_plain_values_cross_unchanged():
     assert np.array_equal(got[8]["a"], value[8]["a"]) and got[8]["a"].dtype == np.float64
     assert _roundtrip(np.float32(1.5)) == 1.5 and type(_roundtrip(np.int64(3))) is int
     assert _roundtrip(np.array([1, 2], dtype=">i4")).tolist() == [1, 2]  # byte order normalised
+    both = _roundtrip([np.float16([1.5, -2.0]), np.zeros((0, 3)), np.arange(5, dtype=np.uint8)[::2]])
+    assert both[0].dtype == np.float16 and both[0].tolist() == [1.5, -2.0] and both[1].shape == (0, 3)
+    assert both[2].tolist() == [0, 2, 4]
 
 
 def test_what_an_answer_returns_becomes_exact_builtin_types():
@@ -49,31 +58,63 @@ def test_what_an_answer_returns_becomes_exact_builtin_types():
 
 
 @pytest.mark.parametrize(
-    "body",
+    "frame",
     [
-        b'{"$pickle": "gASV"}',
-        b'{"$array": {"dtype": "|O", "shape": [1], "data": ""}}',
-        b'{"$array": {"dtype": "<f8", "shape": [2], "data": "AAAA"}}',
-        b'{"a": 1}',
-        b"[1, 2]",
-        b"not json",
-        b"[" * 100_000,
+        _frame(b'{"$pickle": "gASV"}'),
+        _frame(b'{"$array": {"dtype": "|O", "shape": [1]}}', b"\0" * 8),
+        _frame(b'{"$array": {"dtype": "<f8", "shape": [2]}}', b"\0" * 8),  # fewer bytes than the array needs
+        _frame(b'{"$array": {"dtype": "<f8", "shape": [1]}}', b"\0" * 16),  # bytes that belong to no array
+        _frame(b'{"$array": {"dtype": "<f8", "shape": [1], "data": "AAAAAAAAAAA="}}', b"\0" * 8),
+        _frame(b'{"$array": {"dtype": "<f8", "shape": [1000000000000]}}'),
+        _frame(b'{"a": 1}'),
+        _frame(b"[1, 2]"),
+        _frame(b"not json"),
+        _frame(b"[" * 100_000),
+        _frame(b"{}")[:-1],
+        b"short",
     ],
 )
-def test_anything_else_is_refused_not_run(body):
+def test_anything_else_is_refused_not_run(frame):
     with pytest.raises(wire.WireError):
-        wire.decode(body)
+        wire.decode(frame)
 
 
-def test_an_oversized_frame_is_refused_unread():
+@pytest.mark.parametrize("lengths", [(10**9, 0), (0, 10**9)])
+def test_an_oversized_frame_is_refused_unread(lengths):
     import os
 
     r, w = os.pipe()
-    os.write(w, (10**9).to_bytes(8, "big"))
+    os.write(w, struct.pack(wire.PREFIX, *lengths))
     with pytest.raises(wire.WireError, match="over the"):
-        wire.receive(r, max_bytes=1000)
+        wire.receive(r, max_bytes=1000, max_header=1000)
     os.close(r)
     os.close(w)
+
+
+def test_an_array_is_received_into_its_own_memory_only():
+    """The receiving process holds the array and the header, not a text copy of the array's bytes."""
+    script = textwrap.dedent(
+        f"""
+        import os, sys, threading
+        import numpy as np
+        sys.path.insert(0, {str(ROOT)!r})
+        from flashlab.grade import wire
+        frame = wire.encode(wire.to_plain(np.ones((4096, 1024))))  # 32 MiB
+        r, w = os.pipe()
+        threading.Thread(target=lambda: os.write(w, frame), daemon=True).start()
+        del frame
+        def kib(field):
+            return int(next(x for x in open("/proc/self/status") if x.startswith(field)).split()[1])
+        open("/proc/self/clear_refs", "w").write("5")
+        before = kib("VmRSS")
+        got = wire.receive(r)
+        print((kib("VmHWM") - before) / 1024, got.shape)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rise_mib = float(out.stdout.split()[0])
+    assert 30 < rise_mib < 40, out.stdout  # the array itself, 32 MiB, and little else
 
 
 # -- the sandbox -------------------------------------------------------------------------------------------------
@@ -109,6 +150,64 @@ def test_the_sandbox_holds(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "NOT BLOCKED" not in out.stdout and "done" in out.stdout, out.stdout
     assert (tmp_path / "ok").read_text() == "mine" and not (ROOT / "stray.txt").exists()
+
+
+_WALLED = (
+    f"import ctypes, os, sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom flashlab.grade import sandbox\n"
+    "assert sandbox.forbid_new_processes()\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+)
+_I386 = """
+import ctypes, mmap
+
+def i386(nr):  # one system call through the i386 table: mov eax, nr; int 0x80; ret
+    page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    page.write(b"\\xb8" + nr.to_bytes(4, "little") + b"\\xcd\\x80\\xc3")
+    return ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(page)))()
+"""
+
+
+def _python(script: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the i386 and x32 system-call tables are x86-64's")
+def test_seccomp_kills_a_call_through_another_table():
+    plain = _python(_I386 + "import os\nprint(i386(20) == os.getpid())")  # getpid, no filter
+    if plain.returncode != 0 or "True" not in plain.stdout:
+        pytest.skip("this kernel runs no i386 system calls (no IA32 emulation), so there is no other table to try")
+    fork = _python(_WALLED + _I386 + "r = i386(2)\nif r == 0:\n    os._exit(0)\nprint('forked', r)")  # i386 fork
+    assert fork.returncode == -signal.SIGSYS, (fork.returncode, fork.stdout, fork.stderr[-500:])
+    x32 = _python(_WALLED + "print('x32 fork:', libc.syscall(0x40000000 | 57))")
+    assert x32.returncode == -signal.SIGSYS, (x32.returncode, x32.stdout, x32.stderr[-500:])
+
+
+@pytest.mark.skipif(
+    platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"),
+    reason="the seccomp filter is installed on Linux x86-64 and arm64 only",
+)
+def test_seccomp_denies_namespaces_and_other_processes_memory():
+    script = _WALLED + textwrap.dedent(
+        """
+        import threading
+        t = threading.Thread(target=print, args=("thread ok",))
+        t.start(); t.join()
+        buf = ctypes.create_string_buffer(8)
+        iov = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 8)
+        for what, call in [
+            ("unshare", lambda: libc.unshare(0x04000000)),  # CLONE_NEWUTS
+            ("setns", lambda: libc.setns(os.open("/proc/self/ns/uts", os.O_RDONLY), 0)),
+            ("ptrace", lambda: libc.ptrace(16, os.getppid(), None, None)),  # PTRACE_ATTACH
+            ("process_vm_readv", lambda: libc.process_vm_readv(os.getppid(), iov, 1, iov, 1, 0)),
+        ]:
+            r = call()
+            print(what, r, ctypes.get_errno())
+        """
+    )
+    out = _python(script)
+    assert out.returncode == 0, out.stderr[-1000:]
+    assert "thread ok" in out.stdout
+    for what in ("unshare", "setns", "ptrace", "process_vm_readv"):
+        assert f"{what} -1 1\n" in out.stdout, out.stdout  # EPERM
 
 
 def test_the_learners_process_runs_under_its_limits_in_a_session_of_its_own():

@@ -1,6 +1,7 @@
 """``python -m flashlab.grade SUBMISSION... --out DIR``: grade notebooks, write grades.csv and results.json.
 
-Every argument is checked before anything is graded. Ctrl-C or SIGTERM kills every submission process and leaves a
+Every argument is checked before anything is graded, and where Landlock is missing the command refuses to grade
+unless given ``--allow-without-landlock``. Ctrl-C or SIGTERM kills every submission process and leaves a
 report marked incomplete (exit status 130 or 143); a second run on the same ``--out`` while one is running is
 refused.
 """
@@ -9,12 +10,22 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
 import sys
 import tempfile
 from pathlib import Path
 
+from flashlab.grade import sandbox
 from flashlab.grade.runner import Busy, grade, grade_table, interrupt
+
+ALLOW_FLAG = "--allow-without-landlock"
+NO_LANDLOCK = (
+    "this system has no Landlock (Linux 5.13+ with Landlock enabled), so a submission's process could read, change "
+    "and delete every file your user can (instructor/solutions, the other submissions, --out), signal your "
+    "processes and read their memory, and open network connections; grade as a user that can reach nothing of "
+    f"value, or pass {ALLOW_FLAG} to grade anyway"
+)
 
 
 def _positive(kind):
@@ -50,7 +61,13 @@ def main(argv=None) -> int:
         "function, which runs walled in, in a process of its own, with a time and memory limit.",
     )
     p.add_argument("submissions", nargs="+", help="notebooks, or folders (graded: every .ipynb under them)")
-    p.add_argument("--out", required=True, type=Path, help="folder for grades.csv and results.json")
+    p.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="folder for grades.csv and results.json (given explicitly; instructor/README.md uses grading/grades, "
+        "which git ignores)",
+    )
     p.add_argument("--jobs", type=_positive(int), default=None, help="exercises graded at once (default: CPU cores)")
     p.add_argument(
         "--time-limit", type=_positive(float), default=None, help="seconds per exercise (default: each exercise's own)"
@@ -59,11 +76,19 @@ def main(argv=None) -> int:
         "--memory-limit", type=_positive(int), default=None, help="MiB of address space per exercise (default: own)"
     )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument(
+        ALLOW_FLAG,
+        action="store_true",
+        help="grade even where Landlock is missing; submissions can then read and write your files, signal your "
+        "processes and read their memory (see instructor/README.md)",
+    )
     args = p.parse_args(argv)
+    if sandbox.landlock_abi() == 0 and not args.allow_without_landlock:
+        p.error(NO_LANDLOCK)
     why = writable_folder(args.out)
     if why:
         p.error(why)
-    missing = [s for s in args.submissions if not Path(s).exists()]
+    missing = [s for s in args.submissions if not os.path.lexists(s)]
     if missing:
         p.error(f"no such file or folder: {', '.join(missing)}")
     received = []

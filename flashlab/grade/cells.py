@@ -8,21 +8,37 @@ files changes nothing; the expected exercises are that notebook's in the registr
 
 From a cell the grader keeps imports, function and class definitions and plain assignments; it drops everything
 else (calls, prints, IPython magics), so a learner's own trial run at the bottom of the cell is not graded.
+
+A submission is read and parsed in a process of its own under a memory and CPU limit (``read_submission``, the
+grader's side, and ``main``, the reader's), so a notebook built to exhaust the parser costs that submission only.
+This module imports only the standard library (flashlab's registry is imported where it is asked for), so the
+reader starts with nothing else.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import os
 import re
+import stat
+import sys
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
-
-from flashlab.exercises import MODULES, all_exercises
 
 EXERCISE_TAG = "exercise"
 CHECK_TAG = "exercise-check"
+MAX_NOTEBOOK_BYTES = 32 * 2**20  # a submitted notebook larger than this is not read
+MAX_CELL_CHARS = 200_000  # an exercise cell longer than this is not parsed (an answer is a few thousand)
+READER_MEMORY_BYTES = 1 << 30  # the reader's address space
+READER_CPU_SECONDS = 30
+
+
+def _registry() -> tuple[dict[str, str], list[str]]:
+    """Exercise function names by id, and the notebook numbers, from flashlab's registry."""
+    from flashlab.exercises import MODULES, all_exercises
+
+    return {ex_id: ex.name for ex_id, ex in all_exercises().items()}, list(MODULES)
 
 
 @dataclass
@@ -63,9 +79,9 @@ def strip_magics(source: str) -> str:
 
 def defined_functions(source: str) -> list[str]:
     try:
-        tree = ast.parse(strip_magics(source))
-    except SyntaxError:
-        return re.findall(r"^def\s+(\w+)\s*\(", source, flags=re.M)
+        tree = ast.parse(strip_magics(source[:MAX_CELL_CHARS]))
+    except (SyntaxError, ValueError, MemoryError, RecursionError):  # found by the text of its def, then
+        return re.findall(r"^def\s+(\w+)\s*\(", source[:MAX_CELL_CHARS], flags=re.M)
     return [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
@@ -74,10 +90,13 @@ def _cells(nb) -> list:
     return cells if isinstance(cells, list) else []
 
 
-def find_exercise_cells(nb) -> dict[str, ExerciseCell]:
-    """The exercise cells of a notebook by exercise id (the last cell wins if a learner duplicated one)."""
-    known = all_exercises()
-    by_name = {ex.name: ex.id for ex in known.values()}
+def find_exercise_cells(nb, known: dict[str, str] | None = None) -> dict[str, ExerciseCell]:
+    """The exercise cells of a notebook by exercise id (the last cell wins if a learner duplicated one).
+
+    ``known`` maps each exercise id to its function's name (default: flashlab's registry).
+    """
+    known = _registry()[0] if known is None else known
+    by_name = {name: ex_id for ex_id, name in known.items()}
     found: dict[str, ExerciseCell] = {}
     for i, cell in enumerate(_cells(nb)):
         if _dict(cell).get("cell_type") != "code" or EXERCISE_TAG not in cell_tags(cell):
@@ -92,8 +111,12 @@ def find_exercise_cells(nb) -> dict[str, ExerciseCell]:
     return found
 
 
-def notebook_id(nb, fallback_name: str | None = None) -> str | None:
-    """Which notebook this is ("NN"): its metadata, else the exercises its tagged cells name, else the file name."""
+def notebook_id(nb, fallback_name: str | None = None, notebooks=None) -> str | None:
+    """Which notebook this is ("NN"): its metadata, else the exercises its tagged cells name, else the file name.
+
+    ``notebooks`` are the notebook numbers there are (default: flashlab's registry).
+    """
+    MODULES = _registry()[1] if notebooks is None else notebooks
     meta = _dict(_dict(_dict(nb).get("metadata")).get("flashlab")).get("notebook")
     if isinstance(meta, str) and meta in MODULES:
         return meta
@@ -112,22 +135,67 @@ def notebook_id(nb, fallback_name: str | None = None) -> str | None:
 
 def expected_exercises(notebook: str | None) -> list[str]:
     """The exercises a notebook of this number must hold, in registry order."""
-    return [ex_id for ex_id in all_exercises() if notebook is not None and ex_id.split(".")[0] == notebook]
+    return [ex_id for ex_id in _registry()[0] if notebook is not None and ex_id.split(".")[0] == notebook]
 
 
-def read_notebook(path: Path) -> dict:
+def parse_notebook(data: bytes) -> dict:
     """The notebook's JSON, as plain dicts and lists; ValueError if it is not a notebook."""
-    with open(path, encoding="utf-8") as f:
-        nb = json.load(f)
+    nb = json.loads(data.decode("utf-8"))
     if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
         raise ValueError("not a Jupyter notebook (no list of cells)")
     return nb
 
 
+def not_a_submission(path) -> str | None:
+    """Why ``path`` is skipped (a link, a FIFO, a device, a folder), or None for a regular file. Never follows it."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError as e:
+        return f"skipped: cannot be read ({e.strerror or e})"
+    if stat.S_ISLNK(mode):
+        return "skipped: a symbolic link (links are not followed)"
+    if not stat.S_ISREG(mode):
+        return f"skipped: not a regular file (a {_kind(mode)})"
+    return None
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "socket" if stat.S_ISSOCK(mode) else "folder" if stat.S_ISDIR(mode) else "special file"
+
+
+def open_submission(path) -> int:
+    """A descriptor on the regular file at ``path``, opened without following a link or waiting on a FIFO and no
+    larger than ``MAX_NOTEBOOK_BYTES``; ValueError naming what it is otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(not_a_submission(path) or f"cannot be read ({e.strerror or e})") from None
+    st = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(st.st_mode):
+        why = f"skipped: not a regular file (a {_kind(st.st_mode)})"
+    elif st.st_size > MAX_NOTEBOOK_BYTES:
+        why = f"the notebook is {st.st_size:,} bytes, over the grader's limit of {MAX_NOTEBOOK_BYTES:,}"
+    if why:
+        os.close(fd)
+        raise ValueError(why)
+    return fd
+
+
+def read_notebook(path) -> dict:
+    """The notebook at ``path`` (a regular file, not followed through a link), parsed in this process."""
+    fd = open_submission(path)
+    with os.fdopen(fd, "rb") as f:
+        return parse_notebook(f.read(MAX_NOTEBOOK_BYTES + 1))
+
+
 def runnable_code(source: str, keep_assignments: bool = True) -> str:
     """The part of a cell the grader executes: imports, defs, classes (and assignments). Raises SyntaxError."""
     source = strip_magics(source)
-    tree = ast.parse(source)
+    tree = ast.parse(source)  # SyntaxError; MemoryError or RecursionError for a cell nested too deeply
     kinds = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
     if keep_assignments:
         kinds += (ast.Assign, ast.AnnAssign)
@@ -140,3 +208,60 @@ def runnable_code(source: str, keep_assignments: bool = True) -> str:
         for ln in range(start - 1, node.end_lineno):
             keep[ln] = True
     return "\n".join(line if k else "" for line, k in zip(lines, keep, strict=True))
+
+
+def _params(code: str, function: str) -> list[str]:
+    for node in ast.parse(code).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function:
+            return [a.arg for a in node.args.posonlyargs + node.args.args]
+    return []
+
+
+def parse_cell(source: str, function: str) -> dict:
+    """What the grader runs of one exercise cell: ``{"code", "params"}``, or ``{"kind", "problem"}`` saying why it
+    cannot be run (``kind``: ``"syntax"``, or ``"unreadable"`` for a cell too long or too deep for the parser)."""
+    if len(source) > MAX_CELL_CHARS:
+        why = f"the exercise cell is {len(source):,} characters, over the grader's limit of {MAX_CELL_CHARS:,}"
+        return {"kind": "unreadable", "problem": why}
+    try:
+        code = runnable_code(source)
+        return {"code": code, "params": _params(code, function)}
+    except SyntaxError as e:
+        return {"kind": "syntax", "problem": f"the exercise cell has a syntax error at line {e.lineno}: {e.msg}"[:500]}
+    except (ValueError, MemoryError, RecursionError) as e:
+        why = f"the parser gave up on the exercise cell ({type(e).__name__}: nested too deeply, or too long)"
+        return {"kind": "unreadable", "problem": why}
+
+
+def read_submission_data(data: bytes, request: dict) -> dict:
+    """A submission as the grader needs it: ``notebook``, and per exercise cell its ``source`` and ``parse_cell``'s
+    answer; or ``error`` saying why the notebook cannot be read. ``request`` holds ``known`` (exercise id ->
+    function name), ``notebooks`` and the file's ``name``."""
+    known, notebooks, name = request["known"], request["notebooks"], request.get("name")
+    if len(data) > MAX_NOTEBOOK_BYTES:
+        return {"error": f"the notebook is over the grader's limit of {MAX_NOTEBOOK_BYTES:,} bytes", "notebook": None}
+    try:
+        nb = parse_notebook(data)
+    except (ValueError, MemoryError, RecursionError) as e:
+        return {
+            "error": f"could not read the notebook: {type(e).__name__}: {str(e)[:300]}",
+            "notebook": notebook_id({}, name, notebooks),
+        }
+    cells = {}
+    for ex_id, cell in find_exercise_cells(nb, known).items():
+        parsed = parse_cell(cell.source, known[ex_id])
+        cells[ex_id] = {"source": cell.source if len(cell.source) <= MAX_CELL_CHARS else "", **parsed}
+    return {"notebook": notebook_id(nb, name, notebooks), "cells": cells}
+
+
+def main() -> int:
+    """The reader: the request as JSON in ``sys.argv[1]``, the notebook (or, with ``"cell"``, the cell's text) on
+    standard input; the answer as JSON on standard output."""
+    request = json.loads(sys.argv[1])
+    data = sys.stdin.buffer.read(MAX_NOTEBOOK_BYTES + 1)
+    if "cell" in request:
+        answer = parse_cell(data.decode("utf-8", "replace"), request["cell"])
+    else:
+        answer = read_submission_data(data, request)
+    sys.stdout.write(json.dumps(answer))
+    return 0

@@ -8,13 +8,13 @@ there, with a clean environment and an import path without flashlab; it reads re
 replies to OUT.
 
 Start-up (trusted: no learner code has run yet): set the import path, import what the exercise needs, apply the
-sandbox (``sandbox.restrict_filesystem``, ``sandbox.forbid_new_processes``), then run the cell. The grader then
+sandbox (``sandbox.restrict_filesystem``, ``sandbox.forbid_new_processes``), say ``{"walled": ...}`` and wait while
+the grader takes its memory baseline, then run the cell. The grader then
 sends requests, one at a time:
 
-- ``{"op": "call", "args": [...], "kwargs": {...}, "inputs_back": bool, "measure": bool}`` -- call the function
-  once; reply ``{"ok": value}`` (and ``"inputs_after"``), or ``{"raised": {...}}``. With ``measure`` the child
-  says ``{"loaded": true}`` and waits for ``go`` before the call and ``{"computed": true}`` after it, so the grader
-  can read this process's peak memory around the call itself.
+- ``{"op": "call", "args": [...], "kwargs": {...}, "inputs_back": bool}`` -- call the function once; reply
+  ``{"ok": value}`` (and ``"inputs_after"``), or ``{"raised": {...}}``. (A memory test reads this process's peak
+  memory from the kernel after the reply; the child has no say in it.)
 - ``{"op": "stream"}`` -- call the function with an iterator of blocks; each ``next()`` asks the grader for one
   block (``{"need": true}``), each value the function yields is sent as ``{"state": value}``.
 - ``{"op": "exit"}``.
@@ -97,18 +97,11 @@ class _Blocks:
 
 
 def _call(wire, fds, fn, msg) -> dict:
-    in_fd, out_fd = fds
     args, kwargs = msg.get("args", ()), msg.get("kwargs", {})
-    if msg.get("measure"):
-        wire.send(out_fd, {"loaded": True})
-        wire.receive(in_fd)  # go
     try:
         result = fn(*args, **kwargs)
     except BaseException as e:  # everything the learner's function does is reported, not obeyed
         return {"raised": describe(e)}
-    if msg.get("measure"):
-        wire.send(out_fd, {"computed": True})
-        wire.receive(in_fd)  # go
     try:
         reply = {"ok": wire.to_plain(result)}
         if msg.get("inputs_back"):
@@ -128,8 +121,12 @@ def _stream(wire, fds, fn) -> dict:
     return {"done": True}
 
 
-def _start(wire, sandbox, boot: dict):
-    """Import what the exercise needs, wall the process in, run the cell; the learner's function, or a reply."""
+def _start(wire, sandbox, boot: dict, fds):
+    """Import what the exercise needs, wall the process in, run the cell; the learner's function, or a reply.
+
+    Between the walls and the cell the child says ``{"walled": ...}`` and waits: the grader reads this process's
+    memory then, before any learner code exists in it, as the baseline of the memory tests.
+    """
     for name in boot["imports"]:
         __import__(name)
     if "torch" in sys.modules:
@@ -137,18 +134,20 @@ def _start(wire, sandbox, boot: dict):
     harness = __import__(boot["harness"]) if boot.get("harness") else None
     walls = {"landlock": 0, "no_new_processes": False}
     if boot.get("sandbox", True):
-        walls.update(sandbox.restrict_filesystem(boot["readable"], boot["writable"]))
+        walls.update(sandbox.restrict_filesystem(boot["readable"], boot["writable"], boot["listable"]))
         walls["no_new_processes"] = sandbox.forbid_new_processes()
+    wire.send(fds[1], {"walled": walls})
+    wire.receive(fds[0])  # go: the baseline is taken
     source, code = boot["source"], boot["code"]
     linecache.cache[CELL_NAME] = (len(source), None, source.splitlines(True), CELL_NAME)
     namespace: dict = {"__name__": "__exercise__"}
     try:
         exec(compile(code, CELL_NAME, "exec"), namespace)
     except BaseException as e:  # the learner's top-level code
-        return None, {"setup": "cell raised", "raised": describe(e), "walls": walls}
+        return None, {"setup": "cell raised", "raised": describe(e)}
     fn = namespace.get(boot["function"])
     if fn is None or not callable(fn):
-        return None, {"setup": "no function", "walls": walls}
+        return None, {"setup": "no function"}
     if hasattr(fn, "fn") and callable(fn.fn) and not hasattr(fn, "__code__"):  # a @triton.jit function
         fn = fn.fn
     if harness is not None:
@@ -157,7 +156,7 @@ def _start(wire, sandbox, boot: dict):
         def fn(*args, **kwargs):
             return harness.run(step, *args, **kwargs)
 
-    return fn, {"ready": True, "walls": walls}
+    return fn, {"ready": True}
 
 
 def main(in_fd: int, out_fd: int) -> int:
@@ -169,7 +168,7 @@ def main(in_fd: int, out_fd: int) -> int:
     boot = wire.receive(in_fd)
     sys.path[:] = [p for p in boot["path"]]
     os.chdir(boot["cwd"])
-    fn, reply = _start(wire, sandbox, boot)
+    fn, reply = _start(wire, sandbox, boot, fds)
     wire.send(out_fd, reply)
     if fn is None:
         return 0

@@ -62,15 +62,24 @@ _DECISIVE = (
 )
 
 
+MAX_MESSAGE_CHARS = 2000  # what a learner reads about one test; a check quoting a huge answer is cut here
+
+
 @dataclass
 class TestRecord:
-    """One graded test: its points, how it ended, and what the learner reads about it."""
+    """One graded test: its points, how it ended, and what the learner reads about it (at most
+    ``MAX_MESSAGE_CHARS``, so a quoted answer cannot swell the reports)."""
 
     test: str  # the test function's name
     name: str  # its one-line description
     max_score: int
     outcome: Outcome
     message: str = "passed"
+
+    def __post_init__(self):
+        if len(self.message) > MAX_MESSAGE_CHARS:
+            cut = len(self.message) - MAX_MESSAGE_CHARS
+            self.message = f"{self.message[:MAX_MESSAGE_CHARS]} ... ({cut:,} more characters not shown)"
 
     @property
     def score(self) -> int:

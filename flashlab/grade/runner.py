@@ -9,12 +9,13 @@ incomplete.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import csv
 import io
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -22,9 +23,20 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from flashlab import exercises
-from flashlab.grade.cells import expected_exercises, find_exercise_cells, notebook_id, read_notebook, runnable_code
+from flashlab.grade import cells
+from flashlab.grade.cells import expected_exercises, not_a_submission, open_submission
 from flashlab.grade.records import ExerciseResult, Outcome, Submission, TestRecord
-from flashlab.grade.worker import Answer, AnswerRaised, Crashed, InputMutated, Timeout, Worker, kill_all, raised
+from flashlab.grade.worker import (
+    Answer,
+    AnswerRaised,
+    Crashed,
+    InputMutated,
+    Timeout,
+    Worker,
+    kill_all,
+    raised,
+    stdlib_dirs,
+)
 
 LOCK_NAME = ".flashlab-grade.lock"
 _STOP = threading.Event()  # set by interrupt(): start no new process, record what is left as not graded
@@ -55,14 +67,69 @@ def _all(tests, outcome: Outcome, message: str) -> list[TestRecord]:
     return [TestRecord(fn.__name__, _test_name(fn), fn.flashlab_points, outcome, message) for fn in tests]
 
 
-def _params(code: str, function: str) -> list[str]:
+# -- reading a submission, in a process of its own ------------------------------------------------------------
+
+
+class ReaderFailed(Exception):
+    """The limited process that reads a submission did not answer (out of memory or time, or it crashed)."""
+
+
+def _reader(request: dict, stdin=None, data: bytes | None = None) -> dict:
+    """Run ``cells.main`` in a new interpreter under ``cells``' memory and CPU limits, reading ``stdin`` (a
+    descriptor) or ``data``; its JSON answer."""
+    here = Path(cells.__file__).resolve().parent
+    limits = f"({cells.READER_MEMORY_BYTES}, {cells.READER_MEMORY_BYTES})"
+    cpu = f"({cells.READER_CPU_SECONDS}, {cells.READER_CPU_SECONDS})"
+    boot = (
+        f"import sys, resource; sys.path[:] = {[str(here), *stdlib_dirs()]!r}; "
+        f"resource.setrlimit(resource.RLIMIT_AS, {limits}); resource.setrlimit(resource.RLIMIT_CPU, {cpu}); "
+        "import cells; sys.exit(cells.main())"
+    )
     try:
-        for node in ast.parse(code).body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function:
-                return [a.arg for a in node.args.posonlyargs + node.args.args]
-    except SyntaxError:
-        pass
-    return []
+        done = subprocess.run(
+            [sys.executable, "-I", "-S", "-c", boot, json.dumps(request)],
+            stdin=stdin,
+            input=data,
+            capture_output=True,
+            timeout=2 * cells.READER_CPU_SECONDS,
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"},
+        )
+    except subprocess.TimeoutExpired:
+        raise ReaderFailed("reading it took too long") from None
+    if done.returncode != 0:
+        tail = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+        raise ReaderFailed(f"reading it failed ({tail[0][:200]})")
+    return json.loads(done.stdout)
+
+
+def _registry() -> tuple[dict[str, str], list[str]]:
+    return {ex_id: ex.name for ex_id, ex in exercises.all_exercises().items()}, list(exercises.MODULES)
+
+
+def read_submission(path: Path) -> dict:
+    """``cells.read_submission_data`` of the notebook at ``path``, computed in the limited reader process; the
+    file is opened here (a regular file, no link followed, no larger than ``cells.MAX_NOTEBOOK_BYTES``)."""
+    known, notebooks = _registry()
+    try:
+        fd = open_submission(path)
+    except ValueError as e:
+        return {"error": str(e), "notebook": None, "skipped": str(e).startswith("skipped")}
+    try:
+        return _reader({"known": known, "notebooks": notebooks, "name": Path(path).name}, fd)
+    except ReaderFailed as e:
+        return {"error": f"could not read the notebook: {e}", "notebook": None}
+    finally:
+        os.close(fd)
+
+
+def parse_cell(source: str, function: str) -> dict:
+    """``cells.parse_cell`` of one cell's text, computed in the limited reader process."""
+    if len(source) > cells.MAX_CELL_CHARS:
+        return cells.parse_cell(source, function)  # refused by its length, unparsed
+    try:
+        return _reader({"cell": function}, data=source.encode("utf-8", "replace"))
+    except ReaderFailed as e:
+        return {"kind": "unreadable", "problem": f"the grader could not parse the exercise cell: {e}"}
 
 
 def _setup_failure(reply: dict, function: str) -> tuple[Outcome, str] | None:
@@ -108,22 +175,23 @@ def run_exercise(
     time_limit: float | None = None,
     function: str | None = None,
     memory_mib: int | None = None,
+    parsed: dict | None = None,
 ) -> ExerciseResult:
     """Grade one exercise cell; never raises for anything the learner's code does.
 
-    ``function`` names the function to grade if it is not the exercise's own name.
+    ``function`` names the function to grade if it is not the exercise's own name; ``parsed`` is the cell as
+    ``cells.parse_cell`` read it, where the caller has it already (else it is read here, in a limited process).
     """
     ex = exercises.get(exercise_id)
     tests = exercises.tests_of(ex.id)
     function = function or ex.name
     limit = ex.time_limit_s if time_limit is None else float(time_limit)
     start = time.monotonic()
-    try:
-        code = runnable_code(source)
-    except SyntaxError as e:
-        msg = f"the exercise cell has a syntax error at line {e.lineno}: {e.msg}"
-        return ExerciseResult(ex.id, _all(tests, Outcome.SYNTAX_ERROR, msg))
-    params = _params(code, function)
+    parsed = parse_cell(source, function) if parsed is None else parsed
+    if "code" not in parsed:
+        outcome = Outcome.SYNTAX_ERROR if parsed.get("kind") == "syntax" else Outcome.CELL_FAILED
+        return ExerciseResult(ex.id, _all(tests, outcome, str(parsed.get("problem", "the cell cannot be read"))))
+    code, params = parsed["code"], parsed["params"]
     deadline = start + limit
     records: list[TestRecord] = []
     worker, walls = None, {}
@@ -179,13 +247,21 @@ def _apply_gates(tests, records: list[TestRecord]) -> list[TestRecord]:
 
 
 def expand(paths) -> list[tuple[Path, str]]:
-    """``(path, name)`` per submission: notebooks as given, folders expanded, named relative to the folder."""
+    """``(path, name)`` per submission: notebooks as given, folders expanded, named relative to the folder.
+
+    A folder is walked without following links; every entry named ``*.ipynb`` in it is listed, links, FIFOs and
+    devices too, so that grading can say it skipped them (``cells.not_a_submission``).
+    """
     out = []
     for arg in paths:
         p = Path(arg)
-        if p.is_dir():
-            found = sorted(q for q in p.rglob("*.ipynb") if ".ipynb_checkpoints" not in q.parts)
-            out += [(q, q.relative_to(p).as_posix()) for q in found]
+        if p.is_dir() and not p.is_symlink():
+            found = []
+            for folder, dirs, files in os.walk(p):  # links to folders are listed in dirs, never entered
+                dirs[:] = sorted(d for d in dirs if d != ".ipynb_checkpoints")
+                found += [Path(folder) / f for f in files if f.endswith(".ipynb")]
+                found += [Path(folder) / d for d in dirs if d.endswith(".ipynb")]
+            out += [(q, q.relative_to(p).as_posix()) for q in sorted(found)]
         else:
             out.append((p, str(arg)))
     names = [n for _, n in out]
@@ -199,30 +275,39 @@ def _foreign(ex_id: str, notebook: str | None) -> ExerciseResult:
     return ExerciseResult(ex_id, [TestRecord(fn.__name__, _test_name(fn), 0, Outcome.FOREIGN, msg) for fn in tests])
 
 
-def plan(paths) -> tuple[list[Submission], list[tuple[Submission, int, str, str]]]:
-    """The submissions, and the exercises to grade: (submission, slot in its results, exercise id, cell source)."""
+def _read_or_skip(path: Path) -> dict:
+    why = not_a_submission(path)
+    return {"error": why, "notebook": None, "skipped": True} if why else read_submission(path)
+
+
+def plan(paths) -> tuple[list[Submission], list[tuple[Submission, int, str, dict]]]:
+    """The submissions, and the exercises to grade: (submission, slot in its results, exercise id, cell as read).
+
+    A path that is not a regular file (a link, a FIFO, a device) is listed with ``skipped: ...`` as its error and
+    nothing expected of it."""
     submissions, tasks = [], []
-    for path, name in expand(paths):
+    found = expand(paths)
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        read = list(pool.map(lambda p: _read_or_skip(p[0]), found))
+    for (_, name), nb in zip(found, read, strict=True):
         sub = Submission(name)
         submissions.append(sub)
-        try:
-            nb = read_notebook(path)
-        except Exception as e:  # not a notebook, bad JSON, missing file
-            sub.error = f"could not read the notebook: {type(e).__name__}: {e}"
-            nb = None
-        sub.notebook = notebook_id(nb, path.name) if nb is not None else notebook_id({}, path.name)
-        cells = find_exercise_cells(nb) if nb is not None else {}
+        sub.error = nb.get("error")
+        if nb.get("skipped"):
+            continue  # not a regular file: not a submission, nothing expected of it
+        sub.notebook = nb.get("notebook")
+        found_cells = nb.get("cells", {})
         if sub.notebook is None and sub.error is None:
             sub.error = "could not tell which notebook this is: no flashlab metadata and no tagged exercise cells"
         for ex_id in expected_exercises(sub.notebook):
-            if ex_id not in cells:
+            if ex_id not in found_cells:
                 why = sub.error or "no exercise cell for this exercise in the notebook (tag `exercise`)"
                 sub.results.append(ExerciseResult(ex_id, _all(exercises.tests_of(ex_id), Outcome.MISSING, why)))
                 continue
-            tasks.append((sub, len(sub.results), ex_id, cells[ex_id].source))
+            tasks.append((sub, len(sub.results), ex_id, found_cells[ex_id]))
             why = "not graded: grading was interrupted before this exercise ran"
             sub.results.append(ExerciseResult(ex_id, _all(exercises.tests_of(ex_id), Outcome.NOT_GRADED, why)))
-        for ex_id in cells:
+        for ex_id in found_cells:
             if ex_id not in expected_exercises(sub.notebook):
                 sub.results.append(_foreign(ex_id, sub.notebook))
     return submissions, tasks
@@ -252,9 +337,9 @@ def grade(
         bar = tqdm(total=len(tasks), desc="grading", unit="exercise", disable=not progress)
 
         def work(task):
-            sub, slot, ex_id, code = task
+            sub, slot, ex_id, cell = task
             try:
-                res = run_exercise(ex_id, code, time_limit=time_limit, memory_mib=memory_mib)
+                res = run_exercise(ex_id, cell["source"], time_limit=time_limit, memory_mib=memory_mib, parsed=cell)
             except Interrupted:
                 return
             except Exception as e:  # the grader's own failure: record it, grade the rest

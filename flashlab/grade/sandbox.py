@@ -2,10 +2,11 @@
 
 - ``set_limits(limits)`` -- the first thing the child's interpreter does, before it imports anything else or reads
   the learner's code: address space, CPU seconds, tasks, file size and open files, through ``resource.setrlimit``.
-- ``restrict_filesystem(readable, writable)`` -- Landlock (Linux 5.13+): from then on the process can read only
-  beneath ``readable`` and write only beneath ``writable``; with a recent enough kernel it can also open no TCP
-  connection and send no signal to a process outside its own sandbox.
-- ``forbid_new_processes()`` -- a seccomp filter (x86-64 and arm64): no fork, no exec; threads stay allowed.
+- ``restrict_filesystem(readable, writable, listable)`` -- Landlock (Linux 5.13+): from then on the process can read
+  only beneath ``readable``, write only beneath ``writable`` and list the names beneath ``listable``; with a recent
+  enough kernel it can also open no TCP connection and send no signal to a process outside its own sandbox.
+- ``forbid_new_processes()`` -- a seccomp filter (x86-64 and arm64): no fork, no exec, no new namespaces, no
+  reading another process's memory, and only the native system-call table; threads stay allowed.
 
 The child applies the last two to itself after its trusted start-up imports and before the submission's code runs.
 Each returns what it managed, so the grader can say what held. This module imports only the standard library.
@@ -67,7 +68,8 @@ def tasks_of_user(uid: int | None = None) -> int:
 _SYS = {"x86_64": (444, 445, 446), "aarch64": (444, 445, 446)}  # create_ruleset, add_rule, restrict_self
 _PR_SET_NO_NEW_PRIVS = 38
 _FS_BITS_BY_ABI = {1: 13, 2: 14, 3: 15, 4: 15, 5: 16}  # how many access-right bits each ABI knows
-_READ = (1 << 0) | (1 << 2) | (1 << 3)  # execute, read file, read dir
+_READ_DIR = 1 << 3
+_READ = (1 << 0) | (1 << 2) | _READ_DIR  # execute, read file, read dir
 _WRITE_EXTRA = (1 << 1) | (1 << 4) | (1 << 5) | (1 << 7) | (1 << 8) | (1 << 10) | (1 << 12)  # write/remove/make
 _TRUNCATE = 1 << 14
 _FILE_RIGHTS = (1 << 0) | (1 << 1) | (1 << 2) | _TRUNCATE  # rights that apply to a file (not a directory)
@@ -99,8 +101,9 @@ def landlock_abi() -> int:
     return max(int(r), 0)
 
 
-def restrict_filesystem(readable, writable) -> dict:
-    """Landlock the calling process: read beneath ``readable``, read and write beneath ``writable``.
+def restrict_filesystem(readable, writable, listable=()) -> dict:
+    """Landlock the calling process: read beneath ``readable``, read and write beneath ``writable``, and list (read
+    the names in, not the files of) the folders beneath ``listable``.
 
     Returns ``{"landlock": abi, "network": bool, "signals": bool}``; ``landlock`` is 0 where the kernel has none
     (then nothing was restricted).
@@ -117,7 +120,7 @@ def restrict_filesystem(readable, writable) -> dict:
         raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
     try:
         read, write = _READ & handled, (_READ | _WRITE_EXTRA | _TRUNCATE) & handled
-        for paths, rights in ((readable, read), (writable, write)):
+        for paths, rights in ((listable, _READ_DIR), (readable, read), (writable, write)):
             for path in paths:
                 try:
                     pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
@@ -125,6 +128,8 @@ def restrict_filesystem(readable, writable) -> dict:
                     continue  # not there: nothing to allow
                 try:
                     allowed = rights if os.path.isdir(path) else rights & _FILE_RIGHTS
+                    if not allowed:
+                        continue
                     rule = _PathBeneath(allowed, pfd)
                     if libc.syscall(
                         add_rule, ctypes.c_int(fd), ctypes.c_int(1), ctypes.byref(rule), ctypes.c_uint32(0)
@@ -141,15 +146,23 @@ def restrict_filesystem(readable, writable) -> dict:
     return {"landlock": abi, "network": abi >= 4, "signals": abi >= 6}
 
 
-# -- seccomp: no new processes --------------------------------------------------------------------------------------
+# -- seccomp: no new processes, no other system-call table --------------------------------------------------------
 
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
-# syscalls that start a process or replace the program; clone is checked for CLONE_THREAD instead
-_DENY = {"x86_64": (57, 58, 59, 322), "aarch64": (221, 281)}  # fork, vfork, execve, execveat / execve, execveat
+_X32_BIT = 0x40000000  # x86-64's x32 system calls carry this bit in their number
+# calls that start a process, replace the program, enter new namespaces or read another process's memory; clone is
+# checked for CLONE_THREAD instead (a thread is allowed)
+_DENY = {
+    # fork, vfork, execve, execveat, unshare, setns, ptrace, process_vm_readv, process_vm_writev
+    "x86_64": (57, 58, 59, 322, 272, 308, 101, 310, 311),
+    # execve, execveat, unshare, setns, ptrace, process_vm_readv, process_vm_writev
+    "aarch64": (221, 281, 97, 268, 117, 270, 271),
+}
 _CLONE = {"x86_64": 56, "aarch64": 220}
 _CLONE3 = 435
 _CLONE_THREAD = 0x00010000
 _RET_ALLOW, _RET_EPERM, _RET_ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+_RET_KILL_PROCESS = 0x80000000
 
 
 class _SockFilter(ctypes.Structure):
@@ -161,25 +174,38 @@ class _SockFprog(ctypes.Structure):
 
 
 def _filter(arch: str) -> list[tuple[int, int, int, int]]:
-    """The BPF program: (code, jump-if-true, jump-if-false, k) per instruction; jumps are relative offsets."""
-    ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06
-    deny = _DENY[arch]
-    n = 4 + len(deny) + 4 + 3  # head, one check per denied call, clone3 / clone / flags, three returns
-    allow, enosys, eperm = n - 3, n - 2, n - 1
-    prog = [(ld, 0, 0, 4), (jeq, 1, 0, _AUDIT_ARCH[arch]), (ret, 0, 0, _RET_ALLOW), (ld, 0, 0, 0)]
-    for nr in deny:
-        prog.append((jeq, eperm - len(prog) - 1, 0, nr))
-    prog.append((jeq, enosys - len(prog) - 1, 0, _CLONE3))  # glibc then falls back to clone, whose flags we see
-    prog.append((jeq, 0, allow - len(prog) - 1, _CLONE[arch]))  # not clone: allow
-    prog.append((ld, 0, 0, 16))  # clone's flags (args[0], low word)
-    prog.append((jset, allow - len(prog) - 1, eperm - len(prog) - 1, _CLONE_THREAD))  # a thread is allowed
-    prog += [(ret, 0, 0, _RET_ALLOW), (ret, 0, 0, _RET_ENOSYS), (ret, 0, 0, _RET_EPERM)]
-    assert len(prog) == n
+    """The BPF program: (code, jump-if-true, jump-if-false, k) per instruction; jumps are relative offsets.
+
+    A call made through another architecture's table (x86-64's i386 ``int 0x80``, arm64's 32-bit mode) kills the
+    process, as does any x32 call: the numbers checked below mean something else there.
+    """
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    body = [("ld", 4), ("jeq", _AUDIT_ARCH[arch], "next", "kill"), ("ld", 0)]
+    if arch == "x86_64":
+        body.append(("jge", _X32_BIT, "kill", "next"))
+    body += [("jeq", nr, "eperm", "next") for nr in _DENY[arch]]
+    body.append(("jeq", _CLONE3, "enosys", "next"))  # glibc then falls back to clone, whose flags are seen
+    body.append(("jeq", _CLONE[arch], "next", "allow"))
+    body.append(("ld", 16))  # clone's flags (args[0], low word)
+    body.append(("jset", _CLONE_THREAD, "allow", "eperm"))
+    returns = {"allow": _RET_ALLOW, "enosys": _RET_ENOSYS, "eperm": _RET_EPERM, "kill": _RET_KILL_PROCESS}
+    at = {label: len(body) + i for i, label in enumerate(returns)}
+    prog = []
+    for i, ins in enumerate(body):
+        if ins[0] == "ld":
+            prog.append((ld, 0, 0, ins[1]))
+            continue
+        code = {"jeq": jeq, "jge": jge, "jset": jset}[ins[0]]
+        jt, jf = (0 if t == "next" else at[t] - i - 1 for t in ins[2:])
+        prog.append((code, jt, jf, ins[1]))
+    prog += [(ret, 0, 0, k) for k in returns.values()]
     return prog
 
 
 def forbid_new_processes() -> bool:
-    """Install a seccomp filter: fork, vfork, exec and non-thread clone fail. False where unsupported."""
+    """Install a seccomp filter: fork, vfork, exec, non-thread clone, unshare, setns, ptrace and reading or writing
+    another process's memory fail; a call through another architecture's table kills the process. False where
+    unsupported."""
     arch = platform.machine()
     if platform.system() != "Linux" or arch not in _AUDIT_ARCH:
         return False

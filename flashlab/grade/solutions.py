@@ -7,20 +7,24 @@
   part of the package (learners install it too): the folder is an argument, ``instructor/solutions`` of the
   repository by default on the command line.
 - ``python -m flashlab.grade.solutions NOTEBOOK... --out DIR`` -- writes solved copies (exercise cells replaced by
-  the reference solutions), e.g. to check that the grader gives them full marks.
+  the reference solutions), e.g. to check that the grader gives them full marks. It never writes over an input,
+  never writes two inputs to one file, and replaces an existing file only with ``--overwrite``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
 
 from flashlab.exercises import exercises_of
-from flashlab.grade.cells import CHECK_TAG, EXERCISE_TAG, cell_tags, find_exercise_cells
+from flashlab.grade.cells import CHECK_TAG, EXERCISE_TAG, cell_tags, find_exercise_cells, not_a_submission
 from flashlab.grade.runner import expand
 
 DEFAULT_SOLUTIONS = Path("instructor") / "solutions"  # relative to the repository root, where instructors run it
@@ -100,25 +104,94 @@ def solve(nb, solutions: dict[str, str]):
     return nb
 
 
+def _targets(inputs, out: Path) -> list[tuple[Path, Path]]:
+    """``(input, where its solved copy goes)``: a notebook given by path goes to ``OUT/its name``, one found in a
+    folder to ``OUT/its path inside that folder``."""
+    pairs = []
+    for arg in inputs:
+        if Path(arg).is_dir() and not Path(arg).is_symlink():
+            pairs += [(path, out / name) for path, name in expand([arg])]
+        else:
+            pairs.append((Path(arg), out / Path(arg).name))
+    return pairs
+
+
+def plan_writes(inputs, out: Path, overwrite: bool = False) -> tuple[list[tuple[Path, Path]], list[str]]:
+    """The ``(input, output)`` pairs to write, and what forbids writing (empty if nothing does).
+
+    Never allowed: an output that is an input (it would replace the learner's exercise cells), two inputs with one
+    output; an output that exists only with ``overwrite``. Links, FIFOs and devices are not read.
+    """
+    pairs, problems = [], []
+    inputs_real = {}
+    for path, target in _targets(inputs, out):
+        why = not_a_submission(path)
+        if why:
+            problems.append(f"{path}: {why}")
+            continue
+        inputs_real[os.path.realpath(path)] = path
+        pairs.append((path, target))
+    seen: dict[str, Path] = {}
+    for path, target in pairs:
+        real = os.path.realpath(target)
+        if real in inputs_real:
+            problems.append(
+                f"{target} is the input {inputs_real[real]}: its solved copy would replace the learner's exercise "
+                "cells; give --out a folder of its own"
+            )
+        elif real in seen:
+            problems.append(f"{seen[real]} and {path} would both be written to {target}; solve them in separate runs")
+        elif os.path.lexists(target) and not overwrite:
+            problems.append(f"{target} exists; pass --overwrite to replace it")
+        seen.setdefault(real, path)
+    return pairs, problems
+
+
+def _write_atomically(nb, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            nbformat.write(nb, f)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m flashlab.grade.solutions",
-        description="Write solved copies of flashlab notebooks: exercise cells replaced by the reference solutions.",
+        description="Write solved copies of flashlab notebooks: exercise cells replaced by the reference solutions. "
+        "Nothing is written if an output would be one of the inputs, two inputs would share an output, or an output "
+        "exists (unless --overwrite).",
     )
     p.add_argument("notebooks", nargs="+", help="learner notebooks, or folders of them")
-    p.add_argument("--out", required=True, type=Path, help="folder for the solved notebooks")
+    p.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="folder for the solved notebooks (given explicitly; instructor/README.md uses grading/solved, which git "
+        "ignores)",
+    )
     p.add_argument(
         "--solutions", type=Path, default=DEFAULT_SOLUTIONS, help=f"solutions folder (default: {DEFAULT_SOLUTIONS})"
     )
+    p.add_argument("--overwrite", action="store_true", help="replace solved notebooks already in --out")
     args = p.parse_args(argv)
     if not args.solutions.is_dir():
         p.error(f"no solutions folder at {args.solutions}; run from the repository root or pass --solutions DIR")
+    missing = [s for s in args.notebooks if not os.path.lexists(s)]
+    if missing:
+        p.error(f"no such file or folder: {', '.join(missing)}")
+    pairs, problems = plan_writes(args.notebooks, args.out, overwrite=args.overwrite)
+    if problems:
+        p.error("nothing was written:\n  " + "\n  ".join(problems))
     sols = load_solutions(args.solutions)
-    args.out.mkdir(parents=True, exist_ok=True)
-    for path, _ in expand(args.notebooks):
-        nb = solve(nbformat.read(str(path), as_version=4), sols)
-        nbformat.write(nb, str(args.out / path.name))
-        print(args.out / path.name)
+    for path, target in pairs:
+        _write_atomically(solve(nbformat.read(str(path), as_version=4), sols), target)
+        print(target)
     return 0
 
 

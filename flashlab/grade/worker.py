@@ -7,9 +7,10 @@ outside them (``sandbox``). The timer runs here: when the exercise's time is up,
 the whole process group is killed (``kill_all`` kills every live one).
 
 ``Answer(worker)`` is what an exercise's tests receive as ``answer``: calling it sends the arguments and returns
-the plain value the function returned; ``answer.measure(...)`` also returns the process's peak memory during the
-call, read here from the kernel; ``answer.stream(blocks)`` feeds a streaming answer one block at a time and yields
-each running state it reports, so a test checks a state before the next block is sent.
+the plain value the function returned; ``answer.measure(...)`` also returns how far the process's resident memory
+ever rose above its baseline (read here from the kernel before the learner's cell ran); ``answer.stream(blocks)``
+feeds a streaming answer one block at a time and yields each running state it reports, so a test checks a state
+before the next block is sent.
 """
 
 from __future__ import annotations
@@ -103,48 +104,77 @@ def _site_dirs() -> list[str]:
     return out
 
 
-def _stdlib_dirs() -> list[str]:
+def stdlib_dirs() -> list[str]:
     paths = sysconfig.get_paths()
     out = [paths["stdlib"], paths["platstdlib"]]
     out += [p for p in sys.path if p.endswith(".zip") or p.endswith("lib-dynload")]
     return [d for i, d in enumerate(out) if d not in out[:i] and os.path.exists(d)]
 
 
-def _readable_site_entries(site_dirs) -> list[str]:
-    """Every entry of site-packages except flashlab's own (an installed copy of flashlab, its editable finder)."""
-    out = []
-    for d in site_dirs:
-        out.append(d)  # the folder itself, for listing; its files are allowed one entry at a time
-        for name in os.listdir(d):
-            if "flashlab" not in name.lower():
-                out.append(os.path.join(d, name))
-    return out
-
-
 def child_path(runtime: Path) -> list[str]:
     """The child's import path: its runtime, the standard library, site-packages (no .pth files, so no flashlab)."""
-    return [str(runtime), *_stdlib_dirs(), *_site_dirs()]
+    return [str(runtime), *stdlib_dirs(), *_site_dirs()]
 
 
-def readable_paths(runtime: Path) -> list[str]:
-    """What the child may read once walled in: the Python installation, third-party packages, system libraries."""
-    site_dirs = _site_dirs()
-    base = [sys.base_prefix, sys.exec_prefix] if not _inside(sys.base_prefix, FLASHLAB_ROOT.parent) else []
-    # a folder above site-packages (a venv's lib/pythonX.Y) would open all of it, flashlab's entries included
-    above_site = {d for d in [*base, *_stdlib_dirs()] if any(_inside(s, d) for s in site_dirs)}
-    dirs = [d for d in [*base, *_stdlib_dirs()] if d not in above_site] + _readable_site_entries(site_dirs)
-    dirs += ["/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/local/lib", "/usr/share/zoneinfo", "/dev/null"]
-    dirs += ["/dev/urandom", "/proc/self", "/sys/devices/system/cpu", "/etc/ld.so.cache"]
-    dirs += [str(runtime)]
-    return [d for d in dirs if os.path.exists(d)]
+def _beneath(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
-def _inside(path, folder) -> bool:
+def hidden_paths(site_dirs=None) -> list[str]:
+    """What the child must not read even where it lies inside a readable folder: flashlab itself (the package it
+    runs from, every entry of site-packages that names flashlab, the checkout an editable install points at)."""
+    site_dirs = _site_dirs() if site_dirs is None else site_dirs
+    out = [FLASHLAB_ROOT, FLASHLAB_ROOT.parent] if _is_checkout(FLASHLAB_ROOT.parent) else [FLASHLAB_ROOT]
+    for d in site_dirs:
+        out += [Path(d) / name for name in os.listdir(d) if "flashlab" in name.lower()]
+    return sorted({os.path.realpath(p) for p in out})
+
+
+def _is_checkout(folder: Path) -> bool:
+    return (folder / "pyproject.toml").exists() or (folder / ".git").exists()
+
+
+def _open_except(path: str, hidden: list[str], seen: set, parent: str | None = None) -> tuple[list, list]:
+    """``(readable, listable)`` that open ``path`` but nothing in ``hidden``: the folder itself where nothing hidden
+    lies inside it, else its names (listable) and, one by one, what beside the hidden entries it holds."""
+    real = os.path.realpath(path)
+    if parent is not None and not _beneath(real, parent) and any(_beneath(real, h) for h in hidden):
+        return [], []  # a link out of the folder being opened, into a hidden one
+    if real in seen or real in hidden:
+        return [], []
+    seen.add(real)
+    if not any(_beneath(h, real) for h in hidden):
+        return [real], []
+    readable, listable = [], [real]
     try:
-        Path(path).resolve().relative_to(Path(folder).resolve())
-        return True
-    except ValueError:
-        return False
+        names = sorted(os.listdir(real))
+    except OSError:
+        return [], listable
+    for name in names:
+        r, ls = _open_except(os.path.join(real, name), hidden, seen, parent=real)
+        readable += r
+        listable += ls
+    return readable, listable
+
+
+def readable_paths(runtime: Path, site_dirs=None) -> tuple[list[str], list[str]]:
+    """``(readable, listable)`` for the walled-in child: the Python installation, the third-party packages, system
+    libraries and its runtime, each opened except flashlab's entries (``hidden_paths``) inside it; ``listable``
+    are the folders the child may list but whose files it may read only as ``readable`` allows."""
+    site_dirs = _site_dirs() if site_dirs is None else site_dirs
+    hidden = hidden_paths(site_dirs)
+    tops = [sys.base_prefix, sys.exec_prefix, *stdlib_dirs(), *site_dirs]
+    tops += ["/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/local/lib", "/usr/share/zoneinfo", "/dev/null"]
+    tops += ["/dev/urandom", "/proc/self", "/sys/devices/system/cpu", "/etc/ld.so.cache", str(runtime)]
+    readable, listable, seen = [], [], set()
+    for top in tops:
+        if top.startswith("/proc/self"):  # the child's own, resolved in the child: never realpath'd here
+            readable.append(top)
+        elif os.path.exists(top):
+            r, ls = _open_except(top, hidden, seen)
+            readable += r
+            listable += ls
+    return readable, listable
 
 
 # -- live workers: every one is killed when grading ends or is interrupted --------------------------------------
@@ -172,6 +202,7 @@ class Worker:
         self.proc: subprocess.Popen | None = None
         self.tmp: Path | None = None
         self.walls: dict = {}
+        self.baseline: int | None = None  # resident bytes before the learner's cell ran
         self.killed = False
 
     # -- starting and stopping -------------------------------------------------------------------------------
@@ -214,6 +245,7 @@ class Worker:
             "MPLBACKEND": "Agg",
             "PYTHONDONTWRITEBYTECODE": "1",
             "PYTHONHASHSEED": "0",
+            "MALLOC_MMAP_THRESHOLD_": "65536",
         }
         if self.exercise.triton:
             env.update(TRITON_INTERPRET="1", TRITON_CACHE_DIR=str(work / "triton"))
@@ -248,21 +280,28 @@ class Worker:
         self.to_child, self.from_child = to_child, from_child
         with _LIVE_LOCK:
             _LIVE.add(self)
+        readable, listable = readable_paths(runtime)
         boot = {
             "path": child_path(runtime),
             "cwd": str(work),
             "imports": list(self.exercise.child_imports),
             "harness": self.exercise.harness,
-            "readable": readable_paths(runtime),
+            "readable": readable,
+            "listable": listable,
             "writable": [str(work)],
             "code": self.code,
             "source": self.source,
             "function": self.function,
         }
         self._send(boot)
-        reply = self.receive()
-        self.walls = reply.get("walls", {}) if isinstance(reply, dict) else {}
-        return reply
+        walled = self.receive().get("walled")  # sent before any learner code: what held, as the child found it
+        self.walls = walled if isinstance(walled, dict) else {}
+        try:
+            self.baseline = self.reset_peak()
+        except OSError:
+            self.baseline = None  # no /proc: a memory test says so and fails
+        self._send("go")
+        return self.receive()
 
     def kill(self) -> None:
         """Kill the process group, reap the process, remove its folder. Safe to call more than once."""
@@ -284,8 +323,11 @@ class Worker:
             self.tmp = None
 
     def log_tail(self, chars: int = 600) -> str:
+        """The last ``chars`` bytes the process printed (only those are read, however much it wrote)."""
         try:
-            data = (self.tmp / "log.txt").read_bytes()[-chars:]
+            with open(self.tmp / "log.txt", "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - chars))
+                data = f.read(chars)
         except (OSError, TypeError):
             return ""
         return data.decode("utf-8", "replace")
@@ -341,6 +383,9 @@ class Worker:
         return self.receive()
 
     def peak_rss_bytes(self) -> int:
+        """The process's high-water mark of resident memory since the last reset; OSError where it has none."""
+        if self.proc is None:
+            raise OSError("the process has ended")
         return _status_kib(self.proc.pid, "VmHWM") * 1024
 
     def reset_peak(self) -> int:
@@ -359,6 +404,16 @@ def _status_kib(pid: int, field: str) -> int:
 
 
 # -- the answer the tests call -----------------------------------------------------------------------------------
+
+
+def _array_bytes(x) -> int:
+    if isinstance(x, np.ndarray):
+        return x.nbytes
+    if isinstance(x, (list, tuple)):
+        return sum(_array_bytes(v) for v in x)
+    if isinstance(x, dict):
+        return sum(_array_bytes(v) for v in x.values())
+    return 0
 
 
 def _same(a, b) -> bool:
@@ -416,25 +471,28 @@ class Answer:
         return value
 
     def measure(self, *args, **kwargs):
-        """``(value, peak_bytes)``: the answer, and how far the process's resident memory rose during the call."""
+        """``(value, peak_bytes)``: the answer, and how far the process's resident memory ever rose above what it was
+        before the learner's cell ran, read from the kernel once the whole reply has arrived, less the bytes of the
+        call's input arrays (which the process must hold to make the call).
+
+        The peak is the process's high-water mark over its whole life since that baseline: memory touched when the
+        cell ran, in earlier calls, or in any step of this one counts, and nothing the process does can lower it
+        (the walls keep it from resetting the mark). Where the mark cannot be read, the test fails.
+        """
         s = self.worker
-        reply = s.request(
-            {"op": "call", "args": wire.to_plain(list(args)), "kwargs": wire.to_plain(kwargs), "measure": True}
-        )
-        if "loaded" not in reply:
-            return self._reply(reply), 0
+        value = self(*args, **kwargs)
+        inputs = _array_bytes(wire.to_plain([args, kwargs]))  # read into the process's memory for the call
         try:
-            base = s.reset_peak()
-        except OSError as e:
+            if s.baseline is None:
+                raise OSError("no baseline was taken when the process started")
+            peak = s.peak_rss_bytes() - s.baseline - inputs
+        except (OSError, AttributeError, ValueError) as e:
             s.kill()
             raise AssertionError(
-                f"this test reads the call's peak memory from Linux's /proc, unavailable here: {e}"
+                "this test measures your function's peak memory, read by the grader from Linux's /proc, and that "
+                f"reading is missing ({e}); the test is failed"
             ) from None
-        reply = s.request("go")
-        if "computed" not in reply:
-            return self._reply(reply), max(0, s.peak_rss_bytes() - base)
-        peak = max(0, s.peak_rss_bytes() - base)
-        return self._reply(s.request("go")), peak
+        return value, max(0, peak)
 
     def stream(self, blocks):
         """Feed ``blocks`` one at a time; yield each state the answer reports, one per block, before the next."""
