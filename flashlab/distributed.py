@@ -30,6 +30,7 @@ causal mask or a window the kernel takes. Pairs the mask hides entirely are skip
 
 from __future__ import annotations
 
+import itertools
 import struct
 from dataclasses import dataclass
 
@@ -169,21 +170,44 @@ def block_call(q_chunk, k_chunk, band) -> BlockCall | None:
     return BlockCall(qa - qs, qb - qs, ka - ks, kb - ks, causal, window)
 
 
+def _sees_all(call, q_chunk, k_chunk) -> bool:
+    """Every query of the chunk sees every key of the other: the pair needs no mask."""
+    return (call is not None and not call.causal and call.window is None and call.q1 - call.q0 == q_chunk[1] -
+            q_chunk[0] and call.k1 - call.k0 == k_chunk[1] - k_chunk[0])  # fmt: skip
+
+
 def chunk_pairs(q_chunks, k_chunks, band):
     """``(rows, keys, call)`` for each pair of a rank's query chunks and a slice's key chunks that the mask does
-    not hide: ``rows`` and ``keys`` are slices into the local query tensor and the K/V slice."""
+    not hide: ``rows`` and ``keys`` are slices into the local query tensor and the K/V slice.
+
+    A key chunk that every local query sees whole is one call for all the local rows, and a query chunk that sees
+    every key of the slice whole is one call for the whole slice: under head-tail's causal mask that halves the
+    calls of every step but the diagonal one (fewer, larger launches)."""
+    calls = [[block_call(qc, kc, band) for kc in k_chunks] for qc in q_chunks]
+    q_start = [sum(b - a for a, b in q_chunks[:i]) for i in range(len(q_chunks))]  # each chunk's first local row
+    k_start = [sum(b - a for a, b in k_chunks[:j]) for j in range(len(k_chunks))]
+    n_q, n_k = sum(b - a for a, b in q_chunks), sum(b - a for a, b in k_chunks)
+    whole = BlockCall(0, 0, 0, 0, False, None)
+    full = [[_sees_all(calls[i][j], q_chunks[i], k_chunks[j]) for j in range(len(k_chunks))] for i in
+            range(len(q_chunks))]  # fmt: skip
+    if all(all(row) for row in full):
+        return [(slice(0, n_q), slice(0, n_k), whole)]
     pairs = []
-    q_local = 0
-    for qc in q_chunks:
-        k_local = 0
-        for kc in k_chunks:
-            call = block_call(qc, kc, band)
-            if call is not None:
-                rows = slice(q_local + call.q0, q_local + call.q1)
-                keys = slice(k_local + call.k0, k_local + call.k1)
-                pairs.append((rows, keys, call))
-            k_local += kc[1] - kc[0]
-        q_local += qc[1] - qc[0]
+    for i, row in enumerate(full):
+        if all(row) and len(k_chunks) > 1:  # this query chunk sees the whole slice
+            pairs.append((slice(q_start[i], q_start[i] + q_chunks[i][1] - q_chunks[i][0]), slice(0, n_k), whole))
+            calls[i] = [None] * len(k_chunks)
+    for j in range(len(k_chunks)):
+        if len(q_chunks) > 1 and all(full[i][j] and calls[i][j] is not None for i in range(len(q_chunks))):
+            pairs.append((slice(0, n_q), slice(k_start[j], k_start[j] + k_chunks[j][1] - k_chunks[j][0]), whole))
+            for i in range(len(q_chunks)):
+                calls[i][j] = None
+    for i, j in itertools.product(range(len(q_chunks)), range(len(k_chunks))):
+        call = calls[i][j]
+        if call is not None:
+            rows = slice(q_start[i] + call.q0, q_start[i] + call.q1)
+            keys = slice(k_start[j] + call.k0, k_start[j] + call.k1)
+            pairs.append((rows, keys, call))
     return pairs
 
 
