@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from flashlab.bench import context_parallel
 from flashlab.core.masking import visible_mask
 from flashlab.core.numerics import grad_tolerance, relative_error, tolerance
 from flashlab.distributed import (
@@ -108,7 +109,15 @@ def run_bad_case(name, rank, device):
     return None
 
 
-def worker(rank, world, backend, init_file, out_dir, names, bad_names):
+BENCH_ARGS = ["--seq-len", "16", "--check-len", "16", "--head-dim", "16", "--heads", "2", "--kv-heads", "1"]
+BENCH_ARGS += ["--dtype", "fp32", "--warmup", "0", "--rep", "1"]
+
+
+def run_bench(device):
+    return context_parallel.measure(context_parallel.build_parser().parse_args(BENCH_ARGS), torch.device(device))
+
+
+def worker(rank, world, backend, init_file, out_dir, names, bad_names, bench=False):
     torch.set_num_threads(1)
     device = "cpu"
     if backend == "nccl":
@@ -119,17 +128,19 @@ def worker(rank, world, backend, init_file, out_dir, names, bad_names):
     try:
         results = {name: run_case(name, world, rank, device) for name in names}
         results.update({f"bad:{name}": run_bad_case(name, rank, device) for name in bad_names})
+        if bench:
+            results["bench"] = run_bench(device)
         dist.barrier()
     finally:
         dist.destroy_process_group()
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
-def launch(world, backend="gloo", names=(), bad_names=()):
+def launch(world, backend="gloo", names=(), bad_names=(), bench=False):
     """Run ``worker`` on ``world`` processes; returns each rank's results. Fails past ``DEADLINE_S``."""
     with tempfile.TemporaryDirectory() as tmp:
         method = "fork" if backend == "gloo" else "spawn"  # CUDA cannot be forked
-        args = (world, backend, os.path.join(tmp, "init"), tmp, list(names), list(bad_names))
+        args = (world, backend, os.path.join(tmp, "init"), tmp, list(names), list(bad_names), bench)
         context = mp.start_processes(worker, args=args, nprocs=world, join=False, start_method=method)
         deadline = time.monotonic() + DEADLINE_S
         try:
@@ -150,7 +161,7 @@ def results():
     for world in (2, 4):
         names = [n for n, case in CASES.items() if case[0] == world]
         bad = [n for n, case in BAD_CASES.items() if case[0] == world]
-        out[world] = launch(world, names=names, bad_names=bad)
+        out[world] = launch(world, names=names, bad_names=bad, bench=world == 2)
     return out
 
 
@@ -195,6 +206,18 @@ def test_bad_inputs_fail_on_every_rank(results, name):
     for rank, message in enumerate(messages):
         assert message is not None, f"{name} ({BAD_CASES[name][1]}): rank {rank} raised no ValueError"
         assert BAD_MESSAGES[name] in message, f"{name}: rank {rank} said {message!r}"
+
+
+def test_the_benchmark_checks_then_times_every_method(results):
+    rows = results[2][0]["bench"]
+    assert [r["method"] for r in rows] == ["one_gpu", "ring", "all_gather"]
+    for r in rows[1:]:
+        assert r["check"]["ok"], f"{r['method']} failed its check: {r['check']['errors']}"
+        assert set(r["check"]["errors"]) == {"o", "o_float64", "dq", "dk", "dv"}
+    for r in rows:
+        assert r["time_ms"] > 0 and r["speedup"] > 0
+    assert results[2][1]["bench"] == rows  # every rank reports the same rows
+    assert "ring" in context_parallel.summary(rows)
 
 
 def test_without_a_process_group_it_says_so():
