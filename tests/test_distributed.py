@@ -57,7 +57,9 @@ CASES = {
     "4-ring-head_tail-causal-gqa": (4, "ring", "head_tail", True, None, torch.float32, (1, 2, 1, 16, 16)),
     "4-ring-contiguous-window": (4, "ring", "contiguous", False, (5, 2), torch.float32, (1, 2, 2, 16, 16)),
     "4-all_gather-contiguous-full": (4, "all_gather", "contiguous", False, None, torch.float32, (1, 2, 1, 16, 16)),
+    "4-ring-in-two-groups": (4, "ring", "head_tail", True, None, torch.float32, (1, 2, 1, 16, 16)),
 }
+IN_PAIRS = {"4-ring-in-two-groups"}  # run on two process groups of two ranks (the group argument)
 # name: (world, what each rank passes) -- every rank must raise a ValueError naming the problem
 BAD_CASES = {
     "uneven": (2, "rank 1 holds one position fewer"),
@@ -83,9 +85,13 @@ def whole_inputs(name, device="cpu"):
 
 def run_case(name, world, rank, device):
     _, method, layout, causal, window, _, _ = CASES[name]
+    group = None
+    if name in IN_PAIRS:  # ranks {0, 1} and {2, 3}: two rings of two, each over the whole sequence
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, in one order
+        group, world, rank = pairs[rank // 2], 2, rank % 2
     q, k, v, do = (shard_sequence(x, world, rank, layout) for x in whole_inputs(name, device))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    o = METHODS[method](q, k, v, causal=causal, window=window, layout=layout)
+    o = METHODS[method](q, k, v, causal=causal, window=window, group=group, layout=layout)
     o.backward(do)
     return {"o": o.detach().cpu(), "dq": q.grad.cpu(), "dk": k.grad.cpu(), "dv": v.grad.cpu()}
 
@@ -167,6 +173,11 @@ def results():
 
 def gathered(rank_results, name, key):
     layout = CASES[name][2]
+    if name in IN_PAIRS:  # both rings computed the same sequence
+        pairs = (rank_results[:2], rank_results[2:])
+        first, second = (unshard_sequence([r[name][key] for r in pair], layout) for pair in pairs)
+        assert torch.equal(first, second), f"{name}: the two rings of two disagree on {key}"
+        return first
     return unshard_sequence([r[name][key] for r in rank_results], layout)
 
 
