@@ -19,6 +19,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -189,6 +190,11 @@ def main(argv=None) -> list[dict]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     started_here = not dist.is_initialized()
+    if started_here and "RANK" not in os.environ:
+        raise SystemExit(
+            "context-parallel runs one process per GPU: launch it with torchrun, e.g. torchrun --nproc-per-node 2 "
+            "-m flashlab.bench.context_parallel --seq-len 128k"
+        )
     if started_here:  # torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
@@ -202,7 +208,8 @@ def main(argv=None) -> list[dict]:
             print(summary(rows))
             if args.out:
                 meta = environment_stamp(device.type)
-                meta["command"] = " ".join(["python", "-m", "flashlab.bench", *argv])
+                mode = [] if "--mode" in argv else ["--mode", "context-parallel"]
+                meta["command"] = " ".join(["python", "-m", "flashlab.bench", *mode, *argv])
                 path = Path(f"{args.out}.json")
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
