@@ -36,6 +36,7 @@ LAYERS = {
     "flashlab.grade": 3,
     "flashlab.widgets": 3,
     "flashlab.paged": 3,
+    "flashlab.distributed": 3,
 }
 # What the root re-exports, and where it comes from.
 ROOT_EXPORTS = {"flash_attention": "flashlab.kernels.forward", "__version__": None}

@@ -35,6 +35,7 @@ MODULES = {
     "07": "flashlab.exercises.nb07_kv_cache",
     "08": "flashlab.exercises.nb08_exactness",
     "09": "flashlab.exercises.nb09_backward",
+    "10": "flashlab.exercises.nb10_ring",
 }
 
 
