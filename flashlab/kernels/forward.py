@@ -82,8 +82,7 @@ def check_inputs(q, k, v, causal, window, scale):
 
 def _check_inputs(q, k, v, causal, window, scale):
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+        check_dense(name, x)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dtype not in DTYPES:
             raise TypeError(f"{name} has dtype {x.dtype}; flash_attention supports float16, bfloat16 and float32")
@@ -110,16 +109,32 @@ def _check_inputs(q, k, v, causal, window, scale):
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False; got {causal!r}")
     band = visible_band(shape.nq, shape.nk, causal, window)  # ValueError for a malformed window; any int side
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale must be a number or None; got {type(scale).__name__}")
-        scale = as_real("scale", scale)  # ValueError for NaN, inf, or an int too large for a float (10**400)
-        if abs(scale) * LOG2_E > MAX_FLOAT32:
-            raise ValueError(
-                f"scale {scale:g} is outside float32's range: the kernels multiply scores by scale * log2(e) in "
-                f"float32, so |scale| must be at most {MAX_FLOAT32 / LOG2_E:.4g}"
-            )
+    check_scale(scale)
     return shape, band
+
+
+def check_dense(name: str, x) -> None:
+    """A TypeError unless ``x`` is a dense (strided) torch.Tensor: the kernels read memory through strides, which a
+    sparse or MKL-DNN tensor does not have."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor; got layout {x.layout} (convert it with .to_dense())")
+
+
+def check_scale(scale) -> None:
+    """A TypeError or ValueError unless ``scale`` is None or a real number the kernels can take: finite, and with
+    ``scale * log2(e)`` inside float32's range (the kernels scale scores by it in float32)."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a number or None; got {type(scale).__name__}")
+    scale = as_real("scale", scale)  # ValueError for NaN, inf, or an int too large for a float (10**400)
+    if abs(scale) * LOG2_E > MAX_FLOAT32:
+        raise ValueError(
+            f"scale {scale:g} is outside float32's range: the kernels multiply scores by scale * log2(e) in "
+            f"float32, so |scale| must be at most {MAX_FLOAT32 / LOG2_E:.4g}"
+        )
 
 
 def check_num_splits(num_splits, nk: int) -> None:
@@ -192,6 +207,14 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
     return (o, lse) if return_lse else o
 
 
+def launched_q(q, negate: bool):
+    """The q a launch runs on: unit stride along D (else a contiguous copy), negated for a negative scale. Its
+    strides follow from q's, so a plan takes them from this same function's result at plan time."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    return -q if negate else q
+
+
 def kernel_args(q, k, v, causal, window, scale):
     """The band and scale of a checked call, as the kernels take them: ``(q, offset, win_left, win_right, qk_scale)``.
 
@@ -237,6 +260,8 @@ class ForwardPlan:
             )
         q2, offset, win_left, win_right, qk_scale = kernel_args(q, k, v, causal, window, scale)
         self.negate = q2 is not q
+        # everything below reads the tensor a launch runs on: -q (which may have other strides than q) when negated
+        q = q2
         self.o_like_q = q.is_contiguous()  # o is allocated contiguous: then like q, which is quicker
         self.band = (offset, win_left, win_right, qk_scale)
         self.mask = (causal, window)
@@ -280,6 +305,8 @@ def _plan_key(q, k, v, causal, window, scale, num_splits, rung=None):
         if type(window) not in (tuple, list) or not all(w is None or type(w) is int for w in window):
             return None
         window = tuple(window)
+    if not (q.layout is k.layout is v.layout is torch.strided):  # a sparse tensor has no strides to key on
+        return None
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, causal, window, scale,
             type(scale), num_splits, k.dtype, v.dtype, k.device, v.device, rung)  # fmt: skip
 
@@ -406,4 +433,13 @@ def _forward_studied(q, k, v, causal, window, scale, num_splits, config, reverse
     return o, lse
 
 
-__all__ = ["check_inputs", "check_num_splits", "flash_attention", "forward", "kernel_args"]
+__all__ = [
+    "check_dense",
+    "check_inputs",
+    "check_num_splits",
+    "check_scale",
+    "flash_attention",
+    "launched_q",
+    "forward",
+    "kernel_args",
+]

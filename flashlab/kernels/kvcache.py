@@ -36,6 +36,7 @@ import triton.language as tl
 from flashlab.core.integers import cdiv, next_power_of_2
 from flashlab.core.masking import visible_band
 from flashlab.kernels import softmax_step, split_kv
+from flashlab.kernels.forward import check_dense, check_scale, launched_q
 from flashlab.kernels.runtime import (
     CPU_CONFIG,
     DTYPES,
@@ -209,8 +210,7 @@ _BEST_CONFIG: dict = {}  # (device, dtype, tune key, meta) -> the autotuner's pi
 
 
 def _check_tensor(name, x, ndim):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    check_dense(name, x)
     if x.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dims; got shape {tuple(x.shape)}")
 
@@ -314,11 +314,7 @@ def _check_shapes(q, k_cache, v_cache, cache_seqlens, block_table, causal, windo
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False; got {causal!r}")
     visible_band(nq, capacity, causal, window)  # ValueError for a malformed window
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale must be a number or None; got {type(scale).__name__}")
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite; got {scale}")
+    check_scale(scale)
     return capacity, pages, page_size
 
 
@@ -419,12 +415,14 @@ def call_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, wind
         window = tuple(window)
     if not (type(q) is type(k_cache) is type(v_cache) is type(cache_seqlens) is torch.Tensor):
         return None
+    if not (q.layout is k_cache.layout is v_cache.layout is cache_seqlens.layout is torch.strided):
+        return None  # a sparse tensor has no strides to key on
     key = (causal, window, scale, type(scale), q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
            k_cache.dtype, k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
            cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device)  # fmt: skip
     if block_table is None:
         return key
-    if type(block_table) is not torch.Tensor:
+    if type(block_table) is not torch.Tensor or block_table.layout is not torch.strided:
         return None
     return (*key, block_table.shape, block_table.stride(), block_table.dtype, block_table.device)
 
@@ -435,16 +433,24 @@ class KVCachePlan:
     a JIT launch), as ``flashlab.kernels.split_kv.LaunchPlan`` does for contiguous decode."""
 
     __slots__ = ("negate", "o_shape", "lse_shape", "o_like_q", "direct", "num_splits", "parts", "d", "rows", "counters")
+    __slots__ += ("copy_table", "copy_lengths")
     __slots__ += ("grid", "scalars", "tune", "meta", "fast", "fast_state", "views", "merge_here", "merge_grid")
     __slots__ += ("merge_args", "merge_meta", "merge_fast")
 
-    def __init__(self, q, k_cache, v_cache, table, capacity, causal, window, scale):
+    def __init__(self, q, k_cache, v_cache, cache_seqlens, block_table, capacity, causal, window, scale):
         b, hq, nq, d = q.shape
         hk = k_cache.shape[2]
         group = hq // hk
         if scale is None:
             scale = 1.0 / math.sqrt(d)
         self.negate = scale < 0  # the running max assumes max(s) * scale = max(s * scale): run -q with -scale
+        q = launched_q(q, self.negate)  # the strides below are those of the tensor a launch runs on
+        # the kernel reads the lengths and a table row at unit stride: other layouts are copied (they are tiny)
+        self.copy_lengths = not cache_seqlens.is_contiguous()
+        self.copy_table = block_table is not None and not block_table.is_contiguous()
+        table = cache_seqlens if block_table is None else block_table  # never read without a block table
+        if self.copy_table:
+            table = table.contiguous()
         _, left, right = visible_band(nq, capacity, causal, window)
         big = nq + capacity + 1  # "unbounded": wider than any distance in the score matrix
         win_left = big if left == float("inf") else int(left)
@@ -456,7 +462,7 @@ class KVCachePlan:
         # Chunks cover the capacity, chosen without reading the lengths (no synchronisation, so a decode step can
         # be captured in a CUDA graph); a chunk past a sequence's end, or outside its window, exits at once.
         sms = sm_count(device_index(q)) if q.is_cuda else split_kv.CPU_SM_COUNT
-        page_size = k_cache.shape[1] if table is not None and table.ndim == 2 else 0
+        page_size = k_cache.shape[1] if block_table is not None else 0
         small_blocks = q.is_cuda and q.element_size() == 2 and 0 < page_size < SMALL_BLOCK_TOKENS
         num_splits = split_kv.choose_splits(b * hk * row_blocks, capacity, sms)
         tree = not small_blocks or num_splits > split_kv.MAX_FOLD_SPLITS
@@ -471,8 +477,7 @@ class KVCachePlan:
         self.parts, self.rows = b * hq * nq * num_splits, b * hq * nq
         self.views = None
         strides_o = (hq * nq * d, nq * d, d)  # o is allocated contiguous
-        q_strides = q.stride() if q.stride(-1) == 1 else (hq * nq * d, nq * d, d, 1)  # a copy when D is strided
-        self.scalars = (q_strides[0], q_strides[1], q_strides[2])
+        self.scalars = (q.stride(0), q.stride(1), q.stride(2))
         self.scalars += (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         self.scalars += (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
         self.scalars += (table.stride(0), *strides_o)
@@ -509,8 +514,7 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, causal, win
         key = call_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
-        table = block_table if block_table is not None else cache_seqlens
-        plan = KVCachePlan(q, k_cache, v_cache, table, capacity, causal, window, scale)
+        plan = KVCachePlan(q, k_cache, v_cache, cache_seqlens, block_table, capacity, causal, window, scale)
         if key is not None:
             if len(_PLANS) >= MAX_PLANS:
                 _PLANS.clear()
@@ -520,11 +524,12 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, causal, win
 
 def run_plan(plan, q, k_cache, v_cache, cache_seqlens, block_table, need_lse):
     """``kvcache_forward`` for checked tensors of a planned signature: allocate the outputs and launch."""
-    table = block_table if block_table is not None else cache_seqlens  # never read without a table
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if plan.negate:
-        q = -q
+    q = launched_q(q, plan.negate)
+    if plan.copy_lengths:
+        cache_seqlens = cache_seqlens.contiguous()
+    table = cache_seqlens if block_table is None else block_table  # never read without a block table
+    if plan.copy_table:
+        table = table.contiguous()
     o = torch.empty_like(q) if plan.o_like_q else torch.empty(plan.o_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if need_lse else None
     if not q.is_cuda:
