@@ -18,9 +18,9 @@ from test_kernel import laid_out, random_layout_case
 
 from flashlab.core.masking import visible_mask
 from flashlab.core.numerics import grad_tolerance, relative_error
-from flashlab.kernels.backward import attention_backward
-from flashlab.kernels.forward import flash_attention
-from flashlab.kernels.runtime import CPU_CONFIG
+from flashlab.host.attention import flash_attention
+from flashlab.kernels.device import CPU_CONFIG
+from flashlab.kernels.flash_backward import attention_backward
 from flashlab.reference.torch_float64 import attention_float64_grads
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from flashlab.core.numerics import relative_error, tolerance
-from flashlab.kernels.forward import flash_attention
-from flashlab.kernels.runtime import CPU_CONFIG
+from flashlab.host.attention import flash_attention
+from flashlab.kernels.device import CPU_CONFIG
 from flashlab.reference import attention
 from flashlab.reference.torch_float64 import attention_float64
 
@@ -251,7 +251,7 @@ def test_cpu_runs_leave_triton_language_as_they_found_it():
     # undo their patches; left in place they break any later GPU compile in the same process. flashlab's CPU
     # path snapshots and restores them: every attribute that existed before is the same object afterwards, and
     # no class gained one.
-    from flashlab.kernels.runtime import language_objects
+    from flashlab.kernels.interpreter import language_objects
 
     objects = language_objects()
     before = [dict(vars(obj)) for obj in objects]
@@ -273,7 +273,7 @@ def test_calls_from_several_threads_at_once_are_correct_and_leave_triton_languag
     # prefill and split-KV mixed: every result equals the reference, and the language is as it was after.
     import threading
 
-    from flashlab.kernels.runtime import language_objects
+    from flashlab.kernels.interpreter import language_objects
 
     objects = language_objects()
     before = [dict(vars(obj)) for obj in objects]

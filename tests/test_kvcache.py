@@ -266,7 +266,7 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_paged_kv_cache_holds_the_same_keys():
-    from flashlab.kernels.kvcache import paged_kv_cache
+    from flashlab.kernels.decode.kvcache import paged_kv_cache
 
     g = torch.Generator().manual_seed(11)
     k, v = torch.randn(2, 2, 3, 40, 16, generator=g).unbind(0)  # (B=2, Hk=3, N=40, D=16)
@@ -302,9 +302,9 @@ def test_unchecked_values_never_leave_the_pool():
 def test_key_tiles_that_span_several_blocks(monkeypatch, block_size, block_n):
     # On a GPU key tiles are 64-128 keys, so a 16-token block is a quarter of a tile: each key finds its own block.
     # The CPU's 16-key tiles never span blocks; wider tiles here take that path on the interpreter.
-    from flashlab.kernels import kvcache
+    from flashlab.host import launches
 
-    monkeypatch.setattr(kvcache, "CPU_CONFIG", {**kvcache.CPU_CONFIG, "BLOCK_N": block_n})
+    monkeypatch.setattr(launches, "CPU_CONFIG", {**launches.CPU_CONFIG, "BLOCK_N": block_n})
     q, kc, vc, seqlens, table = paged_case(
         13, b=3, hq=4, hk=2, nq=2, d=16, bs=block_size, dtype=torch.float16, max_len=150
     )

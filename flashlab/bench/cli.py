@@ -7,7 +7,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from flashlab.bench import ladder
+from flashlab.bench import ladder_results as ladder
 from flashlab.bench.args import name_list, size_list
 from flashlab.bench.config import BenchConfig
 from flashlab.bench.grid import CAUSAL_CHOICES, DTYPES
