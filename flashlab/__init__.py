@@ -7,14 +7,16 @@ The package in layers; every import points down the list, never up (``tests/test
 2. ``flashlab.reference`` -- the NumPy ground truth: softmax, the online softmax, materialised attention, the
    tiled (FlashAttention) loop, the split-KV merge; and the same attention in float64 torch for GPU-sized checks.
    ``flashlab.calculators`` -- the lesson's arithmetic (bytes, FLOPs, seconds) and the GPU / model catalogues.
-3. ``flashlab.kernels`` -- the Triton kernels (compiled on a GPU, Triton's interpreter on a CPU), each checked
-   against the reference; ``flashlab.flash_attention`` is their entry point (its forward kernel a ladder of
-   runnable rungs, ``flashlab.kernels.ladder``), and
-   ``flashlab.flash_attention_with_kvcache`` runs them against a serving engine's (paged) KV cache.
-4. The tools: ``flashlab.bench`` (``python -m flashlab.bench``, the checked benchmark), ``flashlab.sdpa`` (which
+3. ``flashlab.kernels`` -- the Triton kernels, device code and one plain launch each (compiled on a GPU, Triton's
+   interpreter on a CPU), each checked against the reference: the forward kernel as a ladder of runnable rungs
+   (``flashlab.kernels.ladder``), the decode kernels (``flashlab.kernels.decode``), the backward kernels.
+4. ``flashlab.host`` -- the host engine: ``flashlab.flash_attention`` and ``flashlab.flash_attention_with_kvcache``
+   (attention against a serving engine's paged KV cache), their checks, one plan per call signature, the direct
+   launches, autograd and the ``torch.ops.flashlab`` operators.
+5. The tools: ``flashlab.bench`` (``python -m flashlab.bench``, the checked benchmark), ``flashlab.sdpa`` (which
    PyTorch SDPA backend runs, and why the others refuse), ``flashlab.exercises`` and ``flashlab.grade`` (the
-   notebooks' exercises and their grader), ``flashlab.widgets`` (the sequence-length explorer), ``flashlab.paged``
-   (a KV-cache allocator simulation).
+   notebooks' exercises and their grader), ``flashlab.widgets`` (the sequence-length explorer),
+   ``flashlab.kv_allocator`` (a simulation of a KV cache's block allocator, contiguous against paged).
 
 Heavy dependencies (torch, triton) are imported only when the kernel is first used.
 """
@@ -25,11 +27,11 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # Lazy: `import flashlab` stays fast and torch-free until the kernel is asked for.
     if name == "flash_attention":
-        from flashlab.kernels.forward import flash_attention
+        from flashlab.host import flash_attention
 
         return flash_attention
     if name == "flash_attention_with_kvcache":
-        from flashlab.kernels.kvcache import flash_attention_with_kvcache
+        from flashlab.host import flash_attention_with_kvcache
 
         return flash_attention_with_kvcache
     raise AttributeError(f"module 'flashlab' has no attribute {name!r}")

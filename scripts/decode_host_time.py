@@ -41,7 +41,7 @@ import triton.testing  # noqa: E402
 from flashlab import flash_attention, flash_attention_with_kvcache  # noqa: E402
 from flashlab.bench import measure  # noqa: E402
 from flashlab.core.numerics import tolerance  # noqa: E402
-from flashlab.kernels.kvcache import paged_kv_cache  # noqa: E402
+from flashlab.kernels.decode.kvcache import paged_kv_cache  # noqa: E402
 from flashlab.reference.torch_float64 import attention_float64  # noqa: E402
 
 HQ, HK, D = 64, 8, 128

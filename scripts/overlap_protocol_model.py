@@ -1,4 +1,4 @@
-"""A model of the overlap rung's synchronisation (``flashlab/kernels/overlap.py``), checked without a GPU.
+"""A model of the overlap rung's synchronisation (``flashlab/kernels/ladder/rung4_overlap.py``), checked without a GPU.
 
 The kernel's partitions -- the loader warp and the two or three consumer warpgroups -- are written here as Python
 generators, step for step as in the kernel (every mbarrier wait, expect and arrive, every product issued and waited

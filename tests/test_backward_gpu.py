@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flashlab.core.numerics import grad_tolerance, relative_error
-from flashlab.kernels.forward import flash_attention
+from flashlab.host.attention import flash_attention
 from flashlab.reference.torch_float64 import attention_float64_grads, query_heads
 
 pytestmark = pytest.mark.gpu

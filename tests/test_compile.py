@@ -1,5 +1,5 @@
 """``torch.compile(fullgraph=True)`` over functions that call flashlab's kernels: one graph, the kernel one opaque
-operator in it (``flashlab.kernels.op``), the output equal to eager.
+operator in it (``flashlab.host.custom_ops``), the output equal to eager.
 
 On CPU the compiled graph runs with the "aot_eager" backend (AOT autograd, then eager ops): it traces exactly what
 inductor would be handed. Inductor itself took 26 s to compile this one small function on a 2-core CPU against
@@ -9,14 +9,13 @@ inductor in ``mode="reduce-overhead"`` (CUDA graphs) on the H200.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 from test_kvcache import paged_case
 
 from flashlab import flash_attention, flash_attention_with_kvcache
-from flashlab.kernels import op
+from flashlab.host import custom_ops as op
+from flashlab.host.autograd import LSE_NOT_DIFFERENTIABLE
 from flashlab.reference.torch_float64 import attention_float64
 
 CPU_BACKEND = "aot_eager"
@@ -117,13 +116,9 @@ def test_window_encoding_round_trips():
     assert op.ints_to_window(*op.window_to_ints((None, None))) is None  # unbounded both sides: no window
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec(op.BACKWARD_MODULE) is None, reason="flashlab.kernels.backward is not there yet"
-)
 def test_backward_through_the_operator():
-    assert op.HAS_BACKWARD
     q, k, v = (x.requires_grad_() for x in qkv(1, 4, 2, 24, 40, 16, seed=1))
-    o, _ = op.attention_forward(q, k, v, True, -1, -1, None, None)
+    o, _ = torch.ops.flashlab.attention_forward(q, k, v, True, -1, -1, None, None)
     do = torch.randn_like(o)
     o.backward(do)
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
@@ -131,6 +126,32 @@ def test_backward_through_the_operator():
     ro.backward(do.double())
     for got, want in ((q.grad, qd.grad), (k.grad, kd.grad), (v.grad, vd.grad)):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("path", ["eager", "operator", "compiled"])
+def test_a_gradient_through_lse_is_the_same_error_on_every_path(path):
+    # lse is not differentiable: a loss that uses it must fail in the backward pass, never drop that part of the
+    # gradient silently -- in eager autograd, through the registered operator, and in a compiled graph
+    q, k, v = (x.requires_grad_() for x in qkv(1, 2, 1, 20, 30, 16, seed=2))
+
+    def loss(q, k, v):
+        o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+        return o.sum() + lse.sum()
+
+    if path == "operator":
+        o, lse = torch.ops.flashlab.attention_forward(q, k, v, True, -1, -1, None, None)
+        total = o.sum() + lse.sum()
+    elif path == "compiled":
+        torch._dynamo.reset()
+        total = torch.compile(loss, backend=CPU_BACKEND, fullgraph=True)(q, k, v)
+    else:
+        total = loss(q, k, v)
+    with pytest.raises(RuntimeError, match="not differentiable") as error:
+        total.backward()
+    assert LSE_NOT_DIFFERENTIABLE in str(error.value)
+    o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    (o.sum() + 0 * lse.detach().sum()).backward()  # a detached lse is fine
+    assert q.grad is not None
 
 
 @pytest.mark.gpu

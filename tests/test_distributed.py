@@ -38,7 +38,7 @@ from flashlab.distributed import (
     shard_sequence,
     unshard_sequence,
 )
-from flashlab.kernels.forward import flash_attention
+from flashlab.host import flash_attention
 from flashlab.reference.torch_float64 import attention_float64, attention_float64_grads
 
 DEADLINE_S = 240  # one launch, every case of its world size; about 10 s on two idle cores

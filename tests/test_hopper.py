@@ -1,4 +1,4 @@
-"""Rung 3 of the kernel ladder, ``flashlab.kernels.hopper``, on CPU tensors through Triton's interpreter.
+"""Rung 3 of the kernel ladder, ``flashlab.kernels.ladder.rung3_hopper``, on CPU tensors through Triton's interpreter.
 
 - ``hidden_sides`` (which edges of the band hide real keys, so which element masks the loop applies) against a
   brute-force reading of ``flashlab.core.masking.visible_mask``;
@@ -30,8 +30,9 @@ from test_ladder import LSE_TOL, assert_matches_float64, make_qkv
 from flashlab import flash_attention
 from flashlab.core.masking import visible_mask
 from flashlab.core.numerics import relative_error, tolerance
-from flashlab.kernels import forward, hopper, ladder
-from flashlab.kernels.runtime import CPU_CONFIG
+from flashlab.kernels import ladder
+from flashlab.kernels.device import CPU_CONFIG, kernel_band
+from flashlab.kernels.ladder import rung3_hopper as hopper
 from flashlab.reference.torch_float64 import attention_float64
 
 BLOCK_M, BLOCK_N = CPU_CONFIG["BLOCK_M"], CPU_CONFIG["BLOCK_N"]
@@ -41,8 +42,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy's war
 
 def band_of(nq, nk, causal, window):
     """The band ``(offset, win_left, win_right, qk_scale)`` as the kernels take it, for lengths nq, nk."""
-    q, k = torch.zeros(1, 1, nq, 16), torch.zeros(1, 1, nk, 16)
-    return forward.kernel_args(q, k, k, causal, window, None)[1:]
+    return kernel_band(nq, nk, 16, causal, window, None)[:4]
 
 
 def run_hopper(q, k, v, causal=False, window=None):

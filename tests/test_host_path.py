@@ -1,7 +1,7 @@
 """The host side of a call: decisions made once per call signature and reused, without weakening the checks.
 
 ``flash_attention`` remembers, per signature (shapes, strides, dtypes, devices, mask, scale), that the inputs passed
-its checks and what the launch needs (``forward.ForwardPlan``, ``split_kv.LaunchPlan``); these tests make sure a
+its checks and what the launch needs (``flashlab.host.plan.Plan``, in the one cache ``PLANS``); these tests make sure a
 remembered signature gives the same answer, that a different signature is planned afresh, and that arguments
 which only compare equal to a checked one (``True == 1``) are still refused.
 """
@@ -14,19 +14,23 @@ import torch
 from test_kernel import check_against_reference, make_qkv
 
 from flashlab import flash_attention
-from flashlab.kernels import forward, runtime, split_kv
+from flashlab.host import attention as forward
+from flashlab.host import launcher, launches, scratch
+from flashlab.host.plan import CHECKED, PLANS
+from flashlab.kernels.decode import split_kv
+from flashlab.kernels.device import kernel_band
 from flashlab.reference import attention
 
 
 def count_plans(monkeypatch):
     made = []
-    real = forward.ForwardPlan.__init__
+    real = forward.attention_plan
 
-    def counting(self, *args):
+    def counting(*args, **kwargs):
         made.append(args)
-        real(self, *args)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(forward.ForwardPlan, "__init__", counting)
+    monkeypatch.setattr(forward, "attention_plan", counting)
     return made
 
 
@@ -47,24 +51,28 @@ def test_a_signature_is_planned_once(monkeypatch, nq):
 def test_single_chunk_decode_writes_the_output_directly():
     q, k, v = make_qkv(2, 4, 2, 1, 100, 16, torch.float32, seed=3)
     o, lse = forward.forward(q, k, v, False, None, None)
-    plan = next(p for p in forward._PLANS.values() if p.split is not None and p.o_shape == (2, 4, 1, 16))
-    assert plan.split.direct and plan.split.num_splits == 1  # 100 keys: one chunk, no merge kernel
+    plan = next(p for p in PLANS.values() if p.path == launches.SPLIT_KV and p.o_shape == (2, 4, 1, 16))
+    assert plan.args.direct and plan.args.num_splits == 1  # 100 keys: one chunk, no merge
     check_against_reference(q, k, v)
-    o3 = forward.forward(q, k, v, False, None, None, num_splits=split_kv.MAX_SPLITS)  # many chunks, merged
-    torch.testing.assert_close(o3[0], o, rtol=1e-5, atol=1e-5)
+    # asked for 100 chunks (the most 100 keys allow): chunks start at multiples of KEY_ALIGN, so still one
+    o3, _ = forward.forward(q, k, v, False, None, None, num_splits=100)
+    assert PLANS[forward.signature(q, k, v, False, None, None, 100, None)].args.num_splits == 1
+    torch.testing.assert_close(o3, o, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="num_splits must be between 1 and"):
+        forward.forward(q, k, v, False, None, None, num_splits=split_kv.MAX_SPLITS)
 
 
 @pytest.fixture
 def launched(monkeypatch):
     """The names of the split-KV kernels the interpreter launches, in order."""
     names = []
-    real = split_kv.interpreted
+    real = launches.interpreted
 
     def counting(kernel):
         names.append(kernel.fn.__name__)
         return real(kernel)
 
-    monkeypatch.setattr(split_kv, "interpreted", counting)
+    monkeypatch.setattr(launches, "interpreted", counting)
     return names
 
 
@@ -91,21 +99,20 @@ def test_chunks_are_merged_in_the_same_launch(launched):
     np.testing.assert_allclose(o.double().numpy(), ro, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("num_splits", [5, split_kv.MAX_FOLD_SPLITS, split_kv.MAX_FOLD_SPLITS + 3])
-def test_the_one_level_fold_and_the_merge_kernel_match_the_reference(launched, num_splits):
-    # Without the tree (the paged kernel's small blocks, on a GPU) one program folds up to MAX_FOLD_SPLITS chunks;
-    # more go to the merge kernel, a second launch. Forced here on a contiguous plan, so the CPU runs both.
+@pytest.mark.parametrize("num_splits", [5, split_kv.MAX_FOLD_SPLITS])
+def test_the_one_level_fold_matches_the_reference(launched, num_splits):
+    # Without the tree (the paged kernel's small blocks, on a GPU) one program folds up to MAX_FOLD_SPLITS chunks,
+    # in the same launch. Forced here on a contiguous plan, so the CPU runs it.
     q, k, v = make_qkv(1, 4, 2, 2, num_splits * split_kv.KEY_ALIGN - 7, 16, torch.float32, seed=num_splits)
-    _, offset, win_left, win_right, qk_scale = forward.kernel_args(q, k, v, True, None, None)
-    o, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32)
-    plan = split_kv.LaunchPlan(q, k, v, o, offset, win_left, win_right, qk_scale, num_splits)
-    split_kv.plan_merge(plan, num_splits, 2, (o.stride(0), o.stride(1), o.stride(2)), 4, 2, 16, tree=False)
-    split_kv.run(plan, q, k, v, o, lse)
-    folds = num_splits <= split_kv.MAX_FOLD_SPLITS
-    assert launched == (["_split_kv_partial"] if folds else ["_split_kv_partial", "split_kv_merge"])
+    plan = launches.attention_plan(q, k, v, True, None, None, num_splits, None)
+    plan.args.meta.update(split_kv.merge_arguments(num_splits, 2, tree=False).constexprs)
+    o, lse = launches.run_attention(plan, q, k, v)
+    assert launched == ["_split_kv_partial"] and plan.args.meta["MERGE_GROUP"] == 0
     ro, rlse = attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=True)
     np.testing.assert_allclose(o.double().numpy(), ro, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(lse.double().numpy(), rlse, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one-level fold"):
+        split_kv.merge_arguments(split_kv.MAX_FOLD_SPLITS + 1, 2, tree=False)
 
 
 def test_remembered_signatures_still_refuse_bad_arguments():
@@ -128,8 +135,6 @@ def test_fast_launch_fills_the_tensor_slots_of_tritons_own_binding(monkeypatch):
     # JITFunction.run does. A stand-in kernel records what the launcher receives.
     from types import SimpleNamespace
 
-    from flashlab.kernels import runtime
-
     def binder(Q, n, O, BLOCK: int = 16, num_warps=4):  # noqa: N803 -- kernel parameter names
         return {"Q": Q, "n": n, "O": O, "BLOCK": BLOCK}, None, None
 
@@ -137,10 +142,10 @@ def test_fast_launch_fills_the_tensor_slots_of_tritons_own_binding(monkeypatch):
     jit = SimpleNamespace(device_caches={0: (None, None, binder)})
     kernel = SimpleNamespace(run=lambda *a: calls.append(a), function="fn", packed_metadata="meta")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(runtime, "FAST_LAUNCH", True)
+    monkeypatch.setattr(launcher, "FAST_LAUNCH", True)
     first_q, first_o = torch.zeros(1), torch.zeros(1)
     meta = {"BLOCK": 32, "num_warps": 8}
-    fast = runtime.FastLaunch.build(jit, kernel, (3, 2), (first_q, 7, first_o), meta, ("Q", "O"))
+    fast = launcher.FastLaunch.build(jit, kernel, (3, 2), (first_q, 7, first_o), meta, ("Q", "O"))
     assert fast is not None and fast.values == [None, 7, None, 32]  # no reference kept to the first call's tensors
     q, o = torch.ones(2), torch.ones(3)
     fast("stream", q, o)
@@ -153,13 +158,13 @@ def test_fast_launch_fills_the_tensor_slots_of_tritons_own_binding(monkeypatch):
         return {"Q": Q, "O": O, "n": n, "BLOCK": BLOCK}, None, None
 
     jit2 = SimpleNamespace(device_caches={0: (None, None, leading)})
-    fast2 = runtime.FastLaunch.build(jit2, kernel, (5,), (first_q, first_o, 9), {"BLOCK": 64}, ("Q", "O"))
+    fast2 = launcher.FastLaunch.build(jit2, kernel, (5,), (first_q, first_o, 9), {"BLOCK": 64}, ("Q", "O"))
     assert fast2.tail == (9, 64)
     fast2("s2", q, o)
     assert calls[-1][:9] == (5, 1, 1, "s2", "fn", "meta", None, None, None)
     assert calls[-1][9] is q and calls[-1][10] is o and calls[-1][11:] == (9, 64)
-    monkeypatch.setattr(runtime, "FAST_LAUNCH", False)
-    assert runtime.FastLaunch.build(jit, kernel, (3,), (q, 7, o), {}, ("Q", "O")) is None
+    monkeypatch.setattr(launcher, "FAST_LAUNCH", False)
+    assert launcher.FastLaunch.build(jit, kernel, (3,), (q, 7, o), {}, ("Q", "O")) is None
 
 
 def test_a_direct_launch_is_kept_only_if_it_writes_the_same_bits():
@@ -175,15 +180,15 @@ def test_a_direct_launch_is_kept_only_if_it_writes_the_same_bits():
 
         return launch_into
 
-    assert runtime.reproduces(writing(o, lse), o, lse)
-    assert not runtime.reproduces(writing(torch.tensor([1.0, float("nan"), -0.0]), lse), o, lse)
-    assert not runtime.reproduces(writing(o, torch.tensor([0.5, 0.0])), o, lse)
+    assert launcher.reproduces(writing(o, lse), o, lse)
+    assert not launcher.reproduces(writing(torch.tensor([1.0, float("nan"), -0.0]), lse), o, lse)
+    assert not launcher.reproduces(writing(o, torch.tensor([0.5, 0.0])), o, lse)
 
     def raising(o2, lse2):
         raise TypeError("this launcher does not take these arguments")
 
-    assert not runtime.reproduces(raising, o, lse)
-    assert not runtime.same_bits(o, o.float())  # another dtype is never the same bits
+    assert not launcher.reproduces(raising, o, lse)
+    assert not launcher.same_bits(o, o.float())  # another dtype is never the same bits
 
 
 def test_direct_launch_packs_each_parameter_at_its_size_in_signature_order():
@@ -191,7 +196,7 @@ def test_direct_launch_packs_each_parameter_at_its_size_in_signature_order():
     # take their own sizes; Triton's launcher appends two null scratch pointers, and so does the packing.
     import struct
 
-    from flashlab.kernels import direct_launch
+    from flashlab.host import direct_launch
 
     types = ["*bf16", "i32", "constexpr", "fp32", "*fp32", "i64", "bf16", "u1"]
     values = [None, -7, 64, 0.5, None, 2**40, 1.5, True]
@@ -212,7 +217,7 @@ def test_direct_launch_packs_each_parameter_at_its_size_in_signature_order():
 
 
 def test_direct_launch_writes_each_tensors_address_into_its_parameter():
-    from flashlab.kernels import direct_launch
+    from flashlab.host import direct_launch
 
     module = direct_launch.native()
     if module is None:
@@ -304,7 +309,7 @@ int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
 LAUNCH_THROUGH_FAKE_DRIVER = """
 import os
 import torch
-from flashlab.kernels import direct_launch
+from flashlab.host import direct_launch
 module = direct_launch.native()
 types = ["*fp32", "i32", "fp32", "*fp32", "i64"]
 cells, sizes, slots = direct_launch.pack(types, [None, -3, 0.25, None, 2**33], (3, 0))
@@ -333,7 +338,7 @@ def run_through_fake_driver(tmp_path, script, sizes):
     import subprocess
     import sys
 
-    from flashlab.kernels import direct_launch
+    from flashlab.host import direct_launch
 
     if direct_launch.native() is None or shutil.which("gcc") is None:
         pytest.skip("no C compiler here to build flashlab's launcher")
@@ -372,7 +377,7 @@ def test_direct_launch_hands_the_driver_the_packed_parameters(tmp_path):
 LAUNCH_A_TENSOR_MAP_THROUGH_FAKE_DRIVER = """
 from types import SimpleNamespace
 import torch
-from flashlab.kernels import direct_launch
+from flashlab.host import direct_launch
 module = direct_launch.native()
 types = ["i32", "tensordesc<bf16[1, 1, 64, 128]>", "*fp32"]
 desc = SimpleNamespace(shape=[2, 3, 100, 128], strides=[38400, 12800, 128, 1], padding="zero")
@@ -412,7 +417,7 @@ def test_direct_launch_packs_only_the_descriptors_it_can_encode():
     # sub-byte packed types are left to Triton's launcher; without a driver no map can be encoded, and it says so
     from types import SimpleNamespace
 
-    from flashlab.kernels import direct_launch
+    from flashlab.host import direct_launch
 
     types = ["tensordesc<bf16[1, 64]>", "*fp32"]
     desc = SimpleNamespace(shape=[100, 64], strides=[64, 1], padding="zero")
@@ -445,11 +450,11 @@ def test_decode_relaunches_directly_and_stays_exact_on_gpu(nk):
         err = float((o.double() - ro).norm() / ro.norm())
         assert err < 1.5e-2, (step, err)
         torch.testing.assert_close(lse.double(), rlse, rtol=1e-3, atol=1e-3)
-        plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[2] == k.shape)
-    assert plan.split.fast_state == "checked", plan.split.fast_state  # the direct launches are in use
-    assert is_flashlab_launch(plan.split.fast)  # packed once, launched by flashlab's own launcher
-    assert plan.split.direct == (nk == 100)
-    work, counters, kept = runtime.scratch(q.device, runtime.current_stream(q.device.index), 0, 0)
+        plan = next(p for key, p in PLANS.items() if key[0] == q.shape and key[2] == k.shape)
+    assert plan.path == launches.SPLIT_KV and plan.state == CHECKED, plan.state  # the direct launches are in use
+    assert is_flashlab_launch(plan.fast[0])  # packed once, launched by flashlab's own launcher
+    assert plan.args.direct == (nk == 100)
+    work, counters, kept = scratch.scratch(q.device, launcher.current_stream(q.device.index), 0, 0)
     assert kept
     assert int(counters.abs().sum()) == 0  # every block's last chunk set its counter back for the next launch
 
@@ -466,9 +471,9 @@ def test_prefill_relaunches_directly_and_stays_exact_on_gpu(d, causal):
         ro, _ = attention_float64(q, k, v, causal=causal)
         err = float((o.double() - ro).norm() / ro.norm())
         assert err < 1.5e-2, (step, err)
-    plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[8] is causal)
-    assert plan.fast_state == "checked", plan.fast_state
-    assert is_flashlab_launch(plan.fast)
+    plan = next(p for key, p in PLANS.items() if key[0] == q.shape and key[8] is causal)
+    assert plan.path == "skip_split" and plan.state == CHECKED, plan.state
+    assert is_flashlab_launch(plan.fast[0])
 
 
 @pytest.mark.gpu
@@ -482,8 +487,8 @@ def test_a_planned_decode_call_gives_the_same_bits_from_a_new_thread_on_gpu():
     k, v = (torch.randn(2, 2, 5000, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
     for _ in range(5):  # planned, direct launch built and checked
         o_main = flash_attention(q, k, v)
-    plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[2] == k.shape).split
-    assert is_flashlab_launch(plan.fast) and plan.fast_state == "checked"
+    plan = next(p for key, p in PLANS.items() if key[0] == q.shape and key[2] == k.shape)
+    assert is_flashlab_launch(plan.fast[0]) and plan.state == CHECKED
     out = {}
 
     def worker():
@@ -502,7 +507,7 @@ def test_a_planned_decode_call_gives_the_same_bits_from_a_new_thread_on_gpu():
 
 def is_flashlab_launch(fast) -> bool:
     """Whether a plan's direct launch is flashlab's own packed launcher (direct_launch), not Triton's."""
-    from flashlab.kernels import direct_launch
+    from flashlab.host import direct_launch
 
     return getattr(fast, "func", None) is direct_launch.native().launch
 
@@ -511,14 +516,14 @@ def is_flashlab_launch(fast) -> bool:
 def test_direct_launch_refuses_a_packing_the_compiled_kernel_does_not_take():
     # The driver knows the size of every parameter of the compiled function: a packing that disagrees (one
     # parameter too few, or an i32 packed as 8 bytes) is refused when the handle is made, never launched.
-    from flashlab.kernels import direct_launch
+    from flashlab.host import direct_launch
 
     q, k, v = (x.cuda() for x in make_qkv(1, 8, 8, 1, 4096, 128, torch.bfloat16, seed=9))
     for _ in range(4):
         forward.forward(q, k, v, False, None, None)
-    plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[2] == k.shape).split
-    assert is_flashlab_launch(plan.fast)
-    kernel = next(iter(split_kv._split_kv_partial.device_caches[q.get_device()][0].values()))
+    plan = next(p for key, p in PLANS.items() if key[0] == q.shape and key[2] == k.shape)
+    assert is_flashlab_launch(plan.fast[0])
+    kernel = next(iter(split_kv.split_kv_partial.device_caches[q.get_device()][0].values()))
     types = list(kernel.src.signature.values())
     names = list(kernel.src.signature)
     values = [None if n in split_kv.PARTIAL_TENSORS else 1 for n in names]
@@ -547,8 +552,8 @@ def planned_after_fresh_calls(rung, q_shape, kv_heads, calls, seed, causal, wind
         ro, _ = attention_float64(q, k, v, causal=causal, window=window)
         err = float((o.double() - ro).norm() / ro.norm())
         assert err < 1.5e-2, (step, err)
-    plan = next(p for key, p in forward._PLANS.items() if key[0] == q.shape and key[8] is causal and key[9] == window)
-    return q, k, v, o, plan.rung_launch
+    plan = next(p for key, p in PLANS.items() if key[0] == q.shape and key[8] is causal and key[9] == window)
+    return q, k, v, o, plan
 
 
 @pytest.mark.gpu
@@ -557,15 +562,15 @@ def test_hopper_prefill_is_planned_and_relaunches_directly_on_gpu(causal, window
     # The Hopper rung (named: the overlap rung is the default there now) is planned once per signature, then
     # launched directly with its descriptors' global scratch from the stream's scratch; 1100 keys leave a partial
     # last tile, so its repair pass runs after it every time. Each call still equals float64.
-    from flashlab.kernels import hopper
+    from flashlab.kernels.ladder import rung3_hopper as hopper
 
     if torch.cuda.get_device_capability()[0] < hopper.MIN_CAPABILITY:
         pytest.skip("the Hopper rung needs sm_90 or newer")
     # autotune; JIT launch (direct launch built); checked against the JIT once; direct
     q, k, v, o, planned = planned_after_fresh_calls("hopper", (2, 16, 1100, 128), 4, 6, 11, causal, window)
-    assert isinstance(planned, hopper.Planned) and planned.fast_state == "checked", planned.fast_state
-    assert is_flashlab_launch(planned.fast) and planned.scratch_bytes > 0
-    assert planned.repair_fast is not None
+    assert planned.path == hopper.NAME and planned.state == CHECKED, planned.state
+    assert is_flashlab_launch(planned.fast[0]) and planned.scratch_bytes > 0
+    assert len(planned.fast) == 2  # the kernel and its repair pass
     # the same signature at an address the copy engine cannot take (2 bytes off 16): skip-and-split runs it
     buf = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)
     q_odd = buf[1:].view(q.shape).copy_(q)
@@ -580,17 +585,31 @@ def test_overlap_rung_is_planned_and_relaunches_directly_on_gpu(causal, window, 
     # flashlab's launcher encodes the four tensor maps from the tensors' addresses and launches it directly, with
     # the repair pass after it under a mask. Fresh tensors every call (new addresses), and each call equals float64;
     # the direct launch gives the JIT launch's bits.
-    from flashlab.kernels import overlap
+    from flashlab.kernels.ladder import rung4_overlap as overlap
 
     if torch.cuda.get_device_capability()[0] != overlap.CAPABILITY or overlap.GLUON_ERROR is not None:
         pytest.skip("rung 4 needs Hopper (sm_90) and Gluon")
     q, k, v, o, planned = planned_after_fresh_calls("overlap", (2, 8, nq, 128), 2, 5, 12, causal, window)
-    assert isinstance(planned, overlap.Planned) and planned.fast_state == "checked", planned.fast_state
-    assert is_flashlab_launch(planned.fast)
-    assert (planned.repair_fast is not None) == (causal or window is not None)
+    assert planned.path == overlap.NAME and planned.state == CHECKED, planned.state
+    assert is_flashlab_launch(planned.fast[0])
+    assert (len(planned.fast) == 2) == (causal or window is not None)  # the repair pass under a mask
     o2, lse2 = torch.empty_like(o), torch.empty(q.shape[:3], device="cuda")
-    planned(q, k, v, o2, lse2)
+    planned.run(planned, q, k, v, o2, lse2)
     o3, lse3 = torch.empty_like(o), torch.empty(q.shape[:3], device="cuda")
-    _, offset, win_left, win_right, qk_scale = forward.kernel_args(q, k, v, causal, window, None)
-    overlap.launch(q, k, v, o3, lse3, causal, window, (offset, win_left, win_right, qk_scale))
-    assert runtime.same_bits(o2, o3) and runtime.same_bits(lse2, lse3)
+    overlap.launch(q, k, v, o3, lse3, causal, window, kernel_band(nq, nq, 128, causal, window, None)[:4])
+    assert launcher.same_bits(o2, o3) and launcher.same_bits(lse2, lse3)
+
+
+def test_the_launcher_source_ships_with_the_package():
+    # flashlab's launcher is compiled from launcher.c at first use: it must be in the package data, and every
+    # package-data pattern must name files that exist
+    from importlib import resources
+
+    from conftest import ROOT
+
+    tomllib = pytest.importorskip("tomllib")
+    assert resources.files("flashlab.host").joinpath("launcher.c").is_file()
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["flashlab"]
+    assert "host/*.c" in patterns
+    for pattern in patterns:
+        assert list((ROOT / "flashlab").glob(pattern)), f"package data {pattern!r} names no file"

@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 
 from flashlab.core.numerics import relative_error
+from flashlab.host import flash_attention
 from flashlab.kernels import interpreter_rounding
-from flashlab.kernels.forward import flash_attention
-from flashlab.kernels.runtime import interpreted, interpreted_language
+from flashlab.kernels.interpreter import interpreted, interpreted_language
 from flashlab.reference.torch_float64 import attention_float64, attention_float64_grads
 
 

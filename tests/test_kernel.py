@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from flashlab.core.numerics import tolerance
-from flashlab.kernels.forward import flash_attention
-from flashlab.kernels.runtime import CPU_CONFIG
+from flashlab.core.numerics import relative_error, tolerance
+from flashlab.host.attention import flash_attention
+from flashlab.kernels.device import CPU_CONFIG
 from flashlab.reference import attention
+from flashlab.reference.torch_float64 import attention_float64
 
 LSE_TOL = 1e-4  # lse is computed in fp32 from exact products of the (rounded) inputs; relative where |lse| > 1
 
@@ -65,6 +66,74 @@ def test_random_shapes_match_reference(seed):
     shape, causal, window = random_case(seed)
     q, k, v = make_qkv(**shape, seed=seed)
     check_against_reference(q, k, v, causal=causal, window=window)
+
+
+LAYOUTS = ("contiguous", "slice", "every_other_row", "heads_last", "expanded", "strided_head_dim")
+
+
+def laid_out(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """``x`` (B, H, N, D) held in memory another way: a slice of a larger tensor, every other row of one, the
+    (B, N, H, D) layout seen as (B, H, N, D), expanded from one batch entry and one head (stride 0; the values then
+    repeat), or with a strided head dim. The same values, except ``expanded``'s repetition."""
+    b, h, n, d = x.shape
+    if layout == "contiguous":
+        return x
+    if layout == "slice":  # offset into a larger buffer along every dim
+        big = torch.zeros(b + 1, h + 1, n + 3, d + 8, dtype=x.dtype)
+        big[1:, 1:, 2 : 2 + n, 8:] = x
+        return big[1:, 1:, 2 : 2 + n, 8:]
+    if layout == "every_other_row":
+        big = torch.zeros(b, h, 2 * n, d, dtype=x.dtype)
+        big[:, :, ::2] = x
+        return big[:, :, ::2]
+    if layout == "heads_last":
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "expanded":
+        return x[:1, :1].expand(b, h, n, d)
+    if layout == "strided_head_dim":
+        big = torch.zeros(b, h, n, 2 * d, dtype=x.dtype)
+        big[..., ::2] = x
+        return big[..., ::2]
+    raise ValueError(layout)
+
+
+def random_layout_case(seed):
+    """A random case of ``random_case`` with q, k and v in random memory layouts, a scale that is negative in half
+    the cases, and a path: prefill, split-KV (``num_splits``) or the default choice (split-KV at Nq <= 16)."""
+    rng = np.random.default_rng(1000 + seed)
+    shape, causal, window = random_case(seed)
+    layouts = [LAYOUTS[int(i)] for i in rng.integers(0, len(LAYOUTS), size=3)]
+    layouts[0] = LAYOUTS[1 + seed % (len(LAYOUTS) - 1)]  # q is never contiguous: every other layout in turn
+    scale = [None, -0.5, -1.3, 0.7][seed % 4] if seed % 2 else float(-rng.uniform(0.1, 1.5))
+    num_splits = [None, None, min(3, shape["nk"])][seed % 3]
+    return shape, causal, window, layouts, scale, num_splits
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_layouts_and_negative_scales_match_float64(seed):
+    # q a slice, a strided or an expanded view with a negative scale: the launch must read q through the strides of
+    # the tensor it launches on (-q), on prefill and on split-KV
+    shape, causal, window, layouts, scale, num_splits = random_layout_case(seed)
+    q, k, v = (laid_out(x, lay) for x, lay in zip(make_qkv(**shape, seed=seed), layouts, strict=True))
+    o, lse = flash_attention(q, k, v, causal, window, scale, return_lse=True, num_splits=num_splits)
+    ro, rlse = attention_float64(q, k, v, causal=causal, window=window, scale=scale)
+    assert torch.isfinite(o).all(), f"non-finite outputs with layouts {layouts}, scale {scale}"
+    err = relative_error(o, ro)
+    assert err < tolerance(q.dtype), f"relative error {err:.2e} with layouts {layouts}, scale {scale}"
+    empty = torch.isneginf(rlse)
+    assert torch.equal(torch.isneginf(lse), empty)
+    if (~empty).any():
+        gap = (lse.double() - rlse)[~empty].abs() / rlse[~empty].abs().clamp(min=1.0)
+        assert float(gap.max()) < LSE_TOL, f"lse off by {float(gap.max()):.2e} with layouts {layouts}"
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+@pytest.mark.parametrize("sparse", ["to_sparse", "to_sparse_csr"])
+def test_a_sparse_tensor_is_a_clear_type_error_naming_it(name, sparse):
+    qkv = dict(zip("qkv", make_qkv(1, 2, 2, 8, 8, 16, torch.float32, seed=1), strict=True))
+    qkv[name] = getattr(qkv[name], sparse)()
+    with pytest.raises(TypeError, match=f"{name} must be a dense"):
+        flash_attention(**qkv)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -182,7 +251,7 @@ def test_cpu_runs_leave_triton_language_as_they_found_it():
     # undo their patches; left in place they break any later GPU compile in the same process. flashlab's CPU
     # path snapshots and restores them: every attribute that existed before is the same object afterwards, and
     # no class gained one.
-    from flashlab.kernels.runtime import language_objects
+    from flashlab.kernels.interpreter import language_objects
 
     objects = language_objects()
     before = [dict(vars(obj)) for obj in objects]
@@ -204,7 +273,7 @@ def test_calls_from_several_threads_at_once_are_correct_and_leave_triton_languag
     # prefill and split-KV mixed: every result equals the reference, and the language is as it was after.
     import threading
 
-    from flashlab.kernels.runtime import language_objects
+    from flashlab.kernels.interpreter import language_objects
 
     objects = language_objects()
     before = [dict(vars(obj)) for obj in objects]

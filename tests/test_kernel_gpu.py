@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashlab.core.numerics import tolerance
-from flashlab.kernels.forward import flash_attention
+from flashlab.host.attention import flash_attention
 from flashlab.reference.torch_float64 import attention_float64
 
 pytestmark = pytest.mark.gpu

@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_kernel import LAYOUTS, laid_out
 
-from flashlab import flash_attention_with_kvcache
+from flashlab import flash_attention, flash_attention_with_kvcache
 from flashlab.core.numerics import tolerance
 from flashlab.reference.torch_float64 import attention_float64
 
@@ -87,6 +88,46 @@ def check(q, k_cache, v_cache, seqlens, table, causal=False, window=None, scale=
         gap = (lse[~empty] - rlse[~empty]).abs() / rlse[~empty].abs().clamp(min=1.0)
         assert float(gap.max()) < LSE_TOL
     return err
+
+
+def table_laid_out(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """A block table (2-D) or lengths (1-D) with the same values in another layout: a column slice of a wider
+    tensor, or every other entry of a longer one."""
+    if layout == "contiguous":
+        return x
+    if layout == "column_slice":
+        big = torch.full((*x.shape[:-1], x.shape[-1] + 3), -7, dtype=x.dtype)
+        big[..., 2 : 2 + x.shape[-1]] = x
+        return big[..., 2 : 2 + x.shape[-1]]
+    big = torch.full((*x.shape[:-1], 2 * x.shape[-1]), -7, dtype=x.dtype)  # every other entry
+    big[..., ::2] = x
+    return big[..., ::2]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_layouts_negative_scales_and_strided_tables_match_float64(seed):
+    # q a slice, strided or expanded view with a negative scale, and a block table or lengths that are not
+    # contiguous: the launch reads each through the strides of the tensor it launches on
+    rng = np.random.default_rng(2000 + seed)
+    dtype = [torch.float32, torch.float16, torch.bfloat16][seed % 3]
+    hk, group = int(rng.integers(1, 3)), int(rng.choice([1, 2, 3]))
+    nq, bs = int(rng.choice([1, 1, 3, 7])), int(rng.choice([16, 32, 48]))
+    q, kc, vc, seqlens, table = paged_case(seed, b=3, hq=hk * group, hk=hk, nq=nq, d=int(rng.choice([16, 24, 40])),
+                                           bs=bs, dtype=dtype, max_len=int(rng.integers(nq + 1, 100)))  # fmt: skip
+    q = laid_out(q, LAYOUTS[1 + seed % (len(LAYOUTS) - 1)])
+    table_layout = ("column_slice", "every_other", "every_other")[seed % 3]
+    lengths_layout = ("contiguous", "every_other")[seed % 2]
+    paged = seed % 5 != 4  # one case in five: a contiguous cache, (B, Nk_max, Hk, D), with strided lengths
+    if not paged:
+        kc, vc = (torch.randn(3, 64, hk, q.shape[-1], generator=torch.Generator().manual_seed(seed)).to(dtype)
+                  for _ in range(2))  # fmt: skip
+        seqlens, table, lengths_layout = seqlens.clamp(max=64), None, "every_other"
+    seqlens = table_laid_out(seqlens, lengths_layout)
+    if table is not None:
+        table = table_laid_out(table, table_layout)
+    scale = [-0.5, -1.3, None, 0.8, -0.2][seed % 5]
+    causal = bool(seed % 3 == 1)
+    check(q, kc, vc, seqlens, table, causal=causal, scale=scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -164,6 +205,35 @@ def test_unused_blocks_are_never_read():
     torch.testing.assert_close(flash_attention_with_kvcache(q, kc, vc, seqlens, table), ref, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("strided", ["block_table", "cache_seqlens"])
+def test_a_strided_block_table_or_lengths_alone_gives_the_same_answer(strided):
+    q, kc, vc, seqlens, table = paged_case(4, b=3, hq=2, hk=1, nq=2, d=16, bs=16, dtype=torch.float32, max_len=70)
+    if strided == "block_table":
+        table = table_laid_out(table, "every_other")
+    else:
+        seqlens = table_laid_out(seqlens, "every_other")
+    check(q, kc, vc, seqlens, table)
+
+
+def test_a_scale_beyond_float32_is_refused_as_flash_attention_refuses_it():
+    q, kc, vc, seqlens, table = paged_case(3, b=2, hq=2, hk=1, nq=1, d=16, bs=16, dtype=torch.float32, max_len=40)
+    for scale in (1e39, -1e39, 10**400, float("nan")):
+        with pytest.raises(ValueError, match="scale") as kvcache_error:
+            flash_attention_with_kvcache(q, kc, vc, seqlens, table, scale=scale)
+        with pytest.raises(ValueError, match="scale") as prefill_error:
+            flash_attention(q, q, q, scale=scale)
+        assert str(kvcache_error.value) == str(prefill_error.value)
+
+
+@pytest.mark.parametrize("name", ["q", "k_cache", "v_cache", "cache_seqlens", "block_table"])
+def test_a_sparse_tensor_is_a_clear_type_error_naming_it(name):
+    q, kc, vc, seqlens, table = paged_case(3, b=2, hq=2, hk=1, nq=1, d=16, bs=16, dtype=torch.float32, max_len=40)
+    args = dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=seqlens, block_table=table)
+    args[name] = args[name].to_sparse()
+    with pytest.raises(TypeError, match=f"{name} must be a dense"):
+        flash_attention_with_kvcache(**args)
+
+
 def test_bad_inputs_raise_clear_errors():
     q, kc, vc, seqlens, table = paged_case(10, b=2, hq=2, hk=1, nq=1, d=16, bs=16, dtype=torch.float32, max_len=40)
     f = flash_attention_with_kvcache
@@ -196,7 +266,7 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_paged_kv_cache_holds_the_same_keys():
-    from flashlab.kernels.kvcache import paged_kv_cache
+    from flashlab.kernels.decode.kvcache import paged_kv_cache
 
     g = torch.Generator().manual_seed(11)
     k, v = torch.randn(2, 2, 3, 40, 16, generator=g).unbind(0)  # (B=2, Hk=3, N=40, D=16)
@@ -232,9 +302,9 @@ def test_unchecked_values_never_leave_the_pool():
 def test_key_tiles_that_span_several_blocks(monkeypatch, block_size, block_n):
     # On a GPU key tiles are 64-128 keys, so a 16-token block is a quarter of a tile: each key finds its own block.
     # The CPU's 16-key tiles never span blocks; wider tiles here take that path on the interpreter.
-    from flashlab.kernels import kvcache
+    from flashlab.host import launches
 
-    monkeypatch.setattr(kvcache, "CPU_CONFIG", {**kvcache.CPU_CONFIG, "BLOCK_N": block_n})
+    monkeypatch.setattr(launches, "CPU_CONFIG", {**launches.CPU_CONFIG, "BLOCK_N": block_n})
     q, kc, vc, seqlens, table = paged_case(
         13, b=3, hq=4, hk=2, nq=2, d=16, bs=block_size, dtype=torch.float16, max_len=150
     )

@@ -70,7 +70,7 @@ def test_decode_step_captured_in_a_cuda_graph():
 
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_decode_loop_relaunches_directly_and_stays_exact(block_size):
-    from flashlab.kernels import kvcache
+    from flashlab.host.plan import CHECKED, PLANS, kvcache_signature
 
     case = on_gpu(*paged_case(6, b=4, hq=64, hk=8, nq=1, d=128, bs=block_size, dtype=torch.bfloat16,
                               max_len=20000, lengths=[20000, 15000, 9001, 3000]))  # fmt: skip
@@ -79,24 +79,26 @@ def test_decode_loop_relaunches_directly_and_stays_exact(block_size):
         q = torch.randn_like(q)
         seqlens.sub_(1)
         check(q, kc, vc, seqlens, table, causal=True)
-    key = kvcache.call_signature(q, kc, vc, seqlens, table, True, None, None)
-    assert kvcache._PLANS[key].fast_state == "checked", kvcache._PLANS[key].fast_state
+    plan = PLANS[kvcache_signature(q, kc, vc, seqlens, table, True, None, None)]
+    assert plan.state == CHECKED, plan.state
 
 
 def test_small_blocks_with_many_chunks_merge_in_one_launch_as_a_tree():
     # 16-token blocks at B = 1: more chunks than one program folds, so the plan takes the tree (no second merge
     # kernel) with chunks for the two programs an SM its registers allow; exact, and the same bits every launch
-    from flashlab.kernels import kvcache, runtime, split_kv
+    from flashlab.host.plan import PLANS, kvcache_signature
+    from flashlab.kernels.decode import kvcache, split_kv
+    from flashlab.kernels.device import sm_count
 
     q, kc, vc, seqlens, table = on_gpu(
         *paged_case(9, b=1, hq=64, hk=8, nq=1, d=128, bs=16, dtype=torch.bfloat16, max_len=32768, zero=False)
     )
     check(q, kc, vc, seqlens, table)
     first = flash_attention_with_kvcache(q, kc, vc, seqlens, table)
-    plan = kvcache._PLANS[kvcache.call_signature(q, kc, vc, seqlens, table, False, None, None)]
-    sms = runtime.sm_count(q.device.index)
-    assert plan.merge_grid is None and plan.meta["MERGE_GROUP"] == split_kv.TREE_GROUP
-    assert split_kv.MAX_FOLD_SPLITS < plan.num_splits
-    assert plan.num_splits * 8 <= kvcache.SMALL_BLOCK_TREE_PROGRAMS_PER_SM * sms  # one wave at two an SM
+    args = PLANS[kvcache_signature(q, kc, vc, seqlens, table, False, None, None)].args
+    sms = sm_count(q.device.index)
+    assert args.meta["MERGE_HERE"] and args.meta["MERGE_GROUP"] == split_kv.TREE_GROUP
+    assert split_kv.MAX_FOLD_SPLITS < args.num_splits
+    assert args.num_splits * 8 <= kvcache.SMALL_BLOCK_TREE_PROGRAMS_PER_SM * sms  # one wave at two an SM
     for _ in range(20):
         torch.testing.assert_close(flash_attention_with_kvcache(q, kc, vc, seqlens, table), first, rtol=0, atol=0)

@@ -7,7 +7,7 @@ ladder picks, refuses and falls back as ``flash_attention(..., rung=)`` says.
   ``flashlab.core.masking.tile_map`` computes (the matrix products Triton's interpreter executes, counted);
 - the selection: an unknown name, a rung that cannot run (a warning and a right answer, never a silent
   substitute), ``rung=None``; gradients through a named rung;
-- the benchmark's ``flashlab_<rung>`` backends and the ladder's tools for notebook 05 (``flashlab.bench.ladder``).
+- the benchmark's ``flashlab_<rung>`` backends and the ladder's tools for notebook 05 (``bench.ladder_results``).
 
 Sized for the interpreter (a few programs per call); the ``gpu`` tests run every rung compiled at real sizes.
 """
@@ -25,12 +25,13 @@ import torch
 from conftest import ROOT
 from flashlab import flash_attention
 from flashlab.bench import BACKENDS, DEFAULT_BACKENDS, BenchResults, run_sweep
-from flashlab.bench import ladder as bench_ladder
+from flashlab.bench import ladder_results as bench_ladder
 from flashlab.bench.implementations import RUNG_PREFIX, rung_backend
 from flashlab.core.masking import tile_map
 from flashlab.core.numerics import relative_error, tolerance
-from flashlab.kernels import forward, ladder
-from flashlab.kernels.runtime import CPU_CONFIG
+from flashlab.host.plan import PLANS
+from flashlab.kernels import ladder
+from flashlab.kernels.device import CPU_CONFIG
 from flashlab.reference.torch_float64 import attention_float64, attention_float64_grads
 
 RUNG_NAMES = ladder.names()
@@ -220,7 +221,7 @@ def test_forward_plans_remember_the_rung():
     rungs = ("lesson_loop", "skip_split")
     for rung in rungs:
         flash_attention(q, k, v, rung=rung)
-    keyed = [key for key in forward._PLANS if key[0] == q.shape and key[2] == k.shape]
+    keyed = [key for key in PLANS if key[0] == q.shape and key[2] == k.shape]
     assert {key[-1] for key in keyed} >= set(rungs)
 
 

@@ -5,12 +5,14 @@ hidden in a function body is still a cycle). The layers, bottom to top:
 
     0  flashlab.core                               shapes, masks, tolerances, integers, checks (NumPy only)
     1  flashlab.reference, flashlab.calculators    the NumPy ground truth; the lesson's arithmetic and catalogues
-    2  flashlab.kernels                            the Triton kernels
-    3  the tools                                   bench, sdpa, exercises, grade, widgets, paged
+    2  flashlab.kernels                            the Triton kernels: device code and one plain launch each
+    3  flashlab.host                               the host engine: entry points, checks, plans, direct launches
+    4  the tools                                   bench, sdpa, exercises, grade, widgets, kv_allocator
 
 A module may import from its own layer's package and from lower layers; the two packages of layer 1 are
 independent of each other. The package root ``flashlab`` re-exports lazily and is imported from anywhere only for
-``__version__``.
+``__version__``. Plans live in the host engine alone: no module outside ``flashlab.host`` keeps a module-level
+cache (``test_no_plan_cache_outside_the_host_engine``).
 """
 
 from __future__ import annotations
@@ -30,16 +32,22 @@ LAYERS = {
     "flashlab.reference": 1,
     "flashlab.calculators": 1,
     "flashlab.kernels": 2,
-    "flashlab.bench": 3,
-    "flashlab.sdpa": 3,
-    "flashlab.exercises": 3,
-    "flashlab.grade": 3,
-    "flashlab.widgets": 3,
-    "flashlab.paged": 3,
-    "flashlab.distributed": 3,
+    "flashlab.host": 3,
+    "flashlab.bench": 4,
+    "flashlab.sdpa": 4,
+    "flashlab.exercises": 4,
+    "flashlab.grade": 4,
+    "flashlab.widgets": 4,
+    "flashlab.kv_allocator": 4,
+    "flashlab.distributed": 4,
 }
+TOOLS = 4  # the top layer, whose packages may import each other
 # What the root re-exports, and where it comes from.
-ROOT_EXPORTS = {"flash_attention": "flashlab.kernels.forward", "__version__": None}
+ROOT_EXPORTS = {
+    "flash_attention": "flashlab.host",
+    "flash_attention_with_kvcache": "flashlab.host",
+    "__version__": None,
+}
 
 
 def module_name(path: Path) -> str:
@@ -51,7 +59,7 @@ MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def top_package(module: str) -> str:
-    """``flashlab.kernels.forward`` -> ``flashlab.kernels``; the unit the layers are drawn in."""
+    """``flashlab.kernels.decode.split_kv`` -> ``flashlab.kernels``; the unit the layers are drawn in."""
     parts = module.split(".")
     return ".".join(parts[:2]) if len(parts) > 1 else module
 
@@ -110,7 +118,7 @@ def test_imports_point_down():
             continue
         if src == dst:
             continue
-        if LAYERS[dst] > LAYERS[src] or (LAYERS[dst] == LAYERS[src] and LAYERS[src] < 3):
+        if LAYERS[dst] > LAYERS[src] or (LAYERS[dst] == LAYERS[src] and LAYERS[src] < TOOLS):
             wrong.append(f"{importer} imports {target} (layer {LAYERS[src]} -> {LAYERS[dst]})")
     assert not wrong, "imports that point up or sideways:\n" + "\n".join(wrong)
 
@@ -174,7 +182,7 @@ def test_the_cycle_finder_finds_a_cycle():
     # the two tests above can fail: a hand-made cycle, two deep and through a function-level import, is found
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     src = "def f():\n    from flashlab.bench import x\n"
-    found = list(imports_of(ast.parse(src), "flashlab.kernels.forward", False))
+    found = list(imports_of(ast.parse(src), "flashlab.kernels.decode.split_kv", False))
     assert found == [("flashlab.bench", ("x",))]
     assert _cycle({"x": {"y"}, "y": set()}) is None
 
@@ -233,3 +241,117 @@ def test_the_lower_layers_do_not_need_torch(name):
         for target, _ in imports_of(tree, mod, MODULES[mod].name == "__init__.py"):
             assert target.split(".")[0] not in ("torch", "triton"), f"{mod} imports {target}"
             todo.append(target)
+
+
+# Inside flashlab.kernels imports point one way too: the shared pieces at the bottom, then the kernels' folders.
+KERNEL_BASE = ("flashlab.kernels.device", "flashlab.kernels.interpreter", "flashlab.kernels.softmax_step")
+
+
+def test_inside_the_kernels_imports_point_one_way():
+    wrong = []
+    for importer, target, _ in EDGES:
+        if not (importer.startswith("flashlab.kernels") and target.startswith("flashlab.kernels.")):
+            continue
+        if importer in KERNEL_BASE:
+            if target not in KERNEL_BASE or target == importer:
+                wrong.append(f"{importer} imports {target}")
+            continue
+        folder = ".".join(importer.split(".")[:3])  # flashlab.kernels.ladder, .decode, .flash_backward
+        if not (target in KERNEL_BASE or target.startswith(folder)):
+            wrong.append(f"{importer} imports {target}")
+    assert not wrong, "kernel modules that import sideways:\n" + "\n".join(wrong)
+
+
+# Module-level caches outside the host engine that are no plan, and why. Anything else a module outside
+# flashlab.host keeps at module level and fills while it runs is a second plan cache, and fails the test below.
+NOT_PLANS = {
+    "flashlab.kernels.interpreter:_INTERPRETED": "interpreted copies of @triton.jit functions, one per function",
+    "flashlab.kernels.device:smem_limit": "a device query (shared memory per block), one per GPU",
+    "flashlab.kernels.device:sm_count": "a device query (multiprocessors), one per GPU",
+    "flashlab.kernels.flash_backward:_SIDE_STREAMS": "the dQ kernel's side stream, one per GPU",
+    "flashlab.kernels.ladder.rung4_overlap:_LAYOUTS": "shared-memory layouts of a tile shape and dtype",
+    "flashlab.kernels.ladder.tile_schedule:_TABLES": "device copies of a schedule table, one per lengths",
+}
+CACHE_DECORATORS = {"cache", "lru_cache", "cached_property"}
+MUTATING_METHODS = {"setdefault", "update", "pop", "popitem", "clear", "__setitem__"}
+
+
+def module_caches(tree: ast.Module) -> list[str]:
+    """Names of a module's caches: module-level dicts (``{}``, ``dict()``, ``OrderedDict()``, ``defaultdict()``)
+    that a function writes into, and functions memoised with ``functools.cache`` / ``lru_cache``."""
+    mappings = set()
+    for node in tree.body:
+        targets, value = [], None
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        called = value.func if isinstance(value, ast.Call) else None
+        name = getattr(called, "attr", None) or getattr(called, "id", None)
+        if isinstance(value, ast.Dict) or name in ("dict", "OrderedDict", "defaultdict"):
+            mappings |= {t.id for t in targets if isinstance(t, ast.Name)}
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for deco in node.decorator_list:
+                deco = deco.func if isinstance(deco, ast.Call) else deco
+                if (getattr(deco, "attr", None) or getattr(deco, "id", None)) in CACHE_DECORATORS:
+                    found.add(node.name)
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Subscript) and isinstance(inner.ctx, ast.Store):
+                    if isinstance(inner.value, ast.Name) and inner.value.id in mappings:
+                        found.add(inner.value.id)
+                elif isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute):
+                    owner = inner.func.value
+                    if isinstance(owner, ast.Name) and owner.id in mappings and inner.func.attr in MUTATING_METHODS:
+                        found.add(owner.id)
+    return sorted(found)
+
+
+def caches_outside_the_host(modules: dict[str, Path]) -> list[str]:
+    return [
+        f"{name}:{cache}"
+        for name, path in modules.items()
+        if name != "flashlab.host" and not name.startswith("flashlab.host.")
+        for cache in module_caches(ast.parse(path.read_text(), filename=str(path)))
+    ]
+
+
+def test_no_plan_cache_outside_the_host_engine():
+    # one plan cache (flashlab.host.plan.PLANS): a module-level dict filled at run time anywhere else is another
+    found = caches_outside_the_host(MODULES)
+    unexplained = sorted(set(found) - set(NOT_PLANS))
+    assert not unexplained, "module-level caches outside flashlab.host (plans belong in flashlab.host.plan):\n" + (
+        "\n".join(unexplained)
+    )
+    stale = sorted(set(NOT_PLANS) - set(found))
+    assert not stale, f"NOT_PLANS names caches that are gone: {stale}"
+
+
+def test_the_plan_cache_scan_finds_a_planted_cache(tmp_path):
+    # the test above can fail: a plan dict planted in a kernel module, filled inside a function, is found, as is a
+    # memoised function and an OrderedDict filled through a method; a constant table and a function's own dict are
+    # not caches
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "import collections, functools\n"
+        "TABLE = {'a': 1}\n"
+        "_PLANS: dict = {}\n"
+        "_BY_KEY = collections.OrderedDict()\n"
+        "def plan(key):\n"
+        "    if key not in _PLANS:\n"
+        "        _PLANS[key] = object()\n"
+        "    _BY_KEY.setdefault(key, 1)\n"
+        "    local = {}\n"
+        "    local[key] = 1\n"
+        "    return _PLANS[key], TABLE['a']\n"
+        "@functools.lru_cache(maxsize=None)\n"
+        "def planned(key):\n"
+        "    return key\n"
+    )
+    modules = {"flashlab.kernels.planted": planted, "flashlab.host.planted": planted}
+    assert caches_outside_the_host(modules) == [
+        "flashlab.kernels.planted:_BY_KEY",
+        "flashlab.kernels.planted:_PLANS",
+        "flashlab.kernels.planted:planned",
+    ]

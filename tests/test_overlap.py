@@ -1,4 +1,4 @@
-"""Rung 4 of the kernel ladder, ``flashlab.kernels.overlap`` (Gluon, Hopper only).
+"""Rung 4 of the kernel ladder, ``flashlab.kernels.ladder.rung4_overlap`` (Gluon, Hopper only).
 
 On CPU: where it refuses to run and why (each condition of ``unavailable`` on tensors that claim to live on a GPU
 of a given compute capability), that a named ``rung="overlap"`` on CPU tensors warns and gives the fastest
@@ -16,7 +16,10 @@ import torch
 from test_ladder import assert_matches_float64, make_qkv
 
 from flashlab import flash_attention
-from flashlab.kernels import forward, ladder, overlap
+from flashlab.host import launches
+from flashlab.kernels import ladder
+from flashlab.kernels.device import kernel_band
+from flashlab.kernels.ladder import rung4_overlap as overlap
 from flashlab.reference.torch_float64 import attention_float64, attention_float64_grads
 
 
@@ -280,16 +283,15 @@ def test_its_plan_runs_skip_and_split_for_an_address_the_copy_engine_cannot_take
     # A plan is kept per signature, and a signature has no addresses: q 2 bytes off 16 (same shape and strides as
     # the tensors it was planned on) must not reach the Gluon kernel, and comes out right from skip and split
     q, k, v = make_qkv(1, 2, 2, 48, 48, 32, torch.bfloat16, seed=4)
-    _, offset, win_left, win_right, qk_scale = forward.kernel_args(q, k, v, True, None, None)
-    planned = overlap.plan(q, k, v, True, None, (offset, win_left, win_right, qk_scale))
+    planned = launches.overlap_plan(q, k, v, True, None, kernel_band(48, 48, 32, True, None, None)[:4])
     buf = torch.empty(q.numel() + 1, dtype=q.dtype)
     q_odd = buf[1:].view(q.shape).copy_(q)
     assert q_odd.stride() == q.stride() and q_odd.data_ptr() % 16
     o, lse = torch.empty_like(q), torch.empty(q.shape[:3])
-    planned(q_odd, k, v, o, lse)
+    planned.run(planned, q_odd, k, v, o, lse)
     assert_matches_float64(o, lse, *attention_float64(q, k, v, True, None), q.dtype, "misaligned q")
     with pytest.raises(RuntimeError, match="the overlap rung cannot run these inputs"):  # aligned, on CPU: refused
-        planned(q, k, v, torch.empty_like(q), torch.empty(q.shape[:3]))
+        planned.run(planned, q, k, v, torch.empty_like(q), torch.empty(q.shape[:3]))
 
 
 @needs_gluon
@@ -374,7 +376,7 @@ def test_head_dim_64_takes_three_warpgroups_for_long_unmasked_calls_and_one_for_
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     q, k, v = fake(b=1, hq=2, hk=2, nq=nq, nk=nq, d=64)
     o, lse = OnGpu(torch.empty(q.shape, dtype=q.dtype)), torch.empty(q.shape[:3])
-    band = forward.kernel_args(torch.empty(1, 1, nq, 64), torch.empty(1, 1, nq, 64), None, causal, window, None)[1:]
+    band = kernel_band(nq, nq, 64, causal, window, None)[:4]
     overlap.launch(q, k, v, o, lse, causal, window, band)
     block_n = 128 if num_wg == 2 else 64
     meta = launched["meta"]
@@ -413,11 +415,11 @@ def sm90_sass(monkeypatch, d, causal, n=1024):
     b, h = 16384 // n, 2048 // d
     q = torch.empty(b, h, n, d, dtype=torch.bfloat16)
     lse = torch.empty(b, h, n)
-    band = forward.kernel_args(q, q, q, causal, None, None)[1:]
-    _, table, scalars, meta = overlap._launch_shape(q, q, causal, None, band)
+    band = kernel_band(n, n, d, causal, None, None)[:4]
+    _, table, scalars, meta = overlap.launch_shape(q, q, causal, None, band)
     options = {key: meta.pop(key) for key in ("num_warps", "maxnreg") if key in meta}
-    args = [*overlap._descriptors(q, q, q, q, meta["BLOCK_N"]), lse, lse if table is None else table, *scalars]
-    kernel = overlap._attn_fwd_overlap
+    args = [*overlap.descriptors(q, q, q, q, meta["BLOCK_N"]), lse, lse if table is None else table, *scalars]
+    kernel = overlap.attn_fwd_overlap
     signature, constants = {}, {}
     values = iter(args)
     for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params, strict=True)):

@@ -11,9 +11,10 @@ import pytest
 import torch
 from test_kernel import check_against_reference, make_qkv
 
-from flashlab.kernels import split_kv
-from flashlab.kernels.forward import flash_attention, kernel_args
-from flashlab.kernels.split_kv import MAX_SPLIT_QUERY_ROWS, MAX_SPLITS, MIN_KEYS_PER_SPLIT, choose_splits
+from flashlab.host.attention import flash_attention
+from flashlab.kernels.decode import split_kv
+from flashlab.kernels.decode.split_kv import MAX_SPLIT_QUERY_ROWS, MAX_SPLITS, MIN_KEYS_PER_SPLIT, choose_splits
+from flashlab.kernels.device import kernel_band
 from flashlab.reference import attention
 from flashlab.reference.torch_float64 import attention_float64
 
@@ -62,8 +63,8 @@ def test_merge_tree_over_several_groups_matches_reference(num_splits, causal, wi
     assert num_splits >= split_kv.TREE_GROUP
     nk = num_splits * split_kv.KEY_ALIGN - 50  # the last chunk is short
     q, k, v = make_qkv(1, 4, 2, 2, nk, 16, torch.float32, seed=num_splits)
-    plan = split_kv.plan_launch(q, k, v, q, *kernel_args(q, k, v, causal, window, None)[1:], num_splits)
-    assert plan.num_splits == num_splits and plan.merge_here
+    args = split_kv.SplitArguments(q, k, v, q, *kernel_band(2, nk, 16, causal, window, None)[:4], num_splits)
+    assert args.num_splits == num_splits and args.meta["MERGE_HERE"]
     o, lse = flash_attention(q, k, v, causal=causal, window=window, num_splits=num_splits, return_lse=True)
     ro, rl = attention_float64(q, k, v, causal=causal, window=window)
     torch.testing.assert_close(o.double(), ro, rtol=1e-5, atol=1e-5)

@@ -1,4 +1,4 @@
-"""The persistent grid's tile schedule, ``flashlab.kernels.tile_schedule`` (host side, no GPU needed).
+"""The persistent grid's tile schedule, ``flashlab.kernels.ladder.tile_schedule`` (host side, no GPU needed).
 
 The teaching point: under a causal mask the query tiles are unequal work, and how they are handed to one program
 per multiprocessor decides when the last program ends. Dealt round robin in pairs of equal work, 2048 units on 132
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from flashlab.core.masking import visible_band, visible_mask
-from flashlab.kernels import tile_schedule
+from flashlab.kernels.ladder import tile_schedule
 
 PROGRAMS = 132  # an H200's multiprocessors
 

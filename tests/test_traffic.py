@@ -188,7 +188,7 @@ def test_the_child_checks_and_runs_every_case_and_writes_its_manifest(tmp_path, 
     assert all(c["profiled"] for c in cases if c["status"] == "ok")
     assert cases[0]["rel_err"] < 1e-5  # checked against the float64 reference before it ran
     assert status["sdpa_cudnn"] == "error" and not next(c for c in cases if c["backend"] == "sdpa_cudnn")["profiled"]
-    if status["flashlab_backward"] == "unavailable":  # until flashlab.kernels.backward exists
+    if status["flashlab_backward"] == "unavailable":  # until flashlab.kernels.flash_backward exists
         assert "not available" in cases[-1]["reason"]
     assert "[4/4" in capsys.readouterr().out
 

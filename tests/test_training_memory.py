@@ -20,9 +20,9 @@ from flashlab.bench.implementations import naive_attention
 from flashlab.bench.training_memory import saved_for_backward_bytes, training_step_memory
 from flashlab.calculators.roofline import flash_saved_for_backward_bytes, naive_saved_for_backward_bytes
 
-# flash_attention is differentiable once flashlab.kernels.autograd exists; until then it refuses tensors that need grad
+# flash_attention is differentiable once flashlab.host.autograd exists; until then it refuses tensors that need grad
 needs_differentiable_kernel = pytest.mark.skipif(
-    importlib.util.find_spec("flashlab.kernels.autograd") is None, reason="flash_attention has no backward here"
+    importlib.util.find_spec("flashlab.host.autograd") is None, reason="flash_attention has no backward here"
 )
 
 

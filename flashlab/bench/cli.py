@@ -13,7 +13,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from flashlab.bench import ladder
+from flashlab.bench import ladder_results as ladder
 from flashlab.bench.args import MAX_SEED, finite_number, name_list, output_prefix, size_list, whole_number
 from flashlab.bench.config import BenchConfig
 from flashlab.bench.grid import CAUSAL_CHOICES, DTYPES

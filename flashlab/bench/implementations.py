@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from flashlab.bench.grid import DTYPES, Cell
-from flashlab.kernels import flash_attention, flash_attention_with_kvcache, ladder
-from flashlab.kernels.forward import check_inputs, forward
-from flashlab.kernels.kvcache import paged_kv_cache
+from flashlab.host import flash_attention, flash_attention_with_kvcache
+from flashlab.host.attention import forward
+from flashlab.host.checks import check_inputs
+from flashlab.kernels import ladder
+from flashlab.kernels.decode.kvcache import paged_kv_cache
 from flashlab.reference.torch_float64 import attention_float64
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -304,5 +304,5 @@ def measure_ceilings(device: str) -> dict:
     )
 
 
-# shared with the backward mode (flashlab.bench.backward)
+# shared with the backward mode (flashlab.bench.backward_cell)
 free_memory_bytes, is_oom, one_line = _free_memory_bytes, _is_oom, _one_line

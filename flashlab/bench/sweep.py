@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from flashlab.bench.backward import bench_cell_backward
+from flashlab.bench.backward_cell import bench_cell_backward
 from flashlab.bench.config import BenchConfig
 from flashlab.bench.implementations import BACKENDS, Backend, flashlab_variant
 from flashlab.bench.measure import bench_cell, measure_ceilings

@@ -5,7 +5,7 @@
 
 The lesson's claim is that attention is slow because of the bytes it moves. ``flashlab.calculators.roofline``
 counts those bytes; this command measures them. For each backend -- naive attention run kernel by kernel in eager
-PyTorch, flashlab's forward (and its backward, where ``flashlab.kernels.backward`` exists), SDPA pinned to
+PyTorch, flashlab's forward (and its backward, where ``flashlab.kernels.flash_backward`` exists), SDPA pinned to
 FLASH_ATTENTION and to CUDNN_ATTENTION -- and each case (N in 1K..16K, D in 64 and 128, causal and not; batch 1
 and H = 2048 / D heads, so every case holds the same 2048-wide model; ``--heads`` fixes the head count instead),
 it records per kernel:
@@ -725,20 +725,12 @@ def headline(results: TrafficResults, seq_len: int = 8192, head_dim: int = 128) 
 # The child: runs under ncu, warms up, then profiles one call per case
 
 
-def _backward_unavailable() -> str | None:
-    try:
-        import flashlab.kernels.backward  # noqa: F401
-    except Exception as e:  # noqa: BLE001 -- missing, or present but broken: either way not measurable
-        return f"not available: flashlab.kernels.backward cannot be imported ({e.__class__.__name__}: {e})"
-    return None
-
-
 def _case_call(case: TrafficCase, q, k, v):
     """What one profiled call runs, and the output it is checked with (None: checked another way)."""
     import torch
 
     from flashlab.bench.implementations import BACKENDS
-    from flashlab.kernels import flash_attention
+    from flashlab.host import flash_attention
 
     if case.backend != "flashlab_backward":
         run = BACKENDS[case.backend].run
@@ -797,7 +789,6 @@ def run_child(config: TrafficConfig, manifest: Path, device: str = "cuda") -> No
     marker()
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     sync()
-    backward_missing = _backward_unavailable()
     done = []
     start = time.perf_counter()
     budget_s = 0.8 * config.timeout_s  # stop starting cases in time for ncu to write its report
@@ -808,8 +799,6 @@ def run_child(config: TrafficConfig, manifest: Path, device: str = "cuda") -> No
         try:
             if time.perf_counter() - start > budget_s:
                 raise TimeoutError(f"not run: the recording's time limit ({config.timeout_s:.0f} s) is near")
-            if case.backend == "flashlab_backward" and backward_missing:
-                raise LookupError(backward_missing)
             if gpu:
                 torch.cuda.empty_cache()
                 free = torch.cuda.mem_get_info()[0]
@@ -827,7 +816,7 @@ def run_child(config: TrafficConfig, manifest: Path, device: str = "cuda") -> No
                 if not entry["rel_err"] <= TOLERANCE[case.dtype]:
                     raise ArithmeticError(f"relative error {entry['rel_err']:.3g} > {TOLERANCE[case.dtype]:g}")
             del out
-            call()  # warm-up 2: flashlab builds its direct relaunch (runtime.FastLaunch) ...
+            call()  # warm-up 2: flashlab builds its direct relaunch (flashlab.host.launcher.FastLaunch) ...
             call()  # warm-up 3: ... and checks it against a JIT launch: only now is a call the steady state
             sync()
             entry.update(profiled=True, status="running")  # on disk before profiling: a crash still lines up

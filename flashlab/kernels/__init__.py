@@ -1,18 +1,18 @@
-"""The Triton kernels, each checked against ``flashlab.reference``.
+"""The Triton kernels: device code, and one plain launch per kernel a learner can read.
 
-- ``runtime`` -- what the kernels share on the host: accepted inputs, shared-memory fit, the CPU interpreter.
-- ``softmax_step`` -- the device functions they share: the band's element mask and one online-softmax step.
-- ``ladder`` -- the forward kernel as rungs a learner can run and time, slowest first: ``lesson_loop`` (every key
-  tile loaded and masked, as the lesson writes the loop), ``skip_split`` (only the key tiles the mask leaves
-  visible, the tiles every row sees without a mask; the default prefill kernel).
-- ``forward`` -- ``flash_attention``, the entry point: checks, a plan per call signature, the launch.
-- ``split_kv`` -- the decode path (Flash-Decoding): key chunks in parallel, merged by their log-sum-exps.
-- ``kvcache`` -- the same path against a serving engine's KV cache: ragged lengths, paged blocks, a block table.
-- ``op`` -- both registered as PyTorch custom operators, so ``torch.compile(fullgraph=True)`` traces them.
+- ``ladder`` -- the forward kernel as rungs a learner can run and time, slowest first: ``rung1_lesson_loop``
+  (every key tile loaded and masked, as the lesson writes the loop), ``rung2_skip_split`` (only the key tiles the
+  mask leaves visible, the tiles every row sees without a mask), ``rung3_hopper`` (whole tiles copied by the
+  tensor-memory accelerator), ``rung4_overlap`` (one warpgroup's softmax under the other's products), and the
+  overlap rung's ``tile_schedule``.
+- ``decode`` -- ``split_kv`` (Flash-Decoding: key chunks in parallel, merged by their log-sum-exps) and
+  ``kvcache`` (the same against a serving engine's paged KV cache).
+- ``flash_backward`` -- the FlashAttention-2 backward kernels.
+- ``softmax_step`` -- the ``@triton.jit`` steps they share: the band's element mask, one online-softmax step, the
+  chunks' merge.
+- ``device`` -- what the kernels accept and ask of the device; ``interpreter`` -- Triton's interpreter for CPU
+  tensors.
+
+Each is checked against ``flashlab.reference``. The entry points, the checks, the plans and the direct launches
+are the host engine's (``flashlab.host``), which imports this package; nothing here imports it.
 """
-
-from flashlab.kernels import op  # noqa: F401  (registers the operators that torch.compile traces)
-from flashlab.kernels.forward import flash_attention
-from flashlab.kernels.kvcache import flash_attention_with_kvcache
-
-__all__ = ["flash_attention", "flash_attention_with_kvcache"]

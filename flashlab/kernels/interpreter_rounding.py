@@ -12,7 +12,7 @@ top 16 bits. A carry out of the kept mantissa moves into the exponent, so the la
 infinity and the largest subnormals to the smallest normal, as IEEE 754 says. NaNs stay NaNs (quiet, sign kept).
 
 ``nearest_even_bf16(interpreter)`` puts that conversion in the interpreter's place for fp32 -> bf16 while a CPU
-launch runs (``flashlab.kernels.runtime.interpreted_language``) and puts Triton's own back afterwards. Other
+launch runs (``flashlab.kernels.interpreter.interpreted_language``) and puts Triton's own back afterwards. Other
 conversions, and an explicit ``fp_downcast_rounding="rtz"``, are left to Triton (rtz keeps NaNs NaN here too).
 """
 

@@ -12,7 +12,7 @@ that the mask leaves visible, keeping only the three running quantities of the o
 and writes O and the log-sum-exp once at the end. The score tile S (BLOCK_M x BLOCK_N) lives in registers only;
 the Nq x Nk score matrix is never written to memory. The float64 ground truth is ``flashlab.reference.attention``.
 
-What it removes against rung 1 (``flashlab.kernels.lesson_loop``, which visits every key tile and masks every one):
+What it removes against rung 1 (``rung1_lesson_loop``, which visits every key tile and masks every one):
 the key tiles a query tile visits are split into three stages by the mask band (``flashlab.core.masking``):
 
     stage 0: tiles cut by the window's left edge      (element mask)
@@ -31,8 +31,8 @@ by the tensor-memory accelerator instead (``desc.load``, TMA: one instruction pe
 columns filled with zeros), which measured 5-10 % faster there (``docs/kernel-notes.md``).
 
 On CUDA tensors the kernel is compiled (autotuned over block sizes, warps and pipeline stages). On CPU tensors the
-very same kernel source runs through Triton's interpreter (``runtime.CPU_CONFIG``), so every notebook runs without a
-GPU. ``flashlab.kernels.forward`` checks the inputs, plans a call and launches this kernel (its fast path for
+very same kernel source runs through Triton's interpreter (``device.CPU_CONFIG``), so every notebook runs without a
+GPU. The host engine (``flashlab.host``) checks the inputs, plans a call and launches this kernel (its fast path for
 repeated calls lives there); ``launch`` here is the plain launch, with the benchmark's switches.
 """
 
@@ -44,17 +44,16 @@ import triton.language as tl
 
 from flashlab.core.integers import cdiv, next_power_of_2
 from flashlab.kernels import softmax_step
-from flashlab.kernels.runtime import (
+from flashlab.kernels.device import (
     CPU_CONFIG,
     block_d,
     device_index,
     dot_precision,
     dot_upcast,
     fits_smem,
-    interpreted,
-    interpreted_language,
     smem_limit,
 )
+from flashlab.kernels.interpreter import interpreted, interpreted_language
 
 NAME = "skip_split"  # the rung's name in flashlab.kernels.ladder
 
@@ -335,12 +334,12 @@ def wants_tma(causal, window, nk: int) -> bool:
 def launch(q, k, v, o, lse, causal, window, band, config=None, reverse_m=None, use_tma=None):
     """Run the kernel once on prepared inputs, writing ``o (B, Hq, Nq, D)`` and ``lse (B, Hq, Nq)``.
 
-    q ``(B, Hq, Nq, D)``, k and v ``(B, Hk, Nk, D)`` with unit stride along D (``flashlab.kernels.forward`` makes
-    them so, and negates q for a negative scale); ``band = (offset, win_left, win_right, qk_scale)`` as
-    ``forward.kernel_args`` gives it. The benchmark's switches (None: the kernel's own choice): ``config`` (a dict
-    of BLOCK_M, BLOCK_N, num_warps, num_stages) bypasses the autotuner, ``reverse_m`` overrides the causal tile
-    order, ``use_tma`` turns TMA loads on or off where they can be used. CPU tensors run the interpreter with
-    ``CPU_CONFIG``.
+    q ``(B, Hq, Nq, D)``, k and v ``(B, Hk, Nk, D)`` with unit stride along D (the host engine makes them so, and
+    negates q for a negative scale); ``band = (offset, win_left, win_right, qk_scale)`` as
+    ``flashlab.kernels.device.kernel_band`` gives it. The benchmark's switches (None: the kernel's own choice):
+    ``config`` (a dict of BLOCK_M, BLOCK_N, num_warps, num_stages) bypasses the autotuner, ``reverse_m`` overrides the
+    causal tile order, ``use_tma`` turns TMA loads on or off where they can be used. CPU tensors run the interpreter
+    with ``CPU_CONFIG``.
     """
     b, hq, nq, _ = q.shape
     hk, nk = k.shape[1], k.shape[2]
@@ -377,7 +376,7 @@ def best_config() -> str:
     return str(attn_fwd_tuned.best_config)
 
 
-# The kernel under a public name, for the modules that launch it (``flashlab.kernels.forward``); the @triton.jit
+# The kernel under a public name, for the modules that launch it (``flashlab.host.launches``); the @triton.jit
 # function keeps the name ``_attn_fwd``, which is what profilers and the recorded Nsight traffic files show.
 attn_fwd = _attn_fwd
 

@@ -10,20 +10,19 @@ this device, or None. The module provides
 
     launch(q, k, v, o, lse, causal, window, band, config=None)
 
-which writes ``o (B, Hq, Nq, D)`` and ``lse (B, Hq, Nq)`` (float32, natural log) for inputs that
-``flashlab.kernels.forward`` has checked and prepared: unit stride along D, q negated for a negative scale, and
-``band = (offset, win_left, win_right, qk_scale)`` from ``forward.kernel_args``. ``config`` is None (the rung's own
-choice) or a dict of BLOCK_M, BLOCK_N, num_warps, num_stages (the backward asks for small query tiles this way).
+which writes ``o (B, Hq, Nq, D)`` and ``lse (B, Hq, Nq)`` (float32, natural log) for inputs that the host engine
+(``flashlab.host``) has checked and prepared: unit stride along D, q negated for a negative scale, and ``band = (offset,
+win_left, win_right, qk_scale)`` from ``kernels.device.kernel_band``. ``config`` is None (the rung's own choice) or a
+dict of BLOCK_M, BLOCK_N, num_warps, num_stages (the backward asks for small query tiles this way).
 
-A module may also provide ``plan(q, k, v, causal, window, band)``: a callable ``(q, k, v, o, lse)`` that
-launches for one call signature with its decisions made once (``flash_attention`` keeps it per signature).
+The host engine (``flashlab.host``) plans each call signature once and relaunches the rung's compiled kernel
+directly; ``launch`` is the plain launch a learner reads, and what the host's first call of a signature runs.
 Adding a rung is one entry in ``RUNGS``, in its place by speed; the benchmark's ``flashlab_<name>`` backend and the
 tests' loop over rungs pick it up from there.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,14 +47,6 @@ class Rung:
     def launch(self, q, k, v, o, lse, causal, window, band, config=None) -> None:
         self.load().launch(q, k, v, o, lse, causal, window, band, config=config)
 
-    def planned(self, q, k, v, causal, window, band) -> Callable:
-        """``(q, k, v, o, lse) -> None`` for calls of this signature: the module's ``plan`` where it has one,
-        else its ``launch`` with these arguments."""
-        module = self.load()
-        if hasattr(module, "plan"):
-            return module.plan(q, k, v, causal, window, band)
-        return functools.partial(module.launch, causal=causal, window=window, band=band)
-
 
 def runs_everywhere(q, k, v, causal, window) -> str | None:
     """``unavailable`` of a rung that runs on any input flash_attention accepts: compiled on any CUDA GPU Triton
@@ -77,28 +68,28 @@ RUNGS: tuple[Rung, ...] = (
     Rung(
         "lesson_loop",
         "nothing yet: the lesson's loop, every key tile loaded and masked element by element",
-        "flashlab.kernels.lesson_loop",
+        "flashlab.kernels.ladder.rung1_lesson_loop",
         runs_everywhere,
     ),
     Rung(
         "skip_split",
         "masked-tile work: key tiles the mask hides are never loaded, tiles every row sees run without a mask",
-        "flashlab.kernels.skip_split",
+        "flashlab.kernels.ladder.rung2_skip_split",
         runs_everywhere,
     ),
     Rung(
         "hopper",
         "load latency: whole tiles copied by the tensor-memory accelerator, issued by warps of their own",
-        "flashlab.kernels.hopper",
-        _imported("flashlab.kernels.hopper", "unavailable"),
-        _imported("flashlab.kernels.hopper", "preferred"),
+        "flashlab.kernels.ladder.rung3_hopper",
+        _imported("flashlab.kernels.ladder.rung3_hopper", "unavailable"),
+        _imported("flashlab.kernels.ladder.rung3_hopper", "preferred"),
     ),
     Rung(
         "overlap",
         "the softmax's stall on the tensor cores: one warpgroup's softmax runs under the other's products",
-        "flashlab.kernels.overlap",
-        _imported("flashlab.kernels.overlap", "unavailable"),
-        _imported("flashlab.kernels.overlap", "preferred"),
+        "flashlab.kernels.ladder.rung4_overlap",
+        _imported("flashlab.kernels.ladder.rung4_overlap", "unavailable"),
+        _imported("flashlab.kernels.ladder.rung4_overlap", "preferred"),
     ),
 )
 

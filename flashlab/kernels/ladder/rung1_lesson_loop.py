@@ -19,7 +19,7 @@ does not.
 What it costs, and what the next rung removes: a tile the mask hides from every row of the query tile is still
 loaded (BLOCK_N * D * 2 elements of K and V), multiplied and masked, only to add nothing; a tile every row sees
 still pays for the element mask and its -inf guards. Under a causal mask about half the tiles are hidden, so this
-rung does about twice the work the mask needs. ``flashlab.kernels.skip_split`` (rung 2) takes the loop bounds from
+rung does about twice the work the mask needs. ``rung2_skip_split`` (rung 2) takes the loop bounds from
 the mask band instead and runs the fully visible tiles without a mask.
 
 Hidden keys add nothing even when their K or V rows hold inf or NaN: their scores become -inf whatever the dot
@@ -28,7 +28,7 @@ as every flashlab kernel.
 
 On CUDA tensors the kernel is compiled and autotuned over a small space (``TUNING_SPACE``: two configs per head-dim
 class, both also in rung 2's space, so that the two rungs differ by their loops, not by their tiles). On CPU
-tensors the same source runs through Triton's interpreter with ``runtime.CPU_CONFIG``.
+tensors the same source runs through Triton's interpreter with ``device.CPU_CONFIG``.
 """
 
 from __future__ import annotations
@@ -39,17 +39,16 @@ import triton.language as tl
 
 from flashlab.core.integers import cdiv, next_power_of_2
 from flashlab.kernels import softmax_step
-from flashlab.kernels.runtime import (
+from flashlab.kernels.device import (
     CPU_CONFIG,
     block_d,
     device_index,
     dot_precision,
     dot_upcast,
     fits_smem,
-    interpreted,
-    interpreted_language,
     smem_limit,
 )
+from flashlab.kernels.interpreter import interpreted, interpreted_language
 from flashlab.kernels.softmax_step import LN_2
 
 NAME = "lesson_loop"  # the rung's name in flashlab.kernels.ladder
@@ -161,7 +160,7 @@ def _lesson_loop_fwd(
 # ----------------------------------------------------------------------------------------------------------------
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class: two of rung 2's configs each
-# (flashlab.kernels.skip_split.TUNING_SPACE), the large tile and the 64 x 64 one that short sequences prefer.
+# (rung2_skip_split.TUNING_SPACE), the large tile and the 64 x 64 one that short sequences prefer.
 TUNING_SPACE = {
     "d<=64": [(128, 64, 4, 3), (64, 64, 4, 3)],
     "d=128": [(128, 64, 8, 3), (64, 64, 4, 3)],
@@ -214,10 +213,10 @@ lesson_loop_fwd_tuned = triton.autotune(
 def launch(q, k, v, o, lse, causal, window, band, config=None):
     """Run the kernel once on prepared inputs, writing ``o (B, Hq, Nq, D)`` and ``lse (B, Hq, Nq)``.
 
-    q ``(B, Hq, Nq, D)``, k and v ``(B, Hk, Nk, D)`` with unit stride along D (``flashlab.kernels.forward`` makes
-    them so, and negates q for a negative scale); ``band = (offset, win_left, win_right, qk_scale)`` as
-    ``forward.kernel_args`` gives it. ``causal`` and ``window`` are not needed here: the band already holds them,
-    and this rung does the same work whatever the mask. ``config`` (a dict of BLOCK_M, BLOCK_N, num_warps,
+    q ``(B, Hq, Nq, D)``, k and v ``(B, Hk, Nk, D)`` with unit stride along D (the host engine makes them so, and
+    negates q for a negative scale); ``band = (offset, win_left, win_right, qk_scale)`` as
+    ``flashlab.kernels.device.kernel_band`` gives it. ``causal`` and ``window`` are not needed here: the band already
+    holds them, and this rung does the same work whatever the mask. ``config`` (a dict of BLOCK_M, BLOCK_N, num_warps,
     num_stages) bypasses the autotuner on a GPU; CPU tensors run the interpreter with ``CPU_CONFIG``.
     """
     b, hq, nq, d = q.shape

@@ -1,7 +1,7 @@
 """Split-KV attention (Flash-Decoding): the decode-time path of ``flashlab.flash_attention``, in one Triton kernel
 launch.
 
-At decode a sequence offers one query row (or a few) per head. The prefill kernel (``flashlab.kernels.forward``)
+At decode a sequence offers one query row (or a few) per head. The prefill kernel (``ladder.rung2_skip_split``)
 gives each program a tile of query rows, so decode would leave it ``B * Hq`` programs that each walk the whole KV
 cache alone: too few to fill a GPU's 132 SMs, and with grouped-query attention every K/V head is read once per query
 head that shares it. ``_split_kv_partial`` fixes both:
@@ -15,9 +15,7 @@ head that shares it. ``_split_kv_partial`` fixes both:
    (notebook 06 does it by hand). No second kernel does it: every program counts itself finished on a counter
    of its group of ``TREE_GROUP`` chunks (an atomic add); the last of a group to finish merges the group
    (``softmax_step.merge_chunks``), and the last group to finish merges the groups. So a decode step is one
-   launch, whose host time is most of a short step's time. (``split_kv_merge``, a merge kernel of one program per
-   query row, is the two-launch form of the same merge: ``plan_merge`` keeps it for a plan that folds in one
-   level and has more chunks than ``MAX_FOLD_SPLITS``, which flashlab's own plans no longer make.)
+   launch, whose host time is most of a short step's time.
 
 Bytes: each K/V element is read once (plus a partial output of ``GROUP * Nq * D`` floats per chunk, written and
 read back once), so decode runs at the speed the KV cache can be streamed.
@@ -25,32 +23,25 @@ read back once), so decode runs at the speed the KV cache can be streamed.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from flashlab.core.integers import cdiv, next_power_of_2
 from flashlab.kernels import softmax_step
-from flashlab.kernels.runtime import (
+from flashlab.kernels.device import (
     CPU_CONFIG,
-    SCRATCH_EPOCH,
-    FastLaunch,
     block_d,
-    current_device_index,
-    current_stream,
     device_index,
     dot_precision,
     dot_upcast,
     fits_smem,
-    interpreted,
-    interpreted_language,
-    reproduces,
-    reusing_scratch,
-    scratch,
     sm_count,
     smem_limit,
 )
-from flashlab.kernels.softmax_step import LN_2
+from flashlab.kernels.interpreter import interpreted, interpreted_language
 
 # The split path is taken automatically when a sequence has at most this many query rows (decode, speculative
 # decoding's few draft tokens); longer queries give the prefill kernel enough programs on their own.
@@ -67,7 +58,7 @@ TREE_GROUP = 8
 # A kernel whose registers the tree would push past PROGRAMS_PER_SM programs an SM (the paged kernel with 16-token
 # blocks: 196 registers against 160) folds its chunks in one level instead, up to this many (one program merging
 # more waits on too many loads in a row); a plan with more takes the tree at the occupancy its registers allow
-# (kvcache.SMALL_BLOCK_TREE_PROGRAMS_PER_SM). split_kv_merge, a second launch, merges a fold past this many.
+# (kvcache.SMALL_BLOCK_TREE_PROGRAMS_PER_SM).
 MAX_FOLD_SPLITS = 16
 # Programs one SM holds at once with the decode configs (a 64-key tile, two stages: ~70 KB of shared memory of
 # 228 KB). The chunks are chosen so the grid fills these slots once and evenly: on the H200 a grid one program
@@ -98,7 +89,7 @@ def _split_kv_partial(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
     DOT_UPCAST: tl.constexpr,  # interpreter: feed 16-bit tiles to the dots as fp32
     DIRECT: tl.constexpr,  # one chunk: normalise and write O and LSE, no partials, no counter
-    MERGE_HERE: tl.constexpr,  # several chunks: the last to finish merges them (else split_kv_merge does)
+    MERGE_HERE: tl.constexpr,  # several chunks: the last to finish merges them
     MERGE_GROUP: tl.constexpr,  # chunks per group of the merge's tree; 0: one level (softmax_step.finish_chunk)
 ):
     # fmt: on
@@ -180,45 +171,6 @@ def _split_kv_partial(
                               MERGE_HERE, MERGE_GROUP)
 
 
-@triton.jit
-def split_kv_merge(
-    O_PART, LSE_PART, O, LSE,  # the chunks' partial outputs and log-sum-exps; the merged output and lse
-    stride_ob, stride_oh, stride_om,
-    HQ, NQ, NUM_SPLITS,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # NUM_SPLITS rounded up to a power of two: every chunk's lse in one tile
-    CHUNK_S: tl.constexpr,  # partial outputs summed this many chunks at a time (bounds the registers used)
-):
-    row = tl.program_id(0)  # one query row: (batch entry, query head, query position)
-    off_b = row // (HQ * NQ)
-    off_h = (row // NQ) % HQ
-    qi = row % NQ
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    first = row.to(tl.int64) * NUM_SPLITS  # this row's first chunk in the workspace
-    # -- lse_total = log(sum_c exp(lse_c)), taken about the largest lse so no exp overflows
-    offs_s = tl.arange(0, BLOCK_S)
-    lse2 = tl.load(LSE_PART + first + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))  # log2 units
-    m = tl.max(lse2, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)  # every chunk empty: all weights 0, the row gives zeros
-    total = tl.sum(tl.math.exp2(lse2 - m_safe), 0)
-    total_safe = tl.where(total > 0.0, total, 1.0)
-    # -- o = sum_c exp(lse_c - lse_total) * o_c
-    o = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for c0 in range(0, NUM_SPLITS, CHUNK_S):
-        offs_c = c0 + tl.arange(0, CHUNK_S)
-        c_ok = offs_c < NUM_SPLITS
-        w = tl.math.exp2(tl.load(LSE_PART + first + offs_c, mask=c_ok, other=float("-inf")) - m_safe) / total_safe
-        o_ptrs = O_PART + (first + offs_c)[:, None] * HEAD_DIM + offs_d[None, :]
-        o_part = tl.load(o_ptrs, mask=c_ok[:, None] & d_ok[None, :], other=0.0)  # (CHUNK_S, BLOCK_D)
-        o += tl.sum(w[:, None] * o_part, 0)
-    lse = tl.where(total > 0.0, (m_safe + tl.math.log2(total_safe)) * LN_2, float("-inf"))
-    tl.store(LSE + row, lse)
-    out_ptrs = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + qi.to(tl.int64) * stride_om
-    tl.store(out_ptrs + offs_d, o.to(O.dtype.element_ty), mask=d_ok)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Configs and the choice of chunks
 # ----------------------------------------------------------------------------------------------------------------
@@ -250,14 +202,11 @@ def tuning_configs():
     return [_config(*c) for c in sorted(set(TUNING_SPACE) | set(FP32_TUNING_SPACE) | {(32, 4, 1)})]
 
 
-_split_kv_partial_tuned = triton.autotune(
+split_kv_partial_tuned = triton.autotune(
     configs=tuning_configs(),
     key=["TUNE_KEY_N", "TUNE_KEY_UNITS", "HEAD_DIM", "BLOCK_M", "DOT_PRECISION", "DIRECT", "MERGE_HERE", "MERGE_GROUP"],
     prune_configs_by={"early_config_prune": prune_configs},
 )(_split_kv_partial)
-
-
-_BEST_CONFIG: dict = {}  # (device, dtype, tune key, meta) -> the autotuner's pick, so later calls skip its bookkeeping
 
 
 def choose_splits(units: int, band_keys: int, sm_count: int, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
@@ -290,13 +239,33 @@ def split_keys(nk: int, num_splits: int) -> tuple[int, int]:
     return keys_per_split, cdiv(nk, keys_per_split)
 
 
-class LaunchPlan:
-    """Everything ``launch`` decides for one call signature, worked out once and reused: the chunks, the grid, the
-    scalar arguments and constexprs, and (on a GPU, after the first call) the autotuner's pick and the direct
-    launches. A decode step then costs one kernel launch, two with many chunks (and the output's allocation)."""
+class Merge(NamedTuple):
+    """How the chunks of one launch are merged: the constexprs the partial kernel takes for it and the int32
+    counters it needs in scratch (zero between launches)."""
 
-    __slots__ = ("num_splits", "direct", "parts", "d", "rows", "counters", "grid", "scalars", "tune", "meta", "fast")
-    __slots__ += ("fast_state", "views", "merge_here", "merge_grid", "merge_args", "merge_meta", "merge_fast")
+    constexprs: dict  # DIRECT, MERGE_HERE, MERGE_GROUP
+    counters: int
+
+
+def merge_arguments(num_splits: int, blocks: int, tree: bool = True) -> Merge:
+    """The merge of ``num_splits`` chunks for ``blocks`` blocks of rows: none (``DIRECT``, one chunk), else in the
+    kernel (``MERGE_HERE``) by the chunks' last finishers, as a tree of ``TREE_GROUP``-chunk groups or, with
+    ``tree`` False, folded in one level (at most ``MAX_FOLD_SPLITS`` chunks: a plan with more takes the tree)."""
+    if not tree and num_splits > MAX_FOLD_SPLITS:
+        raise ValueError(f"a one-level fold merges at most {MAX_FOLD_SPLITS} chunks; got {num_splits}")
+    group = TREE_GROUP if tree else 0
+    direct = num_splits == 1
+    constexprs = dict(DIRECT=direct, MERGE_HERE=not direct, MERGE_GROUP=group)
+    return Merge(constexprs, blocks * softmax_step.merge_counters(num_splits, group))
+
+
+class SplitArguments:
+    """The arguments of one split-KV launch, from a call's shapes, strides and band: the chunks, the grid, the
+    scalar arguments after the tensors (``scalars``, then the autotuner's key ``tune``), the constexprs
+    (``meta``) and the scratch it takes (``parts`` partial rows of ``d`` floats and their lse, ``rows`` spare lse
+    floats for an lse nobody asked for, ``counters`` int32 merge counters)."""
+
+    __slots__ = ("num_splits", "direct", "parts", "d", "rows", "counters", "grid", "scalars", "tune", "meta")
 
     def __init__(self, q, k, v, o, offset, win_left, win_right, qk_scale, num_splits):
         b, hq, nq, d = q.shape
@@ -312,200 +281,79 @@ class LaunchPlan:
             num_splits = choose_splits(b * hk * row_blocks, max(band_keys, 1), sms)
         keys_per_split, num_splits = split_keys(nk, num_splits)
         self.num_splits, self.direct, self.d = num_splits, num_splits == 1, d
-        # scratch (runtime.scratch): partial outputs (b, hq, nq, num_splits, d), their log-sum-exps, then room
-        # for an lse the caller did not ask for; the merge's counters for every block of rows
+        # scratch: partial outputs (b, hq, nq, num_splits, d), their log-sum-exps, then room for an lse the caller
+        # did not ask for; the merge's counters for every block of rows
         self.parts, self.rows = b * hq * nq * num_splits, b * hq * nq
-        self.views = None  # workspace()'s cut of the scratch
         self.grid = (num_splits, b * hk, row_blocks)
         self.scalars = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
         self.scalars += (v.stride(0), v.stride(1), v.stride(2))
         self.scalars += (o.stride(0), o.stride(1), o.stride(2))
         self.scalars += (hq, hk, group, nq, nk, offset, win_left, win_right, keys_per_split, num_splits, qk_scale)
         self.tune = (next_power_of_2(nk), next_power_of_2(b * hk * row_blocks * num_splits))
+        merge = merge_arguments(num_splits, b * hk * row_blocks)
+        self.counters = merge.counters
         self.meta = dict(
             HEAD_DIM=d,
             BLOCK_D=block_d(d),
             BLOCK_M=block_m,
             DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
             DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
+            **merge.constexprs,
         )
-        plan_merge(self, num_splits, b * hk * row_blocks, (o.stride(0), o.stride(1), o.stride(2)), hq, nq, d)
-        # the direct launch (runtime.FastLaunch): "untried" -> "built" -> "checked" (bit-equal to a JIT launch
-        # once) or "off"
-        self.fast, self.fast_state = None, "untried"
 
 
-def plan_merge(plan, num_splits, blocks, strides_o, hq, nq, d, tree=True):
-    """Set a plan's merge of ``num_splits`` chunks for ``blocks`` blocks of rows: none (``DIRECT``, one chunk); in
-    the kernel (``MERGE_HERE``), as a tree of ``TREE_GROUP``-chunk groups or, with ``tree`` False, folded in one
-    level up to ``MAX_FOLD_SPLITS`` chunks; else by ``split_kv_merge`` (``merge_grid``, ``merge_args``,
-    ``merge_meta``). Sets ``plan.counters``, the merge's int32 counters. Shared by the KV-cache plan."""
-    group = TREE_GROUP if tree else 0
-    plan.merge_here = 1 < num_splits and (tree or num_splits <= MAX_FOLD_SPLITS)
-    plan.meta.update(DIRECT=plan.direct, MERGE_HERE=plan.merge_here, MERGE_GROUP=group)
-    plan.counters = blocks * softmax_step.merge_counters(num_splits, group)
-    plan.merge_grid = None if plan.direct or plan.merge_here else (plan.rows,)
-    plan.merge_args = (*strides_o, hq, nq, num_splits)
-    plan.merge_meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_S=max(2, next_power_of_2(num_splits)), CHUNK_S=8)
-    plan.merge_fast = None
+def fresh_workspace(args, device):
+    """``(o_part, lse_part, spare_lse, counters)`` for one launch with ``args`` (``SplitArguments`` or the KV-cache
+    kernel's), newly allocated: what a plain launch uses (a planned one takes the stream's kept scratch)."""
+    work = torch.empty(args.parts * (args.d + 1) + args.rows, dtype=torch.float32, device=device)
+    end = args.parts * args.d
+    counters = torch.zeros(args.counters, dtype=torch.int32, device=device)
+    return work[:end], work[end : end + args.parts], work[end + args.parts :], counters
 
 
-def merge(plan, o_part, lse_part, o, lse):
-    """Launch ``split_kv_merge`` for a plan that has one (``plan.merge_grid``): the JIT launch, the first time."""
-    args = (o_part, lse_part, o, lse, *plan.merge_args)
-    if not o.is_cuda:
-        with interpreted_language(softmax_step):
-            interpreted(split_kv_merge)[plan.merge_grid](*args, **plan.merge_meta)
-        return None
-    return split_kv_merge[plan.merge_grid](*args, **plan.merge_meta)
+PARTIAL_TENSORS = ("Q", "K", "V", "O_PART", "LSE_PART", "O", "LSE", "COUNTERS")  # the kernel's tensor parameters
 
 
-def workspace(plan, device, stream):
-    """``(o_part, lse_part, spare_lse, counters)`` for one launch of ``plan`` (a split-KV or KV-cache plan with
-    ``parts``, ``d``, ``rows``, ``counters`` and ``views``), carved from the stream's ``runtime.scratch``. The views
-    are kept on the plan, with the stream and the scratch's epoch they were cut in, while both stay the same
-    (cutting them, or even looking the scratch up, costs more than a launch's arguments)."""
-    views = plan.views
-    if views is not None and views[0] == stream and views[1] == SCRATCH_EPOCH[0] and reusing_scratch():
-        return views[2]
-    work, counters, kept = scratch(device, stream, plan.parts * (plan.d + 1) + plan.rows, plan.counters)
-    end = plan.parts * plan.d
-    cut = (work[:end], work[end : end + plan.parts], work[end + plan.parts : end + plan.parts + plan.rows], counters)
-    if kept:  # fresh scratch is the call's alone: nothing of it may outlive the call
-        plan.views = (stream, SCRATCH_EPOCH[0], cut)
-    return cut
-
-
-_PLANS: dict = {}  # call signature -> LaunchPlan
-MAX_PLANS = 4096  # a decode loop over a growing contiguous cache meets a new length every step: bound the cache
-
-
-def plan_launch(q, k, v, o, offset, win_left, win_right, qk_scale, num_splits=None) -> LaunchPlan:
-    """The ``LaunchPlan`` of this call signature: from the cache, or made (and cached) now."""
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device)
-    key += (offset, win_left, win_right, qk_scale, num_splits)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[key] = LaunchPlan(q, k, v, o, offset, win_left, win_right, qk_scale, num_splits)
-    return plan
-
-
-def launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits=None):
-    """Run the split-KV path on checked inputs (``flashlab.kernels.forward.forward`` prepares them): writes ``o``
-    and ``lse`` (None: not wanted); returns the number of chunks. ``num_splits=None`` picks it with
-    ``choose_splits``. With one chunk the kernel writes ``o`` and ``lse`` itself; with more, the chunks' last
-    finishers merge them in the same launch (``plan_merge``)."""
-    plan = plan_launch(q, k, v, o, offset, win_left, win_right, qk_scale, num_splits)
-    run(plan, q, k, v, o, lse)
-    return plan.num_splits
-
-
-def run(plan: LaunchPlan, q, k, v, o, lse) -> None:
-    """Launch a planned split-KV call on tensors of the plan's signature; ``lse`` None writes it to scratch."""
+def launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits=None) -> int:
+    """Run the split-KV kernel once on prepared inputs (unit stride along D, q negated for a negative scale, the
+    band and ``qk_scale`` as ``flashlab.kernels.device.kernel_band`` gives them): writes ``o`` and ``lse``; returns
+    the number of chunks. ``num_splits=None`` picks it with ``choose_splits``. With one chunk the kernel writes
+    ``o`` and ``lse`` itself; with more, the chunks' last finishers merge them in the same launch."""
+    args = SplitArguments(q, k, v, o, offset, win_left, win_right, qk_scale, num_splits)
+    o_part, lse_part, _, counters = fresh_workspace(args, q.device)
+    tensors = (q, k, v, o_part, lse_part, o, lse, counters)
     if not q.is_cuda:
-        o_part, lse_part, spare, counters = workspace(plan, q.device, 0)
-        args = (q, k, v, o_part, lse_part, o, spare if lse is None else lse, counters, *plan.scalars, *plan.tune)
         with interpreted_language(softmax_step):
-            interpreted(_split_kv_partial)[plan.grid](*args, **plan.meta, BLOCK_N=CPU_CONFIG["BLOCK_N"])
-        if plan.merge_grid is not None:
-            merge(plan, o_part, lse_part, o, spare if lse is None else lse)
-        return
-    if q.get_device() != current_device_index():
+            interpreted(_split_kv_partial)[args.grid](*tensors, *args.scalars, *args.tune, **args.meta,
+                                                      BLOCK_N=CPU_CONFIG["BLOCK_N"])  # fmt: skip
+    else:
         with torch.cuda.device(q.device):
-            _launch_cuda(plan, q, k, v, o, lse)
-    else:
-        _launch_cuda(plan, q, k, v, o, lse)
+            split_kv_partial_tuned[args.grid](*tensors, *args.scalars, *args.tune, **args.meta)
+    return args.num_splits
 
 
-PARTIAL_TENSORS = ("Q", "K", "V", "O_PART", "LSE_PART", "O", "LSE", "COUNTERS")
-MERGE_TENSORS = ("O_PART", "LSE_PART", "O", "LSE")
-
-
-def _launch_cuda(plan, q, k, v, o, lse):
-    stream = current_stream(q.get_device())
-    o_part, lse_part, spare, counters = workspace(plan, q.device, stream)
-    tensors = (q, k, v, o_part, lse_part, o, spare if lse is None else lse, counters)
-    if plan.fast_state == "checked":  # the launchers directly: no binding, no specialisation, no cache lookup
-        launch_fast(plan, stream, tensors, 5)
-        return
-    args = (*tensors, *plan.scalars, *plan.tune)
-    kernel = None
-    if "num_warps" in plan.meta:  # the autotuner's pick for this signature, found on an earlier call
-        kernel = _split_kv_partial[plan.grid](*args, **plan.meta)
-    else:
-        key = (o.device, o.dtype, plan.tune, *plan.meta.values())
-        if key not in _BEST_CONFIG:
-            _split_kv_partial_tuned[plan.grid](*args, **plan.meta)
-            _BEST_CONFIG[key] = _split_kv_partial_tuned.best_config.all_kwargs()
-        else:
-            kernel = _split_kv_partial[plan.grid](*args, **plan.meta, **_BEST_CONFIG[key])
-        plan.meta = {**plan.meta, **_BEST_CONFIG[key]}
-    after_jit_launch(plan, _split_kv_partial, kernel, args, stream, tensors, 5, PARTIAL_TENSORS)
-
-
-def after_jit_launch(plan, jit_function, kernel, args, stream, tensors, out_slot, tensor_names):
-    """After a plan's JIT launch of its partial kernel (``kernel``: what it returned, None when the autotuner ran
-    it): launch the merge kernel if the plan has one, then move the direct launches one step on ("untried" ->
-    "built" -> "checked" or "off"). ``tensors`` are the partial kernel's ``tensor_names``, of which
-    ``tensors[out_slot - 2 : out_slot + 2]`` are o_part, lse_part, o and lse."""
-    o_part, lse_part, o, lse = tensors[out_slot - 2 : out_slot + 2]
-    merge_kernel = merge(plan, o_part, lse_part, o, lse) if plan.merge_grid is not None else None
-    if plan.fast_state == "untried" and kernel is not None:
-        plan.fast = FastLaunch.build(jit_function, kernel, plan.grid, args, plan.meta, tensor_names)
-        if merge_kernel is not None:
-            merge_args = (o_part, lse_part, o, lse, *plan.merge_args)
-            plan.merge_fast = FastLaunch.build(split_kv_merge, merge_kernel, plan.merge_grid, merge_args,
-                                               plan.merge_meta, MERGE_TENSORS)  # fmt: skip
-        ok = plan.fast is not None and (plan.merge_grid is None or plan.merge_fast is not None)
-        plan.fast_state = "built" if ok else "off"
-    elif plan.fast_state == "built" and not torch.cuda.is_current_stream_capturing():
-        check_fast_launch(plan, stream, tensors, out_slot)
-
-
-def launch_fast(plan, stream, tensors, out_slot):
-    """A plan's direct launches: the partial kernel, then the merge kernel if it has one."""
-    plan.fast(stream, *tensors)
-    if plan.merge_fast is not None:
-        plan.merge_fast(stream, *tensors[out_slot - 2 : out_slot + 2])
-
-
-def check_fast_launch(plan, stream, tensors, out_slot):
-    """Once per plan: the direct launch, into fresh outputs (``tensors[out_slot]`` and the next one, o and lse),
-    must reproduce the JIT launch that just wrote ``tensors``' outputs, bit for bit; ``plan.fast_state`` becomes
-    "checked" (used from now on) or "off" (the JIT launches stay)."""
-
-    def into(o2, lse2):
-        launch_fast(plan, stream, (*tensors[:out_slot], o2, lse2, *tensors[out_slot + 2 :]), out_slot)
-
-    same = reproduces(into, tensors[out_slot], tensors[out_slot + 1])
-    plan.fast_state = "checked" if same else "off"
-
+split_kv_partial = _split_kv_partial
 
 __all__ = [
+    "CPU_SM_COUNT",
     "KEY_ALIGN",
-    "LaunchPlan",
-    "MAX_SPLIT_QUERY_ROWS",
-    "MAX_SPLITS",
     "MAX_FOLD_SPLITS",
-    "TREE_GROUP",
-    "MERGE_TENSORS",
+    "MAX_SPLITS",
+    "MAX_SPLIT_QUERY_ROWS",
     "MIN_KEYS_PER_SPLIT",
+    "Merge",
     "PARTIAL_TENSORS",
-    "check_fast_launch",
-    "after_jit_launch",
+    "PROGRAMS_PER_SM",
+    "SplitArguments",
+    "TREE_GROUP",
     "choose_splits",
+    "fresh_workspace",
     "launch",
-    "launch_fast",
-    "merge",
+    "merge_arguments",
     "packed_block_m",
-    "plan_launch",
-    "plan_merge",
     "prune_configs",
-    "run",
     "split_keys",
-    "split_kv_merge",
-    "workspace",
+    "split_kv_partial",
+    "split_kv_partial_tuned",
     "tuning_configs",
 ]

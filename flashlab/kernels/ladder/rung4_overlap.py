@@ -1,7 +1,7 @@
 """Rung 4 of the kernel ladder, "overlap": the softmax of one key tile runs while the tensor cores multiply the
 previous tile's probabilities by V. Written in Gluon, Triton's lower-level language, because ``tl`` cannot say it.
 
-Rung 3 (``flashlab.kernels.hopper``) already hands the copies to warps of their own and gives each of two consumer
+Rung 3 (``rung3_hopper``) already hands the copies to warps of their own and gives each of two consumer
 warpgroups 64 query rows. But inside a warpgroup every step still waits for the one before: the scores
 ``S = Q Kᵀ`` are computed, *then* the softmax turns them into ``P``, *then* ``P V`` is multiplied -- compiled for
 sm_90, its loop issues the score product, waits for it, runs the exponentials, issues ``P V`` and waits again. While
@@ -32,16 +32,16 @@ tensor-memory accelerator, mbarriers telling the consumers a tile has arrived an
 finished with it; the scale folded into ``exp2``; GQA reads K/V head ``h // group``. Under a causal mask only the
 tiles that cross some row's diagonal are masked (a branch, which Gluon keeps as written).
 
-The grid is persistent: one program per multiprocessor (three where a program has one consumer warpgroup), each
-taking (query tile, head) pairs in turn, head by head, so a program's next Q and first K, V tiles are copied while
-it finishes the last one (its last ``P V``, the division by the sum, O's store through shared memory), where one
-program per tile would pay that start and end on every tile with the multiprocessor idle between. Under a causal
-mask query tile ``m`` reads ``m + 1`` key tiles, so the tiles are unequal work: each program walks its own list from
-a table planned on the host (``flashlab.kernels.tile_schedule``) -- a head's ``r``-th longest tile paired with its
-``r``-th shortest, the pairs dealt round robin head by head but one round short, and the tiles left over handed out
-longest first, each to the program with the least work so far, so that the programs end together. The copy engine's
-tensor descriptors are built on the host and passed with the launch; a planned call (``Planned``) has flashlab's
-launcher encode them from the tensors' addresses instead.
+The grid is persistent: one program per multiprocessor (three where a program has one consumer warpgroup), each taking
+(query tile, head) pairs in turn, head by head, so a program's next Q and first K, V tiles are copied while it finishes
+the last one (its last ``P V``, the division by the sum, O's store through shared memory), where one program per tile
+would pay that start and end on every tile with the multiprocessor idle between. Under a causal mask query tile ``m``
+reads ``m + 1`` key tiles, so the tiles are unequal work: each program walks its own list from a table planned on the
+host (``tile_schedule``) -- a head's ``r``-th longest tile paired with its ``r``-th shortest, the pairs dealt round
+robin head by head but one round short, and the tiles left over handed out longest first, each to the program with the
+least work so far, so that the programs end together. The copy engine's tensor descriptors are built on the host and
+passed with the launch; a planned call (``flashlab.host.launches``) has flashlab's launcher encode them from the
+tensors' addresses instead.
 
 Where it runs: a Hopper GPU (sm_90: ``wgmma`` is Hopper's instruction), 16-bit inputs, D = 64, 128 or 256,
 any lengths (the copy engine fills rows past a head's end with zeros and does not write them back; keys past the end
@@ -69,16 +69,9 @@ import triton
 
 from flashlab.core.integers import cdiv
 from flashlab.core.masking import visible_band
-from flashlab.kernels import hopper, skip_split, tile_schedule
-from flashlab.kernels.runtime import (
-    FastLaunch,
-    current_device_index,
-    current_stream,
-    device_index,
-    reproduces,
-    sm_count,
-    stream_capturing,
-)
+from flashlab.kernels.device import device_index, sm_count, stream_capturing
+from flashlab.kernels.ladder import rung3_hopper as hopper
+from flashlab.kernels.ladder import tile_schedule
 from flashlab.kernels.softmax_step import LN_2
 
 try:  # Gluon's Hopper primitives (Triton >= 3.5)
@@ -126,7 +119,7 @@ LAUNCH_REGS = {1: 80}
 # With one, that is all of its program's: the launch's two warpgroups' worth, less the loader's.
 CONSUMER_REGS = {1: 2 * LAUNCH_REGS[1] - LOADER_REGS, 2: 240, 3: 160}
 # Head dims whose causal grid is persistent, each program walking its own list of tiles from a table planned on the
-# host (``flashlab.kernels.tile_schedule``: pairs of equal work dealt round robin one round short, the tiles left over
+# host (``tile_schedule``: pairs of equal work dealt round robin one round short, the tiles left over
 # handed out longest first to the least-loaded program); elsewhere one program per query tile. At D = 256 a
 # persistent causal walk spilled registers (192 bytes of stack compiled for sm_90, measured with the paired walk
 # that came before the table; none with one program per tile).
@@ -152,7 +145,7 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _walk(SCHED, n_m, n_bh, SCHEDULED: gl.constexpr):
         """This program's walk over the tiles: ``(first, end, step)``. Scheduled, its own slice of the host's table
-        (``flashlab.kernels.tile_schedule``: where each program's list starts, then the tiles); otherwise tile
+        (``tile_schedule``: where each program's list starts, then the tiles); otherwise tile
         ``pid``, ``pid + programs``, ... of all of them."""
         if SCHEDULED:
             pid = gl.program_id(0)
@@ -543,7 +536,7 @@ def unavailable(q, k, v, causal, window) -> str | None:
         if offset + right < 0:  # the first row's band ends left of key 0 (the band is bottom-right aligned)
             return "its window leaves some query rows with no key to see (the Hopper rung gives them zeros)"
     for name, x in (("q", q), ("k", k), ("v", v)):
-        why = _not_describable(x)
+        why = not_describable(x)
         if why is not None:
             return f"its copy engine cannot describe {name}: {why}"
     return None
@@ -556,7 +549,7 @@ def _strides(x) -> list[int]:
     return [s if n > 1 else c for s, n, c in zip(x.stride(), x.shape, contiguous, strict=True)]
 
 
-def _not_describable(x) -> str | None:
+def not_describable(x) -> str | None:
     """Why the copy engine (a 4-D tensor descriptor over B, H, N, D) cannot read ``x``, or None: it needs unit
     stride along D, the other strides and the start at multiples of 16 bytes."""
     strides = _strides(x)
@@ -592,7 +585,7 @@ def _descriptor(x, block_rows):
     return TensorDescriptor(x, list(x.shape), _strides(x), [1, 1, block_rows, d], _LAYOUTS[key])
 
 
-def _launch_shape(q, k, causal, window, band):
+def launch_shape(q, k, causal, window, band):
     """The kernel's ``(grid, schedule table, scalar arguments, constexprs)`` for one call signature; the table is
     None where the programs walk the tiles in a fixed stride (a launch then passes lse in its place, never read)."""
     b, hq, nq, d = q.shape
@@ -639,7 +632,7 @@ def tiles(d, nq, nk, causal, window):
     return TILES[d]
 
 
-def _descriptors(q, k, v, o, block_n):
+def descriptors(q, k, v, o, block_n):
     """The four tensors' copy-engine descriptors: Q and O in 64-row tiles, K and V in key tiles of ``block_n``."""
     return _descriptor(q, WG_ROWS), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(o, WG_ROWS)
 
@@ -647,7 +640,7 @@ def _descriptors(q, k, v, o, block_n):
 def launch(q, k, v, o, lse, causal, window, band, config=None):
     """Run the kernel once on prepared inputs, writing ``o (B, Hq, Nq, D)`` and ``lse (B, Hq, Nq)``.
 
-    Inputs as ``flashlab.kernels.skip_split.launch`` takes them (``forward`` checks and prepares them). Its tiles
+    Inputs as ``rung2_skip_split.launch`` takes them (the host engine checks and prepares them). Its tiles
     are fixed (``tiles``): a ``config`` is refused. Under a causal mask or a window the Hopper rung's repair pass
     follows, which redoes only query tiles marked non-finite (none, on finite inputs) and otherwise returns at
     once."""
@@ -656,96 +649,35 @@ def launch(q, k, v, o, lse, causal, window, band, config=None):
         raise RuntimeError(f"the overlap rung cannot run these inputs: {why}")
     if config is not None:
         raise ValueError("the overlap rung's tiles are fixed (TILES, per head dim); it takes no config")
-    why = _not_describable(o)
+    why = not_describable(o)
     if why is not None or not lse.is_contiguous():
         raise RuntimeError(f"the overlap rung cannot write o and lse: {why or 'lse is not contiguous'}")
-    grid, table, scalars, meta = _launch_shape(q, k, causal, window, band)
+    grid, table, scalars, meta = launch_shape(q, k, causal, window, band)
     with torch.cuda.device(q.device):
         table = lse if table is None else table
-        _attn_fwd_overlap[grid](*_descriptors(q, k, v, o, meta["BLOCK_N"]), lse, table, *scalars, **meta)
+        _attn_fwd_overlap[grid](*descriptors(q, k, v, o, meta["BLOCK_N"]), lse, table, *scalars, **meta)
         if causal or window is not None:
             kernel, rgrid, rargs, rmeta = hopper.repair_parts(q, k, v, o.stride()[:3], causal, window, band)
             kernel[rgrid](q, k, v, o, lse, *rargs, **rmeta)
 
 
+attn_fwd_overlap = _attn_fwd_overlap if GLUON_ERROR is None else None  # the kernel (None where Gluon is missing)
+
 # the parameters a launch's q, k, v, o, lse and the schedule table go to
-_DESCRIBED = ("desc_q", "desc_k", "desc_v", "desc_o", "LSE", "SCHED")
+DESCRIBED_TENSORS = ("desc_q", "desc_k", "desc_v", "desc_o", "LSE", "SCHED")
 
-
-class Planned:
-    """``launch`` for one call signature (shapes, strides, dtype, device, mask, band: ``flash_attention`` keeps it
-    per signature), decided once: the grid, the arguments and constexprs, and direct relaunches of the kernel and
-    of the repair pass (``runtime.FastLaunch`` through flashlab's own launcher, which encodes the four tensor maps
-    from the tensors' addresses; each checked against a launch through Triton once, bit for bit). Through Triton's
-    JIT, building the four descriptors in Python and binding them cost 140-390 us of host time per call on the
-    H200's host, more than the GPU time of a short call (docs/kernel-notes.md).
-
-    A signature does not include addresses: a call whose q, k, v or o is not 16-byte aligned, which the copy
-    engine cannot take, runs skip and split instead (as the Hopper rung's plan does). CPU tensors go to ``launch``,
-    which says why it cannot run them."""
-
-    __slots__ = ("mask", "band", "grid", "table", "scalars", "meta", "repair", "fast", "repair_fast", "fast_state")
-
-    def __init__(self, q, k, v, causal, window, band):
-        self.mask, self.band = (causal, window), band
-        self.grid = self.table = self.scalars = self.meta = None
-        if q.is_cuda:
-            self.grid, self.table, self.scalars, self.meta = _launch_shape(q, k, causal, window, band)
-        self.repair = None  # (kernel, grid, arguments, constexprs), from the first call's o
-        self.fast = self.repair_fast = None
-        self.fast_state = "untried"  # "untried" -> "built" -> "checked" or "off"
-
-    def __call__(self, q, k, v, o, lse):
-        if not all(hopper._aligned(x) for x in (q, k, v, o)):  # same signature, addresses TMA cannot take
-            skip_split.launch(q, k, v, o, lse, *self.mask, self.band)
-            return
-        if not q.is_cuda:
-            launch(q, k, v, o, lse, *self.mask, self.band)
-            return
-        if self.fast_state == "checked" and q.get_device() == current_device_index():
-            self._launch_fast(current_stream(q.get_device()), q, k, v, o, lse)
-            return
-        with torch.cuda.device(q.device):
-            self._launch_jit(q, k, v, o, lse)
-
-    def _launch_fast(self, stream, q, k, v, o, lse):
-        self.fast(stream, q, k, v, o, lse, lse if self.table is None else self.table)
-        if self.repair_fast is not None:
-            self.repair_fast(stream, q, k, v, o, lse)
-
-    def _launch_jit(self, q, k, v, o, lse):
-        causal, window = self.mask
-        if self.repair is None and (causal or window is not None):
-            self.repair = hopper.repair_parts(q, k, v, o.stride()[:3], causal, window, self.band)
-        table = lse if self.table is None else self.table
-        args = (*_descriptors(q, k, v, o, self.meta["BLOCK_N"]), lse, table, *self.scalars)
-        kernel = _attn_fwd_overlap[self.grid](*args, **self.meta)
-        repair_kernel = None
-        if self.repair is not None:
-            jit, rgrid, rargs, rmeta = self.repair
-            repair_kernel = jit[rgrid](q, k, v, o, lse, *rargs, **rmeta)
-        if self.fast_state == "untried":
-            self._build_fast(kernel, repair_kernel, args, (q, k, v, o, lse))
-        elif self.fast_state == "built" and not stream_capturing():
-            stream = current_stream(q.get_device())
-            same = reproduces(lambda o2, lse2: self._launch_fast(stream, q, k, v, o2, lse2), o, lse)
-            self.fast_state = "checked" if same else "off"
-
-    def _build_fast(self, kernel, repair_kernel, args, tensors):
-        self.fast = FastLaunch.build(_attn_fwd_overlap, kernel, self.grid, args, self.meta, _DESCRIBED,
-                                     native_only=True)  # fmt: skip
-        ok = self.fast is not None
-        if repair_kernel is not None:
-            jit, rgrid, rargs, rmeta = self.repair
-            self.repair_fast = FastLaunch.build(jit, repair_kernel, rgrid, (*tensors, *rargs), rmeta,
-                                                hopper.TENSOR_NAMES)  # fmt: skip
-            ok = ok and self.repair_fast is not None
-        self.fast_state = "built" if ok else "off"
-
-
-def plan(q, k, v, causal, window, band) -> Planned:
-    """The planned launch of one call signature (``Planned``), for ``flashlab.kernels.forward``."""
-    return Planned(q, k, v, causal, window, band)
-
-
-__all__ = ["CAPABILITY", "HEAD_DIMS", "NAME", "Planned", "TILES", "launch", "plan", "preferred", "tiles", "unavailable"]
+__all__ = [
+    "CAPABILITY",
+    "DESCRIBED_TENSORS",
+    "HEAD_DIMS",
+    "NAME",
+    "TILES",
+    "attn_fwd_overlap",
+    "descriptors",
+    "launch",
+    "launch_shape",
+    "not_describable",
+    "preferred",
+    "tiles",
+    "unavailable",
+]

@@ -1,6 +1,6 @@
 """Launching a compiled Triton kernel with its parameter block packed once: ``launcher.c``, built at first use.
 
-``runtime.FastLaunch`` relaunches a kernel a decode loop calls again and again. Through Triton's own launcher that
+``launcher.FastLaunch`` relaunches a kernel a decode loop calls again and again. Through Triton's own launcher that
 still parses every argument from Python and checks every pointer with the driver, on every launch (about 8 us of
 host time on the H200's host, most of a decode step's). Here the scalars are packed into the kernel's parameter
 block once, from the compiled kernel's signature; a launch writes the tensors' addresses and calls
@@ -39,7 +39,7 @@ def native():
     try:
         from triton.runtime.build import compile_module_from_src
 
-        source = resources.files("flashlab.kernels").joinpath("launcher.c").read_text()
+        source = resources.files("flashlab.host").joinpath("launcher.c").read_text()
         return compile_module_from_src(source, "flashlab_launcher")
     except Exception:  # noqa: BLE001 -- no compiler, an unexpected Triton: Triton's launcher is used instead
         return None
@@ -160,7 +160,7 @@ def build(kernel, grid, values, tensor_slots, global_scratch=False):
 
 
 def is_direct(launch) -> bool:
-    """Whether ``launch`` (a ``runtime.FastLaunch.build`` result) is one of ``build``'s."""
+    """Whether ``launch`` (a ``launcher.FastLaunch.build`` result) is one of ``build``'s."""
     module = native()
     return module is not None and isinstance(launch, functools.partial) and launch.func is module.launch
 

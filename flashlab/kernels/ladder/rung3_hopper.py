@@ -1,7 +1,7 @@
 """Rung 3 of the kernel ladder, "Hopper": the band's key tiles in one loop, fed by the tensor-memory accelerator,
 with the loads handed to warps of their own.
 
-It computes what rung 2 (``flashlab.kernels.skip_split``) computes: one program per tile of ``BLOCK_M`` query rows
+It computes what rung 2 (``rung2_skip_split``) computes: one program per tile of ``BLOCK_M`` query rows
 of one head, only the key tiles inside the mask band visited, the online softmax in registers. What it changes is
 how the tiles arrive and who waits for them:
 
@@ -39,25 +39,18 @@ import triton
 import triton.language as tl
 
 from flashlab.core.integers import cdiv
-from flashlab.kernels import direct_launch, skip_split, softmax_step
-from flashlab.kernels.runtime import (
+from flashlab.kernels import softmax_step
+from flashlab.kernels.device import (
     CPU_CONFIG,
-    FastLaunch,
     block_d,
-    current_device_index,
-    current_stream,
     device_index,
     dot_precision,
     dot_upcast,
     fits_smem,
-    interpreted,
-    interpreted_language,
-    reproduces,
-    scratch,
     smem_limit,
-    stream_capturing,
 )
-from flashlab.kernels.skip_split import tune_key
+from flashlab.kernels.interpreter import interpreted, interpreted_language
+from flashlab.kernels.ladder.rung2_skip_split import tune_key
 
 NAME = "hopper"  # the rung's name in flashlab.kernels.ladder
 MIN_CAPABILITY = 9  # TMA and warp specialisation: Hopper (sm_90) or newer
@@ -358,7 +351,7 @@ def _allocator(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _ensure_allocator():
+def ensure_allocator():
     """Device-side descriptors need somewhere to live: install an allocator unless the user has set one."""
     from triton.runtime import _allocation
 
@@ -382,7 +375,7 @@ def hidden_sides(nq: int, nk: int, band) -> tuple[bool, bool]:
 def launch(q, k, v, o, lse, causal, window, band, config=None, warp_specialize=None):
     """Run the kernel once on prepared inputs, writing ``o (B, Hq, Nq, D)`` and ``lse (B, Hq, Nq)``.
 
-    Inputs as ``flashlab.kernels.skip_split.launch`` takes them (``forward`` checks and prepares them). ``config``
+    Inputs as ``rung2_skip_split.launch`` takes them (the host engine checks and prepares them). ``config``
     (a dict of BLOCK_M, BLOCK_N, num_warps, num_stages) bypasses the autotuner; ``warp_specialize`` (None: on
     with four warps) turns the loop's warp specialisation on or off. CPU tensors run the interpreter with
     ``CPU_CONFIG``.
@@ -397,7 +390,7 @@ def launch(q, k, v, o, lse, causal, window, band, config=None, warp_specialize=N
     if not _rows_stacked(o):
         raise RuntimeError("the hopper rung writes o as rows of heads one after another: o must be contiguous")
     b, hq, nq, _ = q.shape
-    scalars, tune, meta = _arguments(q, k, v, o.stride()[:3], causal, window, band, q.is_cuda)
+    scalars, tune, meta = arguments(q, k, v, o.stride()[:3], causal, window, band, q.is_cuda)
     args = (q, k, v, o, lse, *scalars, *tune)
     if not q.is_cuda:
         grid = (cdiv(nq, CPU_CONFIG["BLOCK_M"]), b * hq)
@@ -408,7 +401,7 @@ def launch(q, k, v, o, lse, causal, window, band, config=None, warp_specialize=N
         def grid(meta):
             return (cdiv(nq, meta["BLOCK_M"]), b * hq)
 
-        _ensure_allocator()
+        ensure_allocator()
         with torch.cuda.device(q.device):
             if config is None:
                 hopper_fwd_tuned[grid](*args, **meta)
@@ -420,7 +413,7 @@ def launch(q, k, v, o, lse, causal, window, band, config=None, warp_specialize=N
         repair(args[:-3], q, meta)
 
 
-def _arguments(q, k, v, strides_o, causal, window, band, is_cuda):
+def arguments(q, k, v, strides_o, causal, window, band, is_cuda):
     """The kernel's arguments after its five tensors: ``(scalars, tune, meta)`` -- the strides (o's are
     ``strides_o``), sizes and band, the autotuner's key, and the constexprs."""
     b, hq, nq, d = q.shape
@@ -446,7 +439,7 @@ def _arguments(q, k, v, strides_o, causal, window, band, is_cuda):
     return scalars, tune_key(b, hq, nq, nk, causal, window), meta
 
 
-def _repair_shape(q, meta, is_cuda):
+def repair_shape(q, meta, is_cuda):
     """The repair pass's ``(extra arguments, grid, meta)``: its query tiles (all, and per head), one program per
     ``REPAIR_TILES_PER_PROGRAM`` of them, and the main kernel's constexprs it shares."""
     b, hq, nq, _ = q.shape
@@ -458,108 +451,17 @@ def _repair_shape(q, meta, is_cuda):
     return (num_tiles, m_tiles), (cdiv(num_tiles, REPAIR_TILES_PER_PROGRAM),), rmeta
 
 
-class Planned:
-    """``launch`` for one call signature (shapes, strides, dtype, device, mask, band), decided once: the arguments
-    and constexprs, the autotuner's pick, and direct relaunches of the kernel and of its repair pass
-    (``runtime.FastLaunch``, each checked against a launch through Triton once, bit for bit). Without it a call
-    spent over 100 us of host time in the autotuner's dispatch and two JIT launches (H200, docs/kernel-notes.md).
-
-    Called as ``planned(q, k, v, o, lse)`` on tensors of its signature. The descriptors the programs build live
-    in global scratch: from the stream's kept scratch (``runtime.scratch``) for flashlab's own launcher, from the
-    allocator for Triton's. CPU tensors run ``launch``.
-    """
-
-    __slots__ = ("mask", "band", "args", "tune", "meta", "grid_rows", "config", "grid", "repair_args", "repair_grid")
-    __slots__ += ("repair_meta", "fast", "repair_fast", "fast_state", "scratch_bytes")
-
-    def __init__(self, q, k, v, causal, window, band):
-        b, hq, nq, d = q.shape
-        self.mask, self.band = (causal, window), band
-        strides_o = (hq * nq * d, nq * d, d)  # forward allocates o contiguous
-        self.args, self.tune, self.meta = _arguments(q, k, v, strides_o, causal, window, band, is_cuda=True)
-        self.grid_rows = (nq, b * hq)
-        self.config = self.grid = None
-        self.repair_args, self.repair_grid, self.repair_meta = _repair_shape(q, self.meta, is_cuda=True)
-        self.fast = self.repair_fast = None
-        self.fast_state, self.scratch_bytes = "untried", 0  # "untried" -> "built" -> "checked" or "off"
-
-    def __call__(self, q, k, v, o, lse):
-        if not q.is_cuda:
-            launch(q, k, v, o, lse, *self.mask, self.band)
-            return
-        if not (_aligned(q) and _aligned(k) and _aligned(v)):  # same signature, addresses TMA cannot take
-            skip_split.launch(q, k, v, o, lse, *self.mask, self.band)
-            return
-        if self.fast_state == "checked" and q.get_device() == current_device_index():
-            self._launch_fast(current_stream(q.get_device()), q, k, v, o, lse)
-            return
-        with torch.cuda.device(q.device):
-            self._launch_jit(q, k, v, o, lse)
-
-    def _launch_fast(self, stream, q, k, v, o, lse):
-        if self.scratch_bytes:  # the programs' descriptors: the stream's kept scratch (fresh while capturing)
-            work = scratch(q.device, stream, cdiv(self.scratch_bytes, 4), 0)[0]
-            self.fast(stream, q, k, v, o, lse, work)
-        else:
-            self.fast(stream, q, k, v, o, lse)
-        if self.repair_fast is not None:
-            self.repair_fast(stream, q, k, v, o, lse)
-
-    def _launch_jit(self, q, k, v, o, lse):
-        _ensure_allocator()
-        tensors = (q, k, v, o, lse)
-        args = (*tensors, *self.args, *self.tune)
-        kernel = repair_kernel = None
-        if self.config is None:  # the autotuner picks, once per signature
-            nq, bh = self.grid_rows
-            hopper_fwd_tuned[lambda m: (cdiv(nq, m["BLOCK_M"]), bh)](*args, **self.meta)
-            self.config = hopper_fwd_tuned.best_config.all_kwargs()
-            self.grid = (cdiv(nq, self.config["BLOCK_M"]), bh)
-        else:
-            kernel = _attn_fwd_hopper[self.grid](*args, **self.meta, **self.config)
-        if self.meta["FLAG_NONFINITE"]:
-            repair_kernel = _repair_flagged[self.repair_grid](*tensors, *self.args, *self.repair_args,
-                                                               **self.repair_meta)  # fmt: skip
-        if self.fast_state == "untried" and kernel is not None:
-            self._build_fast(kernel, repair_kernel, args, tensors)
-        elif self.fast_state == "built" and not stream_capturing():
-            self._check_fast(q, k, v, o, lse)
-
-    def _build_fast(self, kernel, repair_kernel, args, tensors):
-        kwargs = {**self.meta, **self.config}
-        self.fast = FastLaunch.build(_attn_fwd_hopper, kernel, self.grid, args, kwargs, TENSOR_NAMES,
-                                     global_scratch=True)  # fmt: skip
-        if direct_launch.is_direct(self.fast):
-            self.scratch_bytes = direct_launch.global_scratch_bytes(kernel, self.grid)
-        ok = self.fast is not None
-        if repair_kernel is not None:
-            repair_args = (*tensors, *self.args, *self.repair_args)
-            self.repair_fast = FastLaunch.build(_repair_flagged, repair_kernel, self.repair_grid, repair_args,
-                                                self.repair_meta, TENSOR_NAMES)  # fmt: skip
-            ok = ok and self.repair_fast is not None
-        self.fast_state = "built" if ok else "off"
-
-    def _check_fast(self, q, k, v, o, lse):
-        stream = current_stream(q.get_device())
-        same = reproduces(lambda o2, lse2: self._launch_fast(stream, q, k, v, o2, lse2), o, lse)
-        self.fast_state = "checked" if same else "off"
-
-
 TENSOR_NAMES = ("Q", "K", "V", "O", "LSE")  # the kernels' five tensor parameters, as FastLaunch names them
 
 
-def _aligned(x: torch.Tensor) -> bool:
+def aligned(x: torch.Tensor) -> bool:
+    """Whether ``x`` starts where the copy engine can read it (a call signature does not include addresses)."""
     return x.data_ptr() % TMA_ALIGN_BYTES == 0
-
-
-def plan(q, k, v, causal, window, band) -> Planned:
-    """The planned launch of one call signature (``Planned``), for ``flashlab.kernels.forward``."""
-    return Planned(q, k, v, causal, window, band)
 
 
 def repair(args, q, meta) -> None:
     """Launch the repair pass (``_repair_flagged``) over the output of a main launch with ``args``."""
-    tiles, grid, rmeta = _repair_shape(q, meta, q.is_cuda)
+    tiles, grid, rmeta = repair_shape(q, meta, q.is_cuda)
     if not q.is_cuda:
         with interpreted_language(softmax_step):
             interpreted(_repair_flagged)[grid](*args, *tiles, **rmeta)
@@ -572,8 +474,8 @@ def repair_parts(q, k, v, strides_o, causal, window, band):
     """The repair pass over another kernel's output ``o`` (strides ``strides_o``) and lse, for one call signature:
     ``(kernel, grid, arguments after the five tensors, constexprs)``. How rung 4, whose programs cannot redo a
     tile, gets its non-finite rows redone."""
-    scalars, _, meta = _arguments(q, k, v, strides_o, causal, window, band, is_cuda=True)
-    tiles, grid, rmeta = _repair_shape(q, meta, True)
+    scalars, _, meta = arguments(q, k, v, strides_o, causal, window, band, is_cuda=True)
+    tiles, grid, rmeta = repair_shape(q, meta, True)
     return _repair_flagged, grid, (*scalars, *tiles), rmeta
 
 
@@ -583,6 +485,7 @@ def best_config() -> str:
 
 
 hopper_fwd = _attn_fwd_hopper
+repair_flagged = _repair_flagged
 
 __all__ = [
     "FALLBACK_SPACE",
@@ -592,10 +495,14 @@ __all__ = [
     "best_config",
     "hopper_fwd",
     "hopper_fwd_tuned",
+    "aligned",
+    "arguments",
+    "ensure_allocator",
     "launch",
-    "plan",
-    "Planned",
     "prune_configs",
+    "repair",
+    "repair_shape",
+    "repair_flagged",
     "repair_parts",
     "TENSOR_NAMES",
     "tuning_class",

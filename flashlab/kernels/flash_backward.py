@@ -41,9 +41,8 @@ import triton
 import triton.language as tl
 
 from flashlab.core.integers import cdiv, next_power_of_2
-from flashlab.core.masking import visible_band
 from flashlab.kernels import softmax_step
-from flashlab.kernels.runtime import (
+from flashlab.kernels.device import (
     CPU_CONFIG,
     LOG2_E,
     block_d,
@@ -51,10 +50,10 @@ from flashlab.kernels.runtime import (
     dot_precision,
     dot_upcast,
     fits_smem,
-    interpreted,
-    interpreted_language,
+    kernel_band,
     smem_limit,
 )
+from flashlab.kernels.interpreter import interpreted, interpreted_language
 
 # ----------------------------------------------------------------------------------------------------------------
 # The kernels
@@ -449,15 +448,6 @@ def _check_backward_inputs(do, q, k, v, o, lse):
             raise ValueError(f"{name} is on {x.device}, q on {q.device}; they must be on the same device")
 
 
-def band_args(nq: int, nk: int, causal: bool, window) -> tuple[int, int, int]:
-    """The band as the kernels take it, ``(offset, win_left, win_right)``: query i sees keys
-    ``[i + offset - win_left, i + offset + win_right]`` (``flashlab.core.masking``), an unbounded side becoming a
-    distance wider than the matrix. The forward's launcher derives the same three numbers."""
-    offset, left, right = visible_band(nq, nk, causal, window)
-    big = nq + nk + 1
-    return offset, big if left == float("inf") else int(left), big if right == float("inf") else int(right)
-
-
 def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
     """Gradients ``(dq, dk, dv)`` of ``o = flash_attention(q, k, v, causal, window, scale)`` given ``do = dL/do``.
 
@@ -477,12 +467,11 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
     if max(nq * q.stride(2), nk * k.stride(2), nk * v.stride(2), nq * do.stride(2), nq * o.stride(2)) >= 2**31:
         raise ValueError("sequence too long for this memory layout (row offsets exceed 2**31); pass contiguous tensors")
     signed_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    offset, win_left, win_right = band_args(nq, nk, causal, window)
+    offset, win_left, win_right, qk_scale, negate = kernel_band(nq, nk, d, causal, window, scale)
     # The forward runs a negative scale as (-q, -scale), since its running max needs max(s) * scale = max(s *
     # scale); the backward does the same. Then dK = |scale| dS^T (-q) = scale dS^T q as it should, and the gradient
     # with respect to -q is negated, which multiplying by the signed scale does: dQ = scale dS K.
-    q_run = -q if signed_scale < 0 else q
-    qk_scale = abs(signed_scale) * LOG2_E
+    q_run = -q if negate else q
     dk_scale = abs(signed_scale)
 
     delta = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
@@ -548,4 +537,4 @@ def best_configs() -> dict:
     return {name: None if c is None else str(c) for name, c in picks.items()}
 
 
-__all__ = ["CONCURRENT_DQ", "TUNING_SPACE", "attention_backward", "band_args", "best_configs", "tuning_class"]
+__all__ = ["CONCURRENT_DQ", "TUNING_SPACE", "attention_backward", "best_configs", "tuning_class"]

@@ -224,7 +224,7 @@ def simulate(requests, allocator, *, max_steps: int = 1_000_000, progress: bool 
         raise ValueError("simulate needs at least one request")
     for i, r in enumerate(requests):
         if not isinstance(r, Request):
-            raise TypeError(f"requests[{i}] must be a flashlab.paged.Request; got {type(r).__name__}")
+            raise TypeError(f"requests[{i}] must be a flashlab.kv_allocator.Request; got {type(r).__name__}")
         limit = getattr(allocator, "max_len", allocator.capacity)
         if r.total_len > limit:
             raise ValueError(f"requests[{i}] needs {r.total_len} tokens but {allocator.name} holds at most {limit}")

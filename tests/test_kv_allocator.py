@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flashlab.paged import ContiguousAllocator, PagedAllocator, Request, random_requests, simulate
+from flashlab.kv_allocator import ContiguousAllocator, PagedAllocator, Request, random_requests, simulate
 
 # Three requests arriving together, small enough to trace by hand (see each test's comments).
 HAND = [Request(3, 2), Request(5, 1), Request(2, 3)]

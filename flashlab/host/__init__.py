@@ -1,0 +1,21 @@
+"""The host engine: what the CPU does to launch flashlab's kernels, written once.
+
+- ``attention`` -- the entry points, ``flash_attention`` and ``flash_attention_with_kvcache``.
+- ``checks`` -- every argument check (a TypeError or ValueError naming the argument).
+- ``plan`` -- the call signature, the one bounded plan cache (``PLANS``) and the one plan type (``Plan``: a JIT
+  launch, then a direct launch checked once against it, bit for bit).
+- ``launches`` -- each path's plan and launch: prefill (every rung of ``flashlab.kernels.ladder``), split-KV
+  decode, the paged KV cache.
+- ``launcher`` and ``direct_launch`` (with ``launcher.c``) -- a compiled kernel relaunched without Triton's per-call
+  work; ``scratch`` -- the scratch memory a launch needs while it runs, kept per stream.
+- ``autograd`` and ``custom_ops`` -- the eager autograd path and the ``torch.ops.flashlab.*`` operators that
+  torch.compile traces (registered when this package is imported).
+
+The kernels themselves (``flashlab.kernels``) are device code and one plain launch each; this package imports
+them, never the other way.
+"""
+
+from flashlab.host import custom_ops  # noqa: F401  (registers torch.ops.flashlab.*)
+from flashlab.host.attention import flash_attention, flash_attention_with_kvcache
+
+__all__ = ["flash_attention", "flash_attention_with_kvcache"]

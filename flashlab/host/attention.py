@@ -1,0 +1,238 @@
+"""flashlab's two entry points: ``flash_attention`` and ``flash_attention_with_kvcache``.
+
+Each computes its call signature once (``flashlab.host.plan``), looks its plan up, and plans the signature the
+first time it comes (every argument check, ``flashlab.host.checks``, runs then); then it allocates the outputs and
+launches (``flashlab.host.launches``). A differentiable call goes through ``flashlab.host.autograd``; while
+torch.compile traces a call, the entry point checks the arguments and calls the registered operator
+(``torch.ops.flashlab.*``, ``flashlab.host.custom_ops``), one opaque node of the graph.
+
+On CUDA tensors the kernels are compiled (autotuned over block sizes, warps and pipeline stages). On CPU tensors the
+very same kernel source runs through Triton's interpreter (one small tile config), so every notebook runs without a
+GPU and without the user setting ``TRITON_INTERPRET``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from flashlab.host import autograd
+from flashlab.host.checks import (
+    check_inputs,
+    check_kvcache_inputs,
+    check_kvcache_values,
+    check_num_splits,
+    check_rung,
+    check_values_flag,
+)
+from flashlab.host.launches import attention_plan, kvcache_plan, run_attention, run_kvcache, unit_stride_d
+from flashlab.host.plan import PLANS, kvcache_signature, remember, signature
+from flashlab.kernels import ladder
+from flashlab.kernels.decode import split_kv
+from flashlab.kernels.device import kernel_band, stream_capturing
+from flashlab.kernels.ladder import rung2_skip_split as skip_split
+
+
+def window_to_ints(window) -> tuple[int, int]:
+    """``window`` (None or (left, right), None = unbounded) as the two ints of the operators' schema (-1 = None)."""
+    if window is None:
+        return -1, -1
+    left, right = window
+    return (-1 if left is None else int(left)), (-1 if right is None else int(right))
+
+
+def ints_to_window(left: int, right: int):
+    """The inverse of ``window_to_ints``: None when both sides are unbounded."""
+    if left < 0 and right < 0:
+        return None
+    return (None if left < 0 else left), (None if right < 0 else right)
+
+
+def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=False, *, num_splits=None, rung=None):
+    """FlashAttention forward: ``softmax(q k^T * scale + mask) v``, never materialising the score matrix.
+
+    q ``(B, Hq, Nq, D)``, k and v ``(B, Hk, Nk, D)`` with Hq a multiple of Hk (grouped-query attention: query head h
+    reads K/V head ``h // (Hq // Hk)``, without copying K/V). Any Nq, Nk >= 1; D a multiple of 8 in [16, 256];
+    float16, bfloat16 or float32; any strides (a last dim that is not contiguous is copied once).
+
+    ``causal`` and ``window=(left, right)`` follow ``flashlab.core.masking`` (bottom-right aligned). ``scale``
+    defaults to ``1/sqrt(D)``. Returns ``o`` (like q), or ``(o, lse)`` with ``return_lse=True``: lse ``(B, Hq, Nq)``
+    float32 is the natural log-sum-exp of each row's scaled, masked scores; a row that sees no key gives zeros and
+    lse = -inf.
+
+    Decode (at most ``flashlab.kernels.decode.split_kv.MAX_SPLIT_QUERY_ROWS`` query rows) takes the split-KV path
+    (Flash-Decoding): the keys are cut into chunks that run in parallel and are merged by their log-sum-exps.
+    ``num_splits`` forces that path with this many chunks (at any Nq); ``None`` chooses.
+
+    ``rung`` picks the prefill kernel from the kernel ladder (``flashlab.kernels.ladder.RUNGS``): ``None`` runs the
+    rung measured fastest for these inputs on their device -- on a Hopper GPU ``"overlap"`` for 16-bit inputs at
+    D = 64, 128 and 256 (any lengths and windows, layouts the copy engine can describe), ``"hopper"`` for other
+    16-bit inputs at head dims 65-128 from 1K keys, ``"skip_split"`` otherwise -- (and split-KV for decode, as
+    above); a name such as
+    ``"lesson_loop"`` or ``"skip_split"`` runs that rung at any Nq (not split-KV, so it cannot be combined with
+    ``num_splits``). Where the named rung cannot run here, a ``RuntimeWarning`` names it and the reason, and the
+    fastest rung that can run is used. An unknown name is a ValueError listing the rungs.
+
+    Differentiable: when grad is enabled and q, k or v requires grad, backpropagating through ``o`` gives
+    gradients for q, k and v from the FlashAttention-2 backward (``flashlab.kernels.flash_backward``: the
+    probabilities recomputed from q, k and the saved lse, nothing of size Nq x Nk stored; deterministic). Such calls
+    always take the prefill kernel (``num_splits`` is ignored: split-KV has no backward; a ``rung`` is kept, and the
+    backward uses the log-sum-exp that rung computed). ``lse`` is not differentiable: a loss that depends on it
+    raises an error in the backward pass, compiled (``torch.compile``) or not.
+
+    Must equal ``flashlab.reference.tiled_attention`` (the NumPy tiled loop) and ``flashlab.reference.attention``
+    (the float64 definition) to within the input dtype's rounding (``flashlab.core.numerics.TOLERANCE``). CUDA
+    tensors run the compiled, autotuned kernel; CPU tensors run the same kernel through Triton's interpreter.
+    """
+    if torch.compiler.is_compiling():  # one opaque operator in the graph; its checks are traced
+        check_inputs(q, k, v, causal, window, scale)
+        check_num_splits(num_splits, k.shape[2])
+        check_rung(rung, num_splits)
+        left, right = window_to_ints(window)
+        o, lse = torch.ops.flashlab.attention_forward(q, k, v, causal, left, right, scale, num_splits, rung)
+        return (o, lse) if return_lse else o
+    key = signature(q, k, v, causal, window, scale, num_splits, rung)
+    plan = PLANS.get(key)  # a plan exists only for a signature that was checked
+    if plan is None:
+        plan = remember(key, checked_plan(q, k, v, causal, window, scale, num_splits, rung))
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        # differentiable: the prefill kernel (split-KV has no backward), then flashlab.kernels.flash_backward
+        if plan.backward is None:
+            plan.backward = autograd.differentiable_plan(plan, q, k, v, causal, window, scale, rung)
+        if plan.backward.note is not None:  # the rung asked for cannot run here: said on every call
+            warnings.warn(plan.backward.note, RuntimeWarning, stacklevel=2)
+        o, lse = autograd.FlashAttentionFunction.apply(plan.backward, q, k, v, causal, window, scale)
+    else:
+        if plan.note is not None:
+            warnings.warn(plan.note, RuntimeWarning, stacklevel=2)
+        o, lse = run_attention(plan, q, k, v, return_lse)
+    return (o, lse) if return_lse else o
+
+
+def checked_plan(q, k, v, causal, window, scale, num_splits, rung):
+    """Check a ``flash_attention`` call's arguments, then plan its signature."""
+    check_inputs(q, k, v, causal, window, scale)
+    check_num_splits(num_splits, k.shape[2])
+    check_rung(rung, num_splits)
+    return attention_plan(q, k, v, causal, window, scale, num_splits, rung)
+
+
+def forward(q, k, v, causal, window, scale, num_splits=None, config=None, reverse_m=None, use_tma=None, rung=None,
+            need_lse=True):  # fmt: skip
+    """Run the forward pass on checked inputs (no autograd); returns ``(o, lse)`` (lse None when ``need_lse`` is
+    False and the split-KV path ran: it then writes the lse to scratch memory instead of a new tensor).
+
+    ``num_splits`` and ``rung`` as in ``flash_attention``. The other three are the benchmark's switches for studying
+    the kernel (``python -m flashlab.bench --config/--tile-order/--tma``): ``config`` (a dict of BLOCK_M, BLOCK_N,
+    num_warps, num_stages) bypasses the autotuner, ``reverse_m`` overrides the causal tile order, ``use_tma`` forces
+    TMA loads on or off where they can be used. None leaves each to the kernel's own choice. ``reverse_m`` and
+    ``use_tma`` are switches of the skip-and-split rung, which is also the one a ``config`` goes to when no rung is
+    named. With a switch set the call is decided afresh (plain launches); without, it runs its signature's plan.
+    """
+    if config is not None or reverse_m is not None or use_tma is not None:
+        return _forward_studied(q, k, v, causal, window, scale, num_splits, config, reverse_m, use_tma, rung)
+    key = signature(q, k, v, causal, window, scale, num_splits, rung)
+    plan = PLANS.get(key)
+    if plan is None:
+        plan = remember(key, checked_plan(q, k, v, causal, window, scale, num_splits, rung))
+    if plan.note is not None:
+        warnings.warn(plan.note, RuntimeWarning, stacklevel=2)
+    return run_attention(plan, q, k, v, need_lse)
+
+
+def _forward_studied(q, k, v, causal, window, scale, num_splits, config, reverse_m, use_tma, rung=None):
+    """``forward`` with the benchmark's switches set: decided afresh on every call, plain launches."""
+    b, hq, nq, d = q.shape
+    q, k, v = unit_stride_d(q, k, v)
+    offset, win_left, win_right, qk_scale, negate = kernel_band(nq, k.shape[2], d, causal, window, scale)
+    if negate:
+        q = -q
+    o = torch.empty((b, hq, nq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
+    split = num_splits is not None or (rung is None and nq <= split_kv.MAX_SPLIT_QUERY_ROWS and config is None)
+    if split:  # decode: split-KV
+        split_kv.launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits)
+        return o, lse
+    band = (offset, win_left, win_right, qk_scale)
+    chosen = ladder.rung_named(skip_split.NAME)  # no rung named: the switches are skip-and-split's
+    if rung is not None:
+        chosen, note = ladder.select(rung, q, k, v, causal, window)
+        if note is not None:
+            warnings.warn(note, RuntimeWarning, stacklevel=3)
+    if chosen.name == skip_split.NAME:
+        skip_split.launch(q, k, v, o, lse, causal, window, band, config=config, reverse_m=reverse_m, use_tma=use_tma)
+    elif reverse_m is not None or use_tma is not None:
+        raise ValueError(f"reverse_m and use_tma are switches of the skip_split rung, not of rung {chosen.name!r}")
+    else:
+        chosen.launch(q, k, v, o, lse, causal, window, band, config=config)
+    return o, lse
+
+
+def flash_attention_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    block_table=None,
+    causal=False,
+    window=None,
+    scale=None,
+    return_lse=False,
+    *,
+    check_values=True,
+):
+    """Attention of new queries against a KV cache with per-sequence lengths, paged or not.
+
+    q ``(B, Hq, Nq, D)`` (flashlab's layout: the Nq newest positions of each sequence, Nq = 1 for a decode step,
+    up to a few hundred for a chunk of prefill). The cache, in the layout serving engines use:
+
+    - with ``block_table`` ``(B, max_blocks)`` int32: ``k_cache``, ``v_cache`` ``(num_blocks, block_size, Hk, D)``;
+      key j of sequence b is in block ``block_table[b, j // block_size]``, slot ``j % block_size``. Any block size
+      that is a multiple of 16; blocks in any order, shared between sequences; entries past a sequence's last
+      block are never read (they may hold anything, e.g. -1).
+    - without: ``k_cache``, ``v_cache`` ``(B, Nk_max, Hk, D)``, sequence b in its own slab.
+
+    ``cache_seqlens`` ``(B,)`` int32: the keys each sequence holds (its Nq newest included). ``causal`` and
+    ``window`` follow ``flashlab.core.masking``, aligned to each sequence's own end: query i sees key j when
+    ``seqlen_b - Nq + i - left <= j <= seqlen_b - Nq + i + right``. A sequence of length 0 gives zeros (lse -inf).
+    Returns ``o`` like q, or ``(o, lse)`` with lse ``(B, Hq, Nq)`` float32 natural log-sum-exps.
+
+    ``check_values`` reads the lengths and the block table's entries on the host to check them (a length outside
+    ``[0, capacity]`` or an entry outside the pool is a ValueError); on a GPU that costs one synchronisation per
+    call, which stalls a decode loop. A loop whose tables are known good passes False: the kernel itself never
+    follows an entry outside the pool (those keys are left out) and clamps a length to ``[0, capacity]``.
+    """
+    if torch.compiler.is_compiling():  # the values are checked inside the operator, when it runs
+        check_values_flag(check_values)
+        check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+        left, right = window_to_ints(window)
+        o, lse = torch.ops.flashlab.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
+                                                           left, right, scale, check_values)  # fmt: skip
+        return (o, lse) if return_lse else o
+    o, lse = kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, check_values,
+                               return_lse)  # fmt: skip
+    return (o, lse) if return_lse else o
+
+
+def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, check_values,
+                      need_lse=True):  # fmt: skip
+    """``flash_attention_with_kvcache`` in eager mode: ``(o, lse)`` (lse None unless ``need_lse``). The shapes are
+    checked when the signature is planned; the values on every call that asks (``check_values``), except while a
+    CUDA graph is being captured, where the host cannot read device memory."""
+    key = kvcache_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+    plan = PLANS.get(key)  # a plan exists only for a signature whose shapes passed
+    if plan is None:
+        check_values_flag(check_values)
+        checked = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+        plan = remember(key, kvcache_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale,
+                                          checked))  # fmt: skip
+    if check_values is not False:
+        check_values_flag(check_values)
+        if not (q.is_cuda and stream_capturing()):
+            check_kvcache_values(cache_seqlens, block_table, *plan.extra)
+    return run_kvcache(plan, q, k_cache, v_cache, cache_seqlens, block_table, need_lse)
+
+
+__all__ = ["flash_attention", "flash_attention_with_kvcache", "forward", "ints_to_window", "kvcache_attention",
+           "window_to_ints"]  # fmt: skip

@@ -1,0 +1,229 @@
+"""Every argument check of flashlab's two entry points, written once: a bad argument is a TypeError or ValueError
+naming it, never a wrong answer.
+
+- ``check_inputs``: ``flash_attention``'s q, k, v, mask and scale; ``check_num_splits``, ``check_rung``.
+- ``check_kvcache_inputs``: ``flash_attention_with_kvcache``'s shapes, dtypes, devices, layouts, mask and scale;
+  ``check_kvcache_values``: the values of its lengths and block table (one synchronisation on a GPU).
+- ``check_dense``, ``check_scale``, ``check_head_dim``: the checks both share.
+
+Everything ``check_inputs`` and ``check_kvcache_inputs`` look at is a function of the call signature (shapes,
+strides, dtypes, devices, mask, scale), so the host engine runs them once per signature, when it plans it
+(``flashlab.host.plan``); only the values of the lengths and the block table are checked on every call that asks.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from flashlab.core.checks import as_real
+from flashlab.core.masking import visible_band
+from flashlab.core.shapes import attention_shape
+from flashlab.kernels import ladder
+from flashlab.kernels.decode.kvcache import BLOCK_SIZE_MULTIPLE
+from flashlab.kernels.decode.split_kv import MAX_SPLITS
+from flashlab.kernels.device import DTYPES, HEAD_DIM_MULTIPLE, LOG2_E, MAX_HEAD_DIM, MIN_HEAD_DIM
+
+MAX_FLOAT32 = 3.4028234663852886e38  # the largest finite float32: qk_scale = scale * log2(e) must stay below it
+
+
+def check_dense(name: str, x) -> None:
+    """A TypeError unless ``x`` is a dense (strided) torch.Tensor: the kernels read memory through strides, which a
+    sparse or MKL-DNN tensor does not have."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor; got layout {x.layout} (convert it with .to_dense())")
+
+
+def check_scale(scale) -> None:
+    """A TypeError or ValueError unless ``scale`` is None or a real number the kernels can take: finite, and with
+    ``scale * log2(e)`` inside float32's range (the kernels scale scores by it in float32)."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a number or None; got {type(scale).__name__}")
+    scale = as_real("scale", scale)  # ValueError for NaN, inf, or an int too large for a float (10**400)
+    if abs(scale) * LOG2_E > MAX_FLOAT32:
+        raise ValueError(
+            f"scale {scale:g} is outside float32's range: the kernels multiply scores by scale * log2(e) in "
+            f"float32, so |scale| must be at most {MAX_FLOAT32 / LOG2_E:.4g}"
+        )
+
+
+def check_head_dim(d: int) -> None:
+    if not (MIN_HEAD_DIM <= d <= MAX_HEAD_DIM and d % HEAD_DIM_MULTIPLE == 0):
+        raise ValueError(
+            f"head dim {d} is not supported: it must be a multiple of {HEAD_DIM_MULTIPLE} "
+            f"between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}"
+        )
+
+
+def check_causal(causal) -> None:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False; got {causal!r}")
+
+
+def check_inputs(q, k, v, causal, window, scale):
+    """Validate the arguments of an attention call; returns ``(shape, band)`` (``flashlab.core.shapes``,
+    ``flashlab.core.masking.visible_band``)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_dense(name, x)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype not in DTYPES:
+            raise TypeError(f"{name} has dtype {x.dtype}; flash_attention supports float16, bfloat16 and float32")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must have the same dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k and v must be on the same device; got {q.device}, {k.device}, {v.device}")
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"flash_attention runs on CUDA (compiled) or CPU (interpreted) tensors; got {q.device}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have 4 dims (batch, heads, seq_len, head_dim); got shape {tuple(x.shape)}")
+        if x.numel() == 0:
+            raise ValueError(f"{name} is empty (shape {tuple(x.shape)}); every dim must be at least 1")
+    shape = attention_shape(q.shape, k.shape, v.shape)  # ValueError naming the mismatch (heads, lengths, D)
+    if shape.dv != shape.d:
+        raise ValueError(f"v must have the same head dim as q and k ({shape.d}); got {shape.dv}")
+    check_head_dim(shape.d)
+    check_causal(causal)
+    band = visible_band(shape.nq, shape.nk, causal, window)  # ValueError for a malformed window; any int side
+    check_scale(scale)
+    return shape, band
+
+
+def check_num_splits(num_splits, nk: int) -> None:
+    if num_splits is None:
+        return
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits must be an int or None; got {type(num_splits).__name__}")
+    most = min(nk, MAX_SPLITS)
+    if not 1 <= num_splits <= most:
+        raise ValueError(f"num_splits must be between 1 and min(Nk, {MAX_SPLITS}) = {most}; got {num_splits}")
+
+
+def check_rung(rung, num_splits) -> None:
+    """An unknown rung name is a ValueError listing the rungs (``flashlab.kernels.ladder``), a rung with
+    ``num_splits`` a ValueError (they choose different kernels)."""
+    if rung is None:
+        return
+    ladder.rung_named(rung)
+    if num_splits is not None:
+        raise ValueError(
+            f"num_splits chooses the split-KV path and rung={rung!r} a prefill kernel of the ladder; pass one"
+        )
+
+
+def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale):
+    """Validate the shapes, dtypes, devices and layouts of a ``flash_attention_with_kvcache`` call and its mask and
+    scale; returns ``(capacity, pages, page_size)``: the most keys a sequence can hold, the cache's blocks and their
+    size (0 without a block table)."""
+    for name, x, ndim in (("q", q, 4), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4), ("cache_seqlens",
+                          cache_seqlens, 1)):  # fmt: skip
+        check_dense(name, x)
+        if x.ndim != ndim:
+            raise ValueError(f"{name} must have {ndim} dims; got shape {tuple(x.shape)}")
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.dtype not in DTYPES:
+            raise TypeError(f"{name} has dtype {x.dtype}; supported: float16, bfloat16 and float32")
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        dtypes = f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        raise TypeError(f"q, k_cache and v_cache must have the same dtype; got {dtypes}")
+    if cache_seqlens.dtype != torch.int32:
+        raise TypeError(f"cache_seqlens must be int32; got {cache_seqlens.dtype}")
+    tensors = [("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)]
+    if block_table is not None:
+        check_dense("block_table", block_table)
+        if block_table.ndim != 2:
+            raise ValueError(f"block_table must have 2 dims; got shape {tuple(block_table.shape)}")
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table must be int32; got {block_table.dtype}")
+        tensors.append(("block_table", block_table))
+    for name, x in tensors:
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}); got {x.device}")
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"runs on CUDA (compiled) or CPU (interpreted) tensors; got {q.device}")
+    if q.numel() == 0:
+        raise ValueError(f"q is empty (shape {tuple(q.shape)}); every dim must be at least 1")
+    b, hq, nq, d = q.shape
+    if k_cache.shape != v_cache.shape:
+        shapes = f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        raise ValueError(f"k_cache and v_cache must have the same shape; got {shapes}")
+    pages, page_size, hk, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"the cache's head dim ({dk}) must equal q's ({d})")
+    check_head_dim(d)
+    if hk < 1 or hq % hk:
+        raise ValueError(f"query heads ({hq}) must be a multiple of the cache's key/value heads ({hk})")
+    if cache_seqlens.shape[0] != b:
+        got = tuple(cache_seqlens.shape)
+        raise ValueError(f"cache_seqlens must have one length per sequence ({b}); got shape {got}")
+    if block_table is None:
+        if pages != b:
+            raise ValueError(
+                f"without a block table the cache is (B, Nk_max, Hk, D) with B = {b}; got shape {tuple(k_cache.shape)}"
+            )
+        capacity = page_size
+    else:
+        if block_table.shape[0] != b or block_table.shape[1] < 1:
+            raise ValueError(f"block_table must be (B={b}, max_blocks >= 1); got shape {tuple(block_table.shape)}")
+        if page_size % BLOCK_SIZE_MULTIPLE:
+            raise ValueError(f"the cache's block size ({page_size}) must be a multiple of {BLOCK_SIZE_MULTIPLE}")
+        capacity = block_table.shape[1] * page_size
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride along its head dim (it is never copied); got {x.stride()}")
+        if capacity * x.stride(1) >= 2**31 and block_table is None:
+            raise ValueError(f"{name} is too long for 32-bit key offsets; use a block table")
+    check_causal(causal)
+    visible_band(nq, capacity, causal, window)  # ValueError for a malformed window
+    check_scale(scale)
+    return capacity, pages, (page_size if block_table is not None else 0)
+
+
+def check_kvcache_values(cache_seqlens, block_table, capacity: int, pages: int, page_size: int) -> None:
+    """A ValueError for a length outside ``[0, capacity]`` or a used block-table entry outside the pool."""
+    bad_len = (cache_seqlens < 0) | (cache_seqlens > capacity)  # (B,)
+    bad_len_any = bad_len.any()
+    if block_table is None:
+        bad_entry = torch.zeros_like(bad_len_any)
+    else:
+        used = (
+            torch.arange(block_table.shape[1], device=block_table.device)[None, :]
+            < ((cache_seqlens.clamp(min=0) + page_size - 1) // page_size)[:, None]
+        )  # (B, max_blocks): the entries a sequence's keys live in
+        bad_entry = (((block_table < 0) | (block_table >= pages)) & used).any()
+    flags = torch.stack([bad_len_any, bad_entry]).tolist()  # one synchronisation on a GPU
+    if flags[0]:
+        b = int(bad_len.nonzero()[0, 0])
+        raise ValueError(
+            f"cache_seqlens[{b}] = {int(cache_seqlens[b])} is outside [0, {capacity}], the keys the cache can hold"
+        )
+    if flags[1]:
+        b, j = (int(x) for x in (((block_table < 0) | (block_table >= pages)) & used).nonzero()[0])
+        raise ValueError(
+            f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a block of the cache (0 <= entry < {pages})"
+        )
+
+
+def check_values_flag(check_values) -> None:
+    if not isinstance(check_values, bool):
+        raise TypeError(f"check_values must be True or False; got {check_values!r}")
+
+
+__all__ = [
+    "MAX_FLOAT32",
+    "check_causal",
+    "check_dense",
+    "check_head_dim",
+    "check_inputs",
+    "check_kvcache_inputs",
+    "check_kvcache_values",
+    "check_num_splits",
+    "check_rung",
+    "check_scale",
+    "check_values_flag",
+]

@@ -1,0 +1,140 @@
+"""flashlab's entry points as PyTorch custom operators, so ``torch.compile(..., fullgraph=True)`` can trace a model
+that calls them and CUDA-graph modes (``mode="reduce-overhead"``) can capture them.
+
+Dynamo cannot trace a Triton launch written in Python (the autotuner, the argument specialisation, the
+interpreter on CPU tensors). Wrapped in ``torch.library.custom_op``, the launch becomes one opaque node of the
+graph: the compiler sees only its schema and its fake implementation (output shapes and dtypes, computed without
+running anything), and at run time the node runs the same plans as the eager call. CPU tensors run Triton's
+interpreter inside the node, so the same compiled model runs in CI.
+
+- ``torch.ops.flashlab.attention_forward(q, k, v, causal, window_left, window_right, scale, num_splits, rung=None)
+  -> (o, lse)``: ``flash_attention``'s forward pass. A window side of ``-1`` means unbounded (None), a ``scale`` of
+  None the default ``1/sqrt(D)``, a ``rung`` of None the kernel ladder's own choice. ``flash_attention`` calls it
+  while it is being compiled (``torch.compiler.is_compiling()``); in eager mode it launches directly, because the
+  dispatcher's work for a custom operator would add to every call's host time. Its gradient is
+  ``flashlab.kernels.flash_backward``'s, registered with ``torch.library.register_autograd``; like the eager
+  autograd path (``flashlab.host.autograd``) it raises an error for a loss that depends on lse.
+- ``torch.ops.flashlab.attention_backward(do, dlse, q, k, v, o, lse, causal, window_left, window_right, scale) ->
+  (dq, dk, dv)``: that gradient as an operator of its own, so a compiled backward graph holds it as one node.
+- ``torch.ops.flashlab.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
+  window_left, window_right, scale, check_values) -> (o, lse)``: ``flash_attention_with_kvcache``, likewise.
+
+Why ``custom_op`` and not ``torch.library.triton_op`` + ``wrap_triton`` (which let the compiler see the Triton
+kernels themselves): the launches here go through an autotuner with a config-pruning hook and a TMA pre-hook,
+take TMA descriptors as arguments, and run Triton's interpreter on CPU tensors; none of that is what
+``wrap_triton`` traces, and an opaque node is all that CUDA graphs need.
+"""
+
+from typing import Optional  # noqa: UP035 -- Optional[...] is what every torch.library version's schema parser reads
+
+import torch  # no `from __future__ import annotations`: custom_op reads the annotations as types
+
+from flashlab.host import attention
+from flashlab.host.attention import ints_to_window, window_to_ints
+from flashlab.host.autograd import check_no_lse_gradient
+from flashlab.host.scratch import fresh_scratch
+from flashlab.kernels.flash_backward import attention_backward
+
+NAMESPACE = "flashlab"
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention_forward", mutates_args=())
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    scale: Optional[float],  # noqa: UP045
+    num_splits: Optional[int],  # noqa: UP045
+    rung: Optional[str] = None,  # noqa: UP045
+) -> tuple[torch.Tensor, torch.Tensor]:
+    window = ints_to_window(window_left, window_right)
+    with fresh_scratch():  # nothing kept alive from a CUDA-graph mode's memory pool
+        return attention.forward(q, k, v, causal, window, scale, num_splits=num_splits, rung=rung)
+
+
+@attention_forward.register_fake
+def _(q, k, v, causal, window_left, window_right, scale, num_splits, rung=None):
+    b, hq, nq, d = q.shape
+    return q.new_empty((b, hq, nq, d)), q.new_empty((b, hq, nq), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, window_left, window_right, scale, *_ = inputs  # then num_splits and rung
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.causal, ctx.window, ctx.scale = causal, ints_to_window(window_left, window_right), scale
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention_backward", mutates_args=())
+def attention_backward_op(
+    do: torch.Tensor,
+    dlse: Optional[torch.Tensor],  # noqa: UP045
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    scale: Optional[float],  # noqa: UP045
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients ``(dq, dk, dv)`` of ``attention_forward``, one opaque node of a compiled backward graph too;
+    a RuntimeError when ``dlse`` is not all zeros (checked when it runs: its values are not known while tracing)."""
+    check_no_lse_gradient(dlse)
+    window = ints_to_window(window_left, window_right)
+    return attention_backward(do.contiguous(), q, k, v, o, lse, causal, window, scale)
+
+
+@attention_backward_op.register_fake
+def _(do, dlse, q, k, v, o, lse, causal, window_left, window_right, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _attention_backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    left, right = window_to_ints(ctx.window)
+    dq, dk, dv = torch.ops.flashlab.attention_backward(do, dlse, q, k, v, o, lse, ctx.causal, left, right, ctx.scale)
+    # no gradient for the flags, the window, scale, num_splits and rung
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+torch.library.register_autograd(f"{NAMESPACE}::attention_forward", _attention_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention_with_kvcache", mutates_args=())
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: Optional[torch.Tensor],  # noqa: UP045
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    scale: Optional[float],  # noqa: UP045
+    check_values: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    window = ints_to_window(window_left, window_right)
+    tensors = (q, k_cache, v_cache, cache_seqlens, block_table)
+    with fresh_scratch():  # nothing kept alive from a CUDA-graph mode's memory pool
+        return attention.kvcache_attention(*tensors, causal, window, scale, check_values)
+
+
+@attention_with_kvcache.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, block_table, causal, window_left, window_right, scale, check_values):
+    b, hq, nq, d = q.shape
+    return q.new_empty((b, hq, nq, d)), q.new_empty((b, hq, nq), dtype=torch.float32)
+
+
+__all__ = [
+    "NAMESPACE",
+    "attention_backward_op",
+    "attention_forward",
+    "attention_with_kvcache",
+    "ints_to_window",
+    "window_to_ints",
+]

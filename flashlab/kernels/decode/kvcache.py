@@ -1,0 +1,308 @@
+"""Attention against a serving engine's KV cache: ragged lengths, and keys and values in a pool of paged blocks.
+
+A serving engine keeps every running sequence's keys and values in one pool of fixed-size blocks (PagedAttention,
+``flashlab.kv_allocator`` simulates its allocator): ``k_cache`` and ``v_cache`` are ``(num_blocks, block_size, Hk, D)``,
+and row ``b`` of a block table lists the physical blocks of sequence ``b`` in logical order. Key ``j`` of sequence ``b``
+lives in block ``block_table[b, j // block_size]`` at slot ``j % block_size``. Sequences have their own lengths
+(``cache_seqlens``); blocks may sit anywhere in the pool, in any order, and be shared between sequences (a common prompt
+prefix).
+
+The kernel is the split-KV partial kernel of ``flashlab.kernels.decode.split_kv`` with two changes:
+
+- each program reads its sequence's length, and masks are aligned to that sequence's own end (query i of Nq sees
+  keys up to ``seqlen_b - Nq + i`` when causal);
+- each key tile's address goes through the block table: one table entry per tile when a block holds whole tiles,
+  one per key otherwise. The cache is never gathered into a contiguous copy.
+
+Its chunks' partial outputs are merged as in split-KV, inside the same launch, by the chunks' last finishers
+(``softmax_step.finish_chunk``): as a tree of groups, or, for blocks smaller than ``SMALL_BLOCK_TOKENS`` tokens
+and up to ``split_kv.MAX_FOLD_SPLITS`` chunks, folded in one level (fewer registers). When one chunk suffices it
+normalises and writes the output itself.
+Without a block table the cache is
+``(B, Nk_max, Hk, D)``, one slab per sequence, read the same way.
+
+The float64 reference it must equal is ``flashlab.reference.torch_float64.attention_float64`` applied to each
+sequence's keys and values, gathered into contiguous tensors (the tests do exactly that).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashlab.core.integers import cdiv, next_power_of_2
+from flashlab.kernels import softmax_step
+from flashlab.kernels.decode import split_kv
+from flashlab.kernels.device import (
+    CPU_CONFIG,
+    block_d,
+    device_index,
+    dot_precision,
+    dot_upcast,
+    sm_count,
+)
+from flashlab.kernels.interpreter import interpreted, interpreted_language
+
+# Block sizes must be multiples of this: the smallest key tile, so a tile never straddles a block unevenly.
+BLOCK_SIZE_MULTIPLE = 16
+
+
+# fmt: off
+@triton.jit
+def _kvcache_partial(
+    Q, K, V, BLOCK_TABLE, SEQLENS,  # q; the K/V cache; the block table (unused when PAGE_SIZE == 0); lengths
+    O_PART, LSE_PART, O, LSE,  # partial outputs (fp32) and lse (log2) per chunk; the output and its lse
+    COUNTERS,  # int32, one per (sequence, K/V head, row block): chunks finished; zero between launches
+    stride_qb, stride_qh, stride_qm,  # strides (elements) of q over batch, head, row; D has stride 1
+    stride_kp, stride_ks, stride_kh,  # K over (page, slot in page, head): a block, or a sequence without a table
+    stride_vp, stride_vs, stride_vh,
+    stride_tb,  # block table row stride
+    stride_ob, stride_oh, stride_om,  # the output, written only with DIRECT
+    HQ, HK, GROUP, NQ,  # query heads, K/V heads, query heads per K/V head, query length
+    NUM_PAGES, CAPACITY,  # blocks in the pool, keys a sequence can hold: a bad table entry or length never faults
+    win_left, win_right,  # the band: query i sees keys [i + offset - win_left, i + offset + win_right]
+    keys_per_split, NUM_SPLITS,  # each chunk's keys: [split * keys_per_split, (split + 1) * keys_per_split)
+    qk_scale,  # softmax scale * log2(e)
+    TUNE_KEY_N, TUNE_KEY_UNITS,  # only read by the autotuner (its cache key)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # packed query rows per program: (query head in the group, query position)
+    BLOCK_N: tl.constexpr,  # keys per inner-loop step
+    PAGE_SIZE: tl.constexpr,  # tokens per cache block; 0: no block table, the page is the whole sequence
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    DIRECT: tl.constexpr,  # one chunk: normalise and write o and lse here, no partials, no counter
+    MERGE_HERE: tl.constexpr,  # several chunks: the last to finish merges them (else split_kv_merge does)
+    MERGE_GROUP: tl.constexpr,  # chunks per group of the merge's tree; 0: one level (softmax_step.finish_chunk)
+):
+    # fmt: on
+    pid_s = tl.program_id(0)  # which chunk of keys
+    pid_bk = tl.program_id(1)  # which (sequence, K/V head)
+    pid_m = tl.program_id(2)  # which block of packed rows
+    off_b = pid_bk // HK
+    off_hk = pid_bk % HK
+    nk = tl.minimum(tl.maximum(tl.load(SEQLENS + off_b), 0), CAPACITY)  # this sequence's length
+    offset = nk - NQ  # masks are aligned to the sequence's own end
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP * NQ
+    qi = rows % NQ  # (BLOCK_M,) query position
+    off_h = off_hk * GROUP + rows // NQ  # (BLOCK_M,) query head
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    # -- the packed Q tile, loaded once: every query row that shares this K/V head
+    q_ptrs = Q + off_b.to(tl.int64) * stride_qb + off_h[:, None].to(tl.int64) * stride_qh
+    q = tl.load(q_ptrs + qi[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_UPCAST:
+        q = q.to(tl.float32)
+    k_head = K + off_hk.to(tl.int64) * stride_kh
+    v_head = V + off_hk.to(tl.int64) * stride_vh
+    table = BLOCK_TABLE + off_b.to(tl.int64) * stride_tb
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # -- this chunk's keys, cut to the band of the query positions in this block
+    r_lo = pid_m * BLOCK_M
+    r_hi = tl.minimum(r_lo + BLOCK_M, GROUP * NQ) - 1
+    one_head = r_lo // NQ == r_hi // NQ
+    qi_lo = tl.where(one_head, r_lo % NQ, 0)
+    qi_hi = tl.where(one_head, r_hi % NQ, NQ - 1)
+    split_lo = pid_s * keys_per_split
+    lo = tl.maximum(split_lo, qi_lo + offset - win_left)
+    hi = tl.minimum(tl.minimum(split_lo + keys_per_split, nk), qi_hi + offset + win_right + 1)
+    lo = tl.maximum(lo, 0) // BLOCK_N * BLOCK_N
+    diag = qi + offset
+
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n  # (BLOCK_N,) logical key positions in the sequence
+        # -- where the tile's keys live: (page, slot) for each key
+        if PAGE_SIZE == 0:  # one slab per sequence
+            page = off_b.to(tl.int64)
+            slot = cols
+        elif PAGE_SIZE % BLOCK_N == 0:  # the tile lies inside one block: one table entry
+            page = tl.load(table + start_n // PAGE_SIZE).to(tl.int64)
+            slot = start_n % PAGE_SIZE + offs_n
+        else:  # the tile spans several blocks: one table entry per key
+            page = tl.load(table + cols // PAGE_SIZE, mask=cols < hi, other=0).to(tl.int64)
+            slot = cols % PAGE_SIZE
+        # a table entry outside the pool is never followed (checked on the host unless check_values=False)
+        if PAGE_SIZE == 0:
+            key_ok = cols < hi
+        elif PAGE_SIZE % BLOCK_N == 0:  # one entry for the tile: a bad one hides the whole tile
+            key_ok = cols < tl.where((page >= 0) & (page < NUM_PAGES), hi, 0)
+        else:
+            key_ok = (cols < hi) & (page >= 0) & (page < NUM_PAGES)
+        k_off = page * stride_kp + slot * stride_ks  # (BLOCK_N,) or broadcast scalar page
+        v_off = page * stride_vp + slot * stride_vs
+        # -- K tile: BLOCK_N * D * bytes(dtype), read once for all GROUP query heads
+        k = tl.load(k_head + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & key_ok[None, :], other=0.0)
+        if DOT_UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        visible = softmax_step.band_mask(diag, cols, win_left, win_right, hi) & key_ok[None, :]
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        p, m_new, alpha, l_i = softmax_step.online_softmax_step(s, m_i, l_i)
+        # -- V tile: BLOCK_N * D * bytes(dtype)
+        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None]
+        p = p.to(Q.dtype.element_ty)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # -- a sequence of length 0, or a chunk past its end, gives zeros and lse = -inf
+    out = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + qi.to(tl.int64) * stride_om
+    first = ((off_b * HQ + off_h) * NQ + qi).to(tl.int64) * NUM_SPLITS  # (BLOCK_M,) each row's chunk 0
+    block = pid_bk * tl.num_programs(2) + pid_m  # this block of rows' merge counters
+    softmax_step.finish_chunk(acc, m_i, l_i, out, LSE + (off_b * HQ + off_h) * NQ + qi, row_ok, offs_d, d_ok, O_PART,
+                              LSE_PART, first, COUNTERS, block, pid_s, NUM_SPLITS, HEAD_DIM, BLOCK_M, BLOCK_D, DIRECT,
+                              MERGE_HERE, MERGE_GROUP)
+
+
+# (BLOCK_N, num_warps, num_stages): a subset of split_kv's space (its pruning applies), small enough that a decode
+# grid's first calls do not spend a minute compiling; fp32 inputs take split_kv's fp32 configs. Two stages suit
+# small blocks (a tile then spans several, each a table lookup away): on the H200, 16-token blocks with 128-key
+# tiles and two stages ran within 2-6% of contiguous decode, three stages up to a third behind (docs/kernel-notes.md).
+TUNING_SPACE = [(64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 4, 3), (128, 8, 3)]
+# Blocks smaller than this many tokens (16-bit inputs) take SMALL_BLOCK_CONFIG without autotuning (the best or
+# within 3% of it in every cell of the H200's decode sweep, where the autotuner's own pick was up to 15% slower).
+# Their kernel merges up to split_kv.MAX_FOLD_SPLITS chunks in one level (split_kv.merge_arguments' tree=False, 160
+# registers a thread: three programs an SM). Where more chunks would fill three programs an SM, it takes the tree
+# instead, which needs 196 registers (two programs an SM), and chunks for SMALL_BLOCK_TREE_PROGRAMS_PER_SM programs
+# an SM: one launch, where the fold's chunk limit used to leave a second merge kernel (docs/kernel-notes.md).
+SMALL_BLOCK_TOKENS = 128
+SMALL_BLOCK_CONFIG = (128, 4, 2)
+SMALL_BLOCK_TREE_PROGRAMS_PER_SM = 2
+
+kvcache_partial_tuned = triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+        for bn, w, st in TUNING_SPACE + split_kv.FP32_TUNING_SPACE + [(32, 4, 1)]
+    ],
+    key=["TUNE_KEY_N", "TUNE_KEY_UNITS", "HEAD_DIM", "BLOCK_M", "PAGE_SIZE", "DOT_PRECISION", "DIRECT", "MERGE_HERE",
+         "MERGE_GROUP"],
+    prune_configs_by={"early_config_prune": split_kv.prune_configs},
+)(_kvcache_partial)
+
+class KVCacheArguments:
+    """The arguments of one KV-cache launch, from a call's shapes, strides and band, as ``split_kv.SplitArguments``
+    holds them for contiguous decode: the chunks (cut to cover ``capacity`` keys without reading the lengths, so a
+    decode step can be captured in a CUDA graph; a chunk past a sequence's end, or outside its window, exits at
+    once), the grid, the scalars, the autotuner's key, the constexprs and the scratch it takes.
+
+    ``q`` is prepared (unit stride along D, negated for a negative scale), ``table`` is the block table (or, with
+    ``page_size`` 0, any int32 tensor: it is never read) at unit stride along its columns, and ``win_left``,
+    ``win_right``, ``qk_scale`` are the band as ``flashlab.kernels.device.kernel_band`` gives them for ``capacity``
+    keys. Blocks smaller than ``SMALL_BLOCK_TOKENS`` tokens (16-bit inputs on a GPU) take ``SMALL_BLOCK_CONFIG``
+    and fold their chunks in one level, or the tree at ``SMALL_BLOCK_TREE_PROGRAMS_PER_SM`` programs an SM past
+    ``split_kv.MAX_FOLD_SPLITS`` chunks."""
+
+    __slots__ = ("num_splits", "direct", "parts", "d", "rows", "counters", "grid", "scalars", "tune", "meta")
+
+    def __init__(self, q, k_cache, v_cache, table, page_size, capacity, win_left, win_right, qk_scale):
+        b, hq, nq, d = q.shape
+        hk = k_cache.shape[2]
+        group = hq // hk
+        rows = group * nq
+        block_m = split_kv.packed_block_m(rows)
+        row_blocks = cdiv(rows, block_m)
+        sms = sm_count(device_index(q)) if q.is_cuda else split_kv.CPU_SM_COUNT
+        small_blocks = q.is_cuda and q.element_size() == 2 and 0 < page_size < SMALL_BLOCK_TOKENS
+        num_splits = split_kv.choose_splits(b * hk * row_blocks, capacity, sms)
+        tree = not small_blocks or num_splits > split_kv.MAX_FOLD_SPLITS
+        if small_blocks and tree:  # more chunks than one program folds: the tree, at its registers' occupancy
+            per_sm = SMALL_BLOCK_TREE_PROGRAMS_PER_SM
+            num_splits = split_kv.choose_splits(b * hk * row_blocks, capacity, sms, programs_per_sm=per_sm)
+        keys_per_split, num_splits = split_kv.split_keys(capacity, num_splits)
+        self.d, self.direct, self.num_splits = d, num_splits == 1, num_splits
+        # scratch: partial outputs and lse, an lse nobody asked for, the merge's counters
+        self.parts, self.rows = b * hq * nq * num_splits, b * hq * nq
+        strides_o = (hq * nq * d, nq * d, d)  # o is allocated contiguous
+        self.scalars = (q.stride(0), q.stride(1), q.stride(2))
+        self.scalars += (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        self.scalars += (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+        self.scalars += (table.stride(0), *strides_o)
+        self.scalars += (hq, hk, group, nq, k_cache.shape[0], capacity, win_left, win_right, keys_per_split)
+        self.scalars += (num_splits, qk_scale)
+        self.tune = (next_power_of_2(capacity), next_power_of_2(b * hk * row_blocks * num_splits))
+        merge = split_kv.merge_arguments(num_splits, b * hk * row_blocks, tree=tree)
+        self.counters = merge.counters
+        self.meta = dict(
+            HEAD_DIM=d,
+            BLOCK_D=block_d(d),
+            BLOCK_M=block_m,
+            PAGE_SIZE=page_size,
+            DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
+            DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
+        )
+        if small_blocks:
+            bn, warps, stages = SMALL_BLOCK_CONFIG
+            self.meta.update(BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        self.meta.update(merge.constexprs)
+        self.grid = (num_splits, b * hk, row_blocks)
+
+
+# the kernel's tensor parameters, in order
+PARTIAL_TENSORS = ("Q", "K", "V", "BLOCK_TABLE", "SEQLENS", "O_PART", "LSE_PART", "O", "LSE", "COUNTERS")
+
+
+def launch(q, k_cache, v_cache, table, cache_seqlens, o, lse, page_size, capacity, win_left, win_right, qk_scale):
+    """Run the kernel once on prepared inputs (``KVCacheArguments`` says which), writing ``o`` and ``lse``."""
+    args = KVCacheArguments(q, k_cache, v_cache, table, page_size, capacity, win_left, win_right, qk_scale)
+    o_part, lse_part, _, counters = split_kv.fresh_workspace(args, q.device)
+    tensors = (q, k_cache, v_cache, table, cache_seqlens, o_part, lse_part, o, lse, counters)
+    if not q.is_cuda:
+        with interpreted_language(softmax_step):
+            interpreted(_kvcache_partial)[args.grid](*tensors, *args.scalars, *args.tune, **args.meta,
+                                                     BLOCK_N=CPU_CONFIG["BLOCK_N"])  # fmt: skip
+        return
+    with torch.cuda.device(q.device):
+        if "num_warps" in args.meta:  # a fixed config
+            _kvcache_partial[args.grid](*tensors, *args.scalars, *args.tune, **args.meta)
+        else:
+            kvcache_partial_tuned[args.grid](*tensors, *args.scalars, *args.tune, **args.meta)
+
+
+def paged_kv_cache(k, v, block_size: int, lengths=None, seed: int = 0):
+    """The keys and values of contiguous ``k``, ``v`` ``(B, Hk, N, D)`` copied into a paged pool, blocks shuffled:
+    ``(k_cache, v_cache, block_table, cache_seqlens)`` with the pool ``(B * ceil(N / block_size), block_size, Hk,
+    D)``, the block table ``(B, ceil(N / block_size))`` int32 (a random permutation of the pool's blocks) and the
+    lengths ``(B,)`` int32 (``lengths``, default N for every sequence). For benchmarks and demonstrations; a
+    serving engine writes its pool one token at a time instead."""
+    b, hk, n, d = k.shape
+    max_blocks = cdiv(n, block_size)
+    perm = torch.randperm(b * max_blocks, generator=torch.Generator().manual_seed(seed)).to(k.device)
+    table = perm.view(b, max_blocks).to(torch.int32)
+
+    def pool(x):  # block i of sequence b goes to pool[table[b, i]]
+        x = torch.nn.functional.pad(x, (0, 0, 0, max_blocks * block_size - n))  # (B, Hk, max_blocks * bs, D)
+        x = x.permute(0, 2, 1, 3).reshape(b * max_blocks, block_size, hk, d)
+        out = torch.empty_like(x)
+        out[perm] = x
+        return out
+
+    lengths = [n] * b if lengths is None else list(lengths)
+    return pool(k), pool(v), table, torch.tensor(lengths, dtype=torch.int32, device=k.device)
+
+
+kvcache_partial = _kvcache_partial
+
+__all__ = [
+    "BLOCK_SIZE_MULTIPLE",
+    "KVCacheArguments",
+    "PARTIAL_TENSORS",
+    "SMALL_BLOCK_CONFIG",
+    "SMALL_BLOCK_TOKENS",
+    "SMALL_BLOCK_TREE_PROGRAMS_PER_SM",
+    "TUNING_SPACE",
+    "kvcache_partial",
+    "kvcache_partial_tuned",
+    "launch",
+    "paged_kv_cache",
+]
