@@ -244,7 +244,12 @@ def test_the_lower_layers_do_not_need_torch(name):
 
 
 # Inside flashlab.kernels imports point one way too: the shared pieces at the bottom, then the kernels' folders.
-KERNEL_BASE = ("flashlab.kernels.device", "flashlab.kernels.interpreter", "flashlab.kernels.softmax_step")
+KERNEL_BASE = (
+    "flashlab.kernels.device",
+    "flashlab.kernels.interpreter",
+    "flashlab.kernels.interpreter_rounding",
+    "flashlab.kernels.softmax_step",
+)
 
 
 def test_inside_the_kernels_imports_point_one_way():
