@@ -222,6 +222,7 @@ CLAIMS = {
     "06_decode.ipynb": Claims([Drawn(bench_file("decode"))], [check_06]),
     "07_paged_gqa_mla.ipynb": Claims([Drawn(bench_file("decode"))]),
     "08_exactness.ipynb": Claims([Drawn(made_by("flashlab.sdpa"), "h200-sdpa-backends.json")]),
+    "10_longer_than_one_gpu.ipynb": Claims([Drawn(prefill_with("flashlab", "sdpa_flash", "sdpa_cudnn"), LADDER)]),
     "09_backward.ipynb": Claims(
         [Drawn(made_by("scripts/backward_memory.py"), "h200-backward-memory.json")], [check_09]
     ),

@@ -154,7 +154,7 @@ def test_only_regular_files_are_submissions(tmp_path, capsys):
     out = tmp_path / "out"
     assert main([str(subs), "/dev/zero", "--out", str(out), "--no-progress"]) == 0
     table = capsys.readouterr().out
-    rows = {r["submission"]: r for r in csv.DictReader(open(out / "grades.csv"))}
+    rows = {r["submission"]: r for r in csv.DictReader((out / "grades.csv").read_text().splitlines())}
     assert int(rows["07_real.ipynb"]["total"]) == int(rows["07_real.ipynb"]["max_total"]) > 0
     for name in ("07_fifo.ipynb", "07_zero.ipynb", "07_link.ipynb", "/dev/zero"):
         assert rows[name]["total"] == "0" and rows[name]["max_total"] == "0", rows[name]
