@@ -1,7 +1,7 @@
 """The Triton kernel compiled on a CUDA GPU, at real sizes, against a float64 reference (skipped without CUDA).
 
 Run on the H200 with: ``python -m pytest tests/test_kernel_gpu.py -q`` (the command and result are recorded in
-``docs/kernel-notes.md``).
+``docs/forward-ladder.md``).
 """
 
 from __future__ import annotations

@@ -228,7 +228,7 @@ def skip_split_plan(q, k, v, causal, window, band) -> Plan:
     hk, nk = k.shape[1], k.shape[2]
     offset, win_left, win_right, qk_scale = band
     plan = Plan(skip_split.NAME, run_skip_split)
-    # masked short sequences: TMA was erratic there on the H200 (docs/kernel-notes.md)
+    # masked short sequences: TMA was erratic there on the H200 (docs/host-path.md)
     want_tma = q.is_cuda and skip_split.wants_tma(causal, window, nk)
     strides_o = (hq * nq * d, nq * d, d)  # o is allocated contiguous
     scalars = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
@@ -285,7 +285,7 @@ HOPPER_TENSORS = ("Q", "K", "V", "O", "LSE")  # the Hopper kernels' five tensor 
 def hopper_plan(q, k, v, causal, window, band) -> Plan:
     """Rung 3: its arguments and constexprs, the autotuner's pick (first call), and direct relaunches of the kernel
     and of its repair pass. Without the plan a call spent over 100 us of host time in the autotuner's dispatch and
-    two JIT launches (H200, docs/kernel-notes.md). The descriptors the programs build live in global scratch: the
+    two JIT launches (H200, docs/host-path.md). The descriptors the programs build live in global scratch: the
     stream's kept scratch for flashlab's own launcher, the allocator's for Triton's."""
     from flashlab.kernels.ladder import rung3_hopper as hopper
 
@@ -364,7 +364,7 @@ def overlap_plan(q, k, v, causal, window, band) -> Plan:
     """Rung 4: the grid, the arguments and constexprs, and direct relaunches of the kernel and of the Hopper
     rung's repair pass, through flashlab's own launcher (which encodes the four tensor maps from the tensors'
     addresses). Through Triton's JIT, building the four descriptors in Python and binding them cost 140-390 us of
-    host time per call on the H200's host, more than the GPU time of a short call (docs/kernel-notes.md). A
+    host time per call on the H200's host, more than the GPU time of a short call (docs/host-path.md). A
     signature does not include addresses: a call whose q, k, v or o is not 16-byte aligned, which the copy engine
     cannot take, runs skip and split instead."""
     from flashlab.kernels.ladder import rung4_overlap as overlap

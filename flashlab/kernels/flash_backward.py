@@ -348,7 +348,7 @@ def _bwd_dq(
 # upstream Triton tutorial's D = 128 slowness). Its streamed tiles are Q and dO (BLOCK_M rows each). The dQ
 # kernel holds one accumulator of BLOCK_M x D and streams K and V. At most two configs per class (each costs a
 # compile of several seconds and an autotuning run per workload), chosen among those whose inner loops compile
-# (sm_90) without register spills, or with only a few (docs/kernel-notes.md, "Backward").
+# (sm_90) without register spills, or with only a few (docs/backward.md).
 # Edit these lists (or pass ``config=``) to experiment; the autotuner reads them when it prunes.
 TUNING_SPACE = {
     "dkdv": {

@@ -168,14 +168,14 @@ def _kvcache_partial(
 # (BLOCK_N, num_warps, num_stages): a subset of split_kv's space (its pruning applies), small enough that a decode
 # grid's first calls do not spend a minute compiling; fp32 inputs take split_kv's fp32 configs. Two stages suit
 # small blocks (a tile then spans several, each a table lookup away): on the H200, 16-token blocks with 128-key
-# tiles and two stages ran within 2-6% of contiguous decode, three stages up to a third behind (docs/kernel-notes.md).
+# tiles and two stages ran within 2-6% of contiguous decode, three stages up to a third behind (docs/decode.md).
 TUNING_SPACE = [(64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 4, 3), (128, 8, 3)]
 # Blocks smaller than this many tokens (16-bit inputs) take SMALL_BLOCK_CONFIG without autotuning (the best or
 # within 3% of it in every cell of the H200's decode sweep, where the autotuner's own pick was up to 15% slower).
 # Their kernel merges up to split_kv.MAX_FOLD_SPLITS chunks in one level (split_kv.merge_arguments' tree=False, 160
 # registers a thread: three programs an SM). Where more chunks would fill three programs an SM, it takes the tree
 # instead, which needs 196 registers (two programs an SM), and chunks for SMALL_BLOCK_TREE_PROGRAMS_PER_SM programs
-# an SM: one launch, where the fold's chunk limit used to leave a second merge kernel (docs/kernel-notes.md).
+# an SM: one launch, where the fold's chunk limit used to leave a second merge kernel (docs/decode.md).
 SMALL_BLOCK_TOKENS = 128
 SMALL_BLOCK_CONFIG = (128, 4, 2)
 SMALL_BLOCK_TREE_PROGRAMS_PER_SM = 2

@@ -62,7 +62,7 @@ TREE_GROUP = 8
 MAX_FOLD_SPLITS = 16
 # Programs one SM holds at once with the decode configs (a 64-key tile, two stages: ~70 KB of shared memory of
 # 228 KB). The chunks are chosen so the grid fills these slots once and evenly: on the H200 a grid one program
-# per SM short of a multiple of them lost up to 10% against one that filled them (docs/kernel-notes.md).
+# per SM short of a multiple of them lost up to 10% against one that filled them (docs/decode.md).
 PROGRAMS_PER_SM = 3
 CPU_SM_COUNT = 4  # what the CPU path pretends to have: long caches still get several chunks, so they are tested
 

@@ -28,7 +28,7 @@ longest programs do not run last.
 
 Loads: plain pointer loads with masks (``tl.load``) everywhere; on Hopper at head dims <= 64 the tiles are moved
 by the tensor-memory accelerator instead (``desc.load``, TMA: one instruction per tile, out-of-bounds rows and
-columns filled with zeros), which measured 5-10 % faster there (``docs/kernel-notes.md``).
+columns filled with zeros), which measured 5-10 % faster there (``docs/forward-ladder.md``).
 
 On CUDA tensors the kernel is compiled (autotuned over block sizes, warps and pipeline stages). On CPU tensors the
 very same kernel source runs through Triton's interpreter (``device.CPU_CONFIG``), so every notebook runs without a
@@ -218,7 +218,7 @@ def _attn_fwd(
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried per head-dim class. Hopper (sm_90) and Ampere (sm_80/86/89) both
 # like BLOCK_M = 128 with 8 warps once D reaches 128 (two 64-row warpgroups share the Q tile), 4-8 warps at D <= 64,
 # and 2-4 pipeline stages for the K/V loads. Short sequences (N ~ 1-2K) prefer 64 x 64 tiles: twice the programs
-# to spread over the 132 SMs of an H200 (measured: docs/kernel-notes.md). At D = 256 a 128 x 256 fp32
+# to spread over the 132 SMs of an H200 (measured: docs/forward-ladder.md). At D = 256 a 128 x 256 fp32
 # accumulator would crowd out the registers, so BLOCK_M drops to 64. fp32 inputs take exact (non-tensor-core)
 # dots: small tiles.
 TUNING_SPACE = {
@@ -287,7 +287,7 @@ try:  # host-side TMA descriptors (Triton >= 3.3); the interpreter path never us
 except ImportError:  # pragma: no cover
     _TensorDescriptor = None
 # TMA loads paid at head dims <= 64 on the H200 (+5-10 %) but not at 128 (-3..+3 %, and erratic run to run at
-# N = 1K causal): docs/kernel-notes.md.
+# N = 1K causal): docs/forward-ladder.md.
 TMA_MAX_HEAD_DIM = 64
 # ...and with a causal or window mask at N <= 1K it swung between 0.89x and 1.30x FA2 from run to run at
 # D = 64 (same tile config each time), while pointer loads gave 1.22x every time: pointer loads there.
@@ -327,7 +327,7 @@ def kernel_meta(q, causal, reverse_m=None) -> dict:
 
 
 def wants_tma(causal, window, nk: int) -> bool:
-    """The kernel's own TMA choice: not for a masked call over few keys (erratic on the H200: docs/kernel-notes.md)."""
+    """The kernel's own TMA choice: not for a masked call over few keys (erratic on the H200: docs/)."""
     return not ((causal or window is not None) and nk <= TMA_MIN_MASKED_KEYS)
 
 

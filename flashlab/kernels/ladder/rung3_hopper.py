@@ -29,7 +29,7 @@ Where it runs: compiled on a CUDA GPU with compute capability >= 9 (Hopper), 16-
 row after row (contiguous, 16-byte aligned rows: ``unavailable`` says why not otherwise). ``preferred`` says where
 ``flash_attention`` picks it by default: where it measured faster than rung 2. On CPU tensors the same source runs
 through Triton's interpreter, descriptors and all (warp specialisation is a compiler schedule: the interpreter runs
-the loop as written). What the compiler accepted and what it did not is in ``docs/kernel-notes.md``.
+the loop as written). What the compiler accepted and what it did not is in ``docs/forward-ladder.md``.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _attn_fwd_hopper(
     # strides allow it), which the copy engine reads and writes a tile at a time. Rows past the last head arrive as
     # zeros; a tile that runs past its own head reads the next head's first rows, which the mask hides (keys) or
     # nobody writes (queries). Built from each program's own head instead, or as 3-D/4-D tensors, the
-    # warp-specialised loop failed to compile or came out wrong on Triton 3.6 (docs/kernel-notes.md).
+    # warp-specialised loop failed to compile or came out wrong on Triton 3.6 (docs/forward-ladder.md).
     q_row0 = pid_bh * NQ  # this head's first row
     kv_row0 = (pid_bh // GROUP) * NK  # = (batch * HK + off_hk) * NK
     desc_q = tl.make_tensor_descriptor(Q, [tl.num_programs(1) * NQ, HEAD_DIM], [stride_qm, 1], [BLOCK_M, BLOCK_D])
@@ -248,7 +248,7 @@ REPAIR_TILES_PER_PROGRAM = 64  # query tiles whose marks one program reads in on
 # Configs
 # ----------------------------------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class, measured on the H200 (docs/kernel-notes.md).
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class, measured on the H200 (docs/forward-ladder.md).
 # Four warps mean warp-specialised: the compiler adds a producer warpgroup for the loads and splits the 128 rows
 # between two consumer warpgroups of 64 (384 threads in all), so the K/V ring needs only two stages: with three it
 # ran at a fraction of the speed on Triton 3.6 (and came out NaN in an earlier version), so none has three. Eight
@@ -334,7 +334,7 @@ def unavailable(q, k, v, causal, window) -> str | None:
     return None
 
 
-# Where the benchmark measured this rung faster than skip-and-split (H200, bf16, docs/kernel-notes.md): head dims
+# Where the benchmark measured this rung faster than skip-and-split (H200, bf16, docs/forward-ladder.md): head dims
 # 65-128 from 1K keys up. At D <= 64 and D = 256 skip-and-split was faster; below 1K the launch, not the loop, costs.
 PREFERRED_BLOCK_D = 128
 PREFERRED_MIN_KEYS = 1024

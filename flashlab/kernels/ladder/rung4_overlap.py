@@ -7,7 +7,7 @@ warpgroups 64 query rows. But inside a warpgroup every step still waits for the 
 sm_90, its loop issues the score product, waits for it, runs the exponentials, issues ``P V`` and waits again. While
 the exponentials run, that warpgroup's tensor-core work is stopped. (Software-pipelining the loop in ``tl`` does not
 help: the compiler still waits for each product right after issuing it, or its warp-specialising pass rejects
-the loop; ``docs/kernel-notes.md``.)
+the loop; ``docs/forward-ladder.md``.)
 
 Here the schedule is written out, per consumer warpgroup and key tile ``j``:
 
@@ -20,7 +20,7 @@ Here the schedule is written out, per consumer warpgroup and key tile ``j``:
 so the exponentials of tile ``j`` can overlap the matrix product of tile ``j - 1`` (FlashAttention-3's
 "intra-warpgroup overlap"). That is the order of the PTX. ptxas (CUDA 12.8, the one Triton 3.6 ships) schedules
 within a basic block, and there it moves the wait for ``P_j-1 V_j-1`` up to the block's start, after the first
-instructions of the row max and before the exponentials (``docs/kernel-notes.md``). At D = 128
+instructions of the row max and before the exponentials (``docs/forward-ladder.md``). At D = 128
 (``LATE_WAIT_HEAD_DIMS``) the wait starts a block of its own (``_pv_done``), so the machine code keeps the written
 order and the exponentials run under the warpgroup's own ``P V``; at D = 64 the early wait measured faster. With
 ``PINGPONG`` the warpgroups of a program take turns issuing their products -- each waits until the other has issued
@@ -562,7 +562,7 @@ def not_describable(x) -> str | None:
     return None
 
 
-# Where the benchmark measured this rung faster than the rungs below it (H200, 16-bit, docs/kernel-notes.md)
+# Where the benchmark measured this rung faster than the rungs below it (H200, 16-bit, docs/forward-ladder.md)
 PREFERRED_HEAD_DIMS = (64, 128, 256)
 
 
