@@ -316,3 +316,12 @@ def test_the_pairs_of_a_step_cover_the_mask_once(layout, causal, window):
                                             rank_chunks(n, world, source, layout), band):  # fmt: skip
             seen[rows, keys] += visible_mask(rows.stop - rows.start, keys.stop - keys.start, call.causal, call.window)
         assert np.array_equal(seen, want.astype(int)), f"rank {rank} against rank {source}'s slice"
+
+
+def test_the_bench_cli_hands_context_parallel_to_its_own_runner(monkeypatch):
+    # without torchrun's environment the mode says how to launch it, instead of running on one process
+    from flashlab.bench.cli import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit, match="torchrun"):
+        main(["--mode", "context-parallel", "--seq-len", "1k"])

@@ -56,13 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mode",
-        choices=["prefill", "decode", "backward", "traffic"],
+        choices=["prefill", "decode", "backward", "traffic", "context-parallel"],
         default="prefill",
         help="prefill: N queries attend to N keys; decode: one query token per sequence against a KV cache of N "
         "tokens, grouped-query heads (--q-heads / --kv-heads), batches from --batches; backward: the prefill grid, "
         "timing dq, dk, dv from dO (FLOPs 2.5x the forward's), gradients checked against float64 autograd first, "
         "peak memory of forward + backward recorded; traffic: HBM and L2 bytes per kernel from Nsight Compute's "
-        "counters (its own flags: --mode traffic --help)",
+        "counters (its own flags: --mode traffic --help); context-parallel: ring against all-gather attention and "
+        "one GPU, forward + backward, one process per GPU under torchrun (its own flags: --mode context-parallel "
+        "--help)",
     )
     p.add_argument(
         "--seq-lens",
@@ -174,6 +176,11 @@ def main(argv: Sequence[str] | None = None) -> BenchResults:
         from flashlab.bench.traffic import main as traffic_main
 
         return traffic_main(argv)
+    if mode.parse_known_args(argv)[0].mode == "context-parallel":  # one process per GPU: its own flags
+        from flashlab.bench.context_parallel import main as context_parallel_main
+
+        rest = mode.parse_known_args(argv)[1]  # every flag but --mode
+        return context_parallel_main(rest)
     parser = build_parser()
     args = parser.parse_args(argv)
     decode = args.mode == "decode"
