@@ -1,9 +1,10 @@
 """The host side of a call: decisions made once per call signature and reused, without weakening the checks.
 
 ``flash_attention`` remembers, per signature (shapes, strides, dtypes, devices, mask, scale), that the inputs passed
-its checks and what the launch needs (``flashlab.host.plan.Plan``, in the one cache ``PLANS``); these tests make sure a
-remembered signature gives the same answer, that a different signature is planned afresh, and that arguments
-which only compare equal to a checked one (``True == 1``) are still refused.
+its checks and what the launch needs (``flashlab.host.plan.Call``, in ``CALLS``, with the plan of its bucket in
+``PLANS``); these tests make sure a remembered signature gives the same answer, that a different signature is
+planned afresh, and that arguments which only compare equal to a checked one (``True == 1``) are still refused.
+tests/test_buckets.py checks the buckets themselves.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from test_kernel import check_against_reference, make_qkv
 from flashlab import flash_attention
 from flashlab.host import attention as forward
 from flashlab.host import launcher, launches, scratch
-from flashlab.host.plan import CHECKED, PLANS
+from flashlab.host.plan import CALLS, CHECKED
 from flashlab.kernels.decode import split_kv
 from flashlab.kernels.device import kernel_band
 from flashlab.reference import attention
@@ -24,13 +25,13 @@ from flashlab.reference import attention
 
 def count_plans(monkeypatch):
     made = []
-    real = forward.attention_plan
+    real = forward.attention_call
 
     def counting(*args, **kwargs):
         made.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(forward, "attention_plan", counting)
+    monkeypatch.setattr(forward, "attention_call", counting)
     return made
 
 
@@ -51,12 +52,12 @@ def test_a_signature_is_planned_once(monkeypatch, nq):
 def test_single_chunk_decode_writes_the_output_directly():
     q, k, v = make_qkv(2, 4, 2, 1, 100, 16, torch.float32, seed=3)
     o, lse = forward.forward(q, k, v, False, None, None)
-    plan = next(p for p in PLANS.values() if p.path == launches.SPLIT_KV and p.o_shape == (2, 4, 1, 16))
-    assert plan.args.direct and plan.args.num_splits == 1  # 100 keys: one chunk, no merge
+    call = next(c for c in CALLS.values() if c.path == launches.SPLIT_KV and c.o_shape == (2, 4, 1, 16))
+    assert call.args.direct and call.args.num_splits == 1  # 100 keys: one chunk, no merge
     check_against_reference(q, k, v)
     # asked for 100 chunks (the most 100 keys allow): chunks start at multiples of KEY_ALIGN, so still one
     o3, _ = forward.forward(q, k, v, False, None, None, num_splits=100)
-    assert PLANS[forward.signature(q, k, v, False, None, None, 100, None)].args.num_splits == 1
+    assert CALLS[forward.signature(q, k, v, False, None, None, 100, None)].args.num_splits == 1
     torch.testing.assert_close(o3, o, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="num_splits must be between 1 and"):
         forward.forward(q, k, v, False, None, None, num_splits=split_kv.MAX_SPLITS)
@@ -104,10 +105,10 @@ def test_the_one_level_fold_matches_the_reference(launched, num_splits):
     # Without the tree (the paged kernel's small blocks, on a GPU) one program folds up to MAX_FOLD_SPLITS chunks,
     # in the same launch. Forced here on a contiguous plan, so the CPU runs it.
     q, k, v = make_qkv(1, 4, 2, 2, num_splits * split_kv.KEY_ALIGN - 7, 16, torch.float32, seed=num_splits)
-    plan = launches.attention_plan(q, k, v, True, None, None, num_splits, None)
-    plan.args.meta.update(split_kv.merge_arguments(num_splits, 2, tree=False).constexprs)
-    o, lse = launches.run_attention(plan, q, k, v)
-    assert launched == ["_split_kv_partial"] and plan.args.meta["MERGE_GROUP"] == 0
+    call = launches.attention_call(q, k, v, True, None, None, num_splits, None)
+    call.args.meta = {**call.args.meta, **split_kv.merge_arguments(num_splits, 2, tree=False).constexprs}
+    o, lse = launches.run_attention(call, q, k, v)
+    assert launched == ["_split_kv_partial"] and call.args.meta["MERGE_GROUP"] == 0
     ro, rlse = attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=True)
     np.testing.assert_allclose(o.double().numpy(), ro, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(lse.double().numpy(), rlse, rtol=1e-5, atol=1e-5)
@@ -450,10 +451,11 @@ def test_decode_relaunches_directly_and_stays_exact_on_gpu(nk):
         err = float((o.double() - ro).norm() / ro.norm())
         assert err < 1.5e-2, (step, err)
         torch.testing.assert_close(lse.double(), rlse, rtol=1e-3, atol=1e-3)
-        plan = next(p for key, p in PLANS.items() if key[0] == q.shape and key[2] == k.shape)
+        call = next(c for key, c in CALLS.items() if key[0] == q.shape and key[2] == k.shape)
+        plan = call.plan
     assert plan.path == launches.SPLIT_KV and plan.state == CHECKED, plan.state  # the direct launches are in use
     assert is_flashlab_launch(plan.fast[0])  # packed once, launched by flashlab's own launcher
-    assert plan.args.direct == (nk == 100)
+    assert call.args.direct == (nk == 100)
     work, counters, kept = scratch.scratch(q.device, launcher.current_stream(q.device.index), 0, 0)
     assert kept
     assert int(counters.abs().sum()) == 0  # every block's last chunk set its counter back for the next launch
@@ -471,7 +473,7 @@ def test_prefill_relaunches_directly_and_stays_exact_on_gpu(d, causal):
         ro, _ = attention_float64(q, k, v, causal=causal)
         err = float((o.double() - ro).norm() / ro.norm())
         assert err < 1.5e-2, (step, err)
-    plan = next(p for key, p in PLANS.items() if key[0] == q.shape and key[8] is causal)
+    plan = next(c for key, c in CALLS.items() if key[0] == q.shape and key[8] is causal).plan
     assert plan.path == "skip_split" and plan.state == CHECKED, plan.state
     assert is_flashlab_launch(plan.fast[0])
 
@@ -487,7 +489,7 @@ def test_a_planned_decode_call_gives_the_same_bits_from_a_new_thread_on_gpu():
     k, v = (torch.randn(2, 2, 5000, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
     for _ in range(5):  # planned, direct launch built and checked
         o_main = flash_attention(q, k, v)
-    plan = next(p for key, p in PLANS.items() if key[0] == q.shape and key[2] == k.shape)
+    plan = next(c for key, c in CALLS.items() if key[0] == q.shape and key[2] == k.shape).plan
     assert is_flashlab_launch(plan.fast[0]) and plan.state == CHECKED
     out = {}
 
@@ -509,7 +511,8 @@ def is_flashlab_launch(fast) -> bool:
     """Whether a plan's direct launch is flashlab's own packed launcher (direct_launch), not Triton's."""
     from flashlab.host import direct_launch
 
-    return getattr(fast, "func", None) is direct_launch.native().launch
+    module = direct_launch.native()
+    return getattr(fast, "func", None) in (module.launch, module.launch_with)
 
 
 @pytest.mark.gpu
@@ -521,7 +524,7 @@ def test_direct_launch_refuses_a_packing_the_compiled_kernel_does_not_take():
     q, k, v = (x.cuda() for x in make_qkv(1, 8, 8, 1, 4096, 128, torch.bfloat16, seed=9))
     for _ in range(4):
         forward.forward(q, k, v, False, None, None)
-    plan = next(p for key, p in PLANS.items() if key[0] == q.shape and key[2] == k.shape)
+    plan = next(c for key, c in CALLS.items() if key[0] == q.shape and key[2] == k.shape).plan
     assert is_flashlab_launch(plan.fast[0])
     kernel = next(iter(split_kv.split_kv_partial.device_caches[q.get_device()][0].values()))
     types = list(kernel.src.signature.values())
@@ -540,7 +543,7 @@ def test_direct_launch_refuses_a_packing_the_compiled_kernel_does_not_take():
 
 def planned_after_fresh_calls(rung, q_shape, kv_heads, calls, seed, causal, window):
     """``calls`` calls of ``flash_attention(..., rung=rung)`` on fresh bf16 tensors (new addresses every call), each
-    within 1.5e-2 of float64 (relative norm); the last call's q, k, v, o and the plan's launch of the rung."""
+    within 1.5e-2 of float64 (relative norm); the last call's q, k, v, o and its call of the rung."""
     from flashlab.reference.torch_float64 import attention_float64
 
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -552,8 +555,8 @@ def planned_after_fresh_calls(rung, q_shape, kv_heads, calls, seed, causal, wind
         ro, _ = attention_float64(q, k, v, causal=causal, window=window)
         err = float((o.double() - ro).norm() / ro.norm())
         assert err < 1.5e-2, (step, err)
-    plan = next(p for key, p in PLANS.items() if key[0] == q.shape and key[8] is causal and key[9] == window)
-    return q, k, v, o, plan
+    call = next(c for key, c in CALLS.items() if key[0] == q.shape and key[8] is causal and key[9] == window)
+    return q, k, v, o, call
 
 
 @pytest.mark.gpu
@@ -567,7 +570,8 @@ def test_hopper_prefill_is_planned_and_relaunches_directly_on_gpu(causal, window
     if torch.cuda.get_device_capability()[0] < hopper.MIN_CAPABILITY:
         pytest.skip("the Hopper rung needs sm_90 or newer")
     # autotune; JIT launch (direct launch built); checked against the JIT once; direct
-    q, k, v, o, planned = planned_after_fresh_calls("hopper", (2, 16, 1100, 128), 4, 6, 11, causal, window)
+    q, k, v, o, call = planned_after_fresh_calls("hopper", (2, 16, 1100, 128), 4, 6, 11, causal, window)
+    planned = call.plan
     assert planned.path == hopper.NAME and planned.state == CHECKED, planned.state
     assert is_flashlab_launch(planned.fast[0]) and planned.scratch_bytes > 0
     assert len(planned.fast) == 2  # the kernel and its repair pass
@@ -589,12 +593,13 @@ def test_overlap_rung_is_planned_and_relaunches_directly_on_gpu(causal, window, 
 
     if torch.cuda.get_device_capability()[0] != overlap.CAPABILITY or overlap.GLUON_ERROR is not None:
         pytest.skip("rung 4 needs Hopper (sm_90) and Gluon")
-    q, k, v, o, planned = planned_after_fresh_calls("overlap", (2, 8, nq, 128), 2, 5, 12, causal, window)
+    q, k, v, o, call = planned_after_fresh_calls("overlap", (2, 8, nq, 128), 2, 5, 12, causal, window)
+    planned = call.plan
     assert planned.path == overlap.NAME and planned.state == CHECKED, planned.state
     assert is_flashlab_launch(planned.fast[0])
     assert (len(planned.fast) == 2) == (causal or window is not None)  # the repair pass under a mask
     o2, lse2 = torch.empty_like(o), torch.empty(q.shape[:3], device="cuda")
-    planned.run(planned, q, k, v, o2, lse2)
+    planned.run(call, q, k, v, o2, lse2)
     o3, lse3 = torch.empty_like(o), torch.empty(q.shape[:3], device="cuda")
     overlap.launch(q, k, v, o3, lse3, causal, window, kernel_band(nq, nq, 128, causal, window, None)[:4])
     assert launcher.same_bits(o2, o3) and launcher.same_bits(lse2, lse3)

@@ -1,12 +1,14 @@
 """flashlab's two entry points: ``flash_attention`` and ``flash_attention_with_kvcache``.
 
-Each computes its call signature once (``flashlab.host.plan``), looks its plan up, and plans the signature the
-first time it comes (every argument check, ``flashlab.host.checks``, runs then); then it allocates the outputs and
-launches (``flashlab.host.launches``). A differentiable call goes through ``flashlab.host.autograd``; while
+Each computes its call signature (``flashlab.host.plan``) and looks its ``Call`` up; the first time a signature
+comes, every argument check runs (``flashlab.host.checks``), then its runtime scalars are computed and the plan of
+its bucket is looked up or made; then it allocates the outputs and launches (``flashlab.host.launches``). A
+differentiable call goes through ``flashlab.host.autograd``; while
 torch.compile traces a call, the entry point checks the arguments and calls the registered operator
 (``torch.ops.flashlab.*``, ``flashlab.host.custom_ops``), one opaque node of the graph.
 
-On CUDA tensors the kernels are compiled (autotuned over block sizes, warps and pipeline stages). On CPU tensors the
+On CUDA tensors the kernels are compiled, once per bucket of shapes, with the tile config of
+``flashlab.kernels.configs`` (Triton's autotuners only with ``FLASHLAB_AUTOTUNE=1``). On CPU tensors the
 very same kernel source runs through Triton's interpreter (one small tile config), so every notebook runs without a
 GPU and without the user setting ``TRITON_INTERPRET``.
 """
@@ -26,8 +28,8 @@ from flashlab.host.checks import (
     check_rung,
     check_values_flag,
 )
-from flashlab.host.launches import attention_plan, kvcache_plan, run_attention, run_kvcache, unit_stride_d
-from flashlab.host.plan import PLANS, kvcache_signature, remember, signature
+from flashlab.host.launches import attention_call, kvcache_plan, run_attention, run_kvcache, unit_stride_d
+from flashlab.host.plan import CALLS, PLANS, kvcache_signature, remember, remember_call, signature
 from flashlab.kernels import ladder
 from flashlab.kernels.decode import split_kv
 from flashlab.kernels.device import kernel_band, stream_capturing
@@ -93,29 +95,30 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
         o, lse = torch.ops.flashlab.attention_forward(q, k, v, causal, left, right, scale, num_splits, rung)
         return (o, lse) if return_lse else o
     key = signature(q, k, v, causal, window, scale, num_splits, rung)
-    plan = PLANS.get(key)  # a plan exists only for a signature that was checked
-    if plan is None:
-        plan = remember(key, checked_plan(q, k, v, causal, window, scale, num_splits, rung))
+    call = CALLS.get(key)  # a call exists only for a signature that was checked
+    if call is None:
+        call = remember_call(key, checked_call(q, k, v, causal, window, scale, num_splits, rung))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         # differentiable: the prefill kernel (split-KV has no backward), then flashlab.kernels.flash_backward
-        if plan.backward is None:
-            plan.backward = autograd.differentiable_plan(plan, q, k, v, causal, window, scale, rung)
-        if plan.backward.note is not None:  # the rung asked for cannot run here: said on every call
-            warnings.warn(plan.backward.note, RuntimeWarning, stacklevel=2)
-        o, lse = autograd.FlashAttentionFunction.apply(plan.backward, q, k, v, causal, window, scale)
+        if call.backward is None:
+            call.backward = autograd.differentiable_call(call, q, k, v, causal, window, scale, rung)
+        if call.backward.note is not None:  # the rung asked for cannot run here: said on every call
+            warnings.warn(call.backward.note, RuntimeWarning, stacklevel=2)
+        o, lse = autograd.FlashAttentionFunction.apply(call.backward, q, k, v, causal, window, scale)
     else:
-        if plan.note is not None:
-            warnings.warn(plan.note, RuntimeWarning, stacklevel=2)
-        o, lse = run_attention(plan, q, k, v, return_lse)
+        if call.note is not None:
+            warnings.warn(call.note, RuntimeWarning, stacklevel=2)
+        o, lse = run_attention(call, q, k, v, return_lse)
     return (o, lse) if return_lse else o
 
 
-def checked_plan(q, k, v, causal, window, scale, num_splits, rung):
-    """Check a ``flash_attention`` call's arguments, then plan its signature."""
+def checked_call(q, k, v, causal, window, scale, num_splits, rung):
+    """Check a ``flash_attention`` call's arguments (every new signature: integer checks of a few microseconds),
+    then make its call, with its bucket's plan."""
     check_inputs(q, k, v, causal, window, scale)
     check_num_splits(num_splits, k.shape[2])
     check_rung(rung, num_splits)
-    return attention_plan(q, k, v, causal, window, scale, num_splits, rung)
+    return attention_call(q, k, v, causal, window, scale, num_splits, rung)
 
 
 def forward(q, k, v, causal, window, scale, num_splits=None, config=None, reverse_m=None, use_tma=None, rung=None,
@@ -128,17 +131,17 @@ def forward(q, k, v, causal, window, scale, num_splits=None, config=None, revers
     num_warps, num_stages) bypasses the autotuner, ``reverse_m`` overrides the causal tile order, ``use_tma`` forces
     TMA loads on or off where they can be used. None leaves each to the kernel's own choice. ``reverse_m`` and
     ``use_tma`` are switches of the skip-and-split rung, which is also the one a ``config`` goes to when no rung is
-    named. With a switch set the call is decided afresh (plain launches); without, it runs its signature's plan.
+    named. With a switch set the call is decided afresh (plain launches); without, it runs its signature's call.
     """
     if config is not None or reverse_m is not None or use_tma is not None:
         return _forward_studied(q, k, v, causal, window, scale, num_splits, config, reverse_m, use_tma, rung)
     key = signature(q, k, v, causal, window, scale, num_splits, rung)
-    plan = PLANS.get(key)
-    if plan is None:
-        plan = remember(key, checked_plan(q, k, v, causal, window, scale, num_splits, rung))
-    if plan.note is not None:
-        warnings.warn(plan.note, RuntimeWarning, stacklevel=2)
-    return run_attention(plan, q, k, v, need_lse)
+    call = CALLS.get(key)
+    if call is None:
+        call = remember_call(key, checked_call(q, k, v, causal, window, scale, num_splits, rung))
+    if call.note is not None:
+        warnings.warn(call.note, RuntimeWarning, stacklevel=2)
+    return run_attention(call, q, k, v, need_lse)
 
 
 def _forward_studied(q, k, v, causal, window, scale, num_splits, config, reverse_m, use_tma, rung=None):

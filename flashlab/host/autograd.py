@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from flashlab.host.launches import SPLIT_KV, attention_plan, run_attention
+from flashlab.host.launches import SPLIT_KV, attention_call, run_attention
 from flashlab.kernels.decode import split_kv
 from flashlab.kernels.device import block_d, device_index, fits_smem, smem_limit
 from flashlab.kernels.flash_backward import attention_backward
@@ -44,22 +44,22 @@ def small_query_config(q) -> dict:
             return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
 
 
-def differentiable_plan(plan, q, k, v, causal, window, scale, rung):
-    """The plan a differentiable call of ``plan``'s signature runs: the prefill kernel (the call's ``rung``, with
-    small query tiles at decode sizes), which is ``plan`` itself unless that is split-KV or decode-sized."""
+def differentiable_call(call, q, k, v, causal, window, scale, rung):
+    """The call a differentiable call of ``call``'s signature runs: the prefill kernel (the call's ``rung``, with
+    small query tiles at decode sizes), which is ``call`` itself unless that is split-KV or decode-sized."""
     config = small_query_config(q) if q.shape[2] <= split_kv.MAX_SPLIT_QUERY_ROWS else None
-    if config is None and plan.path is not SPLIT_KV:
-        return plan
-    return attention_plan(q, k, v, causal, window, scale, None, rung, config=config)
+    if config is None and call.path is not SPLIT_KV:
+        return call
+    return attention_call(q, k, v, causal, window, scale, None, rung, config=config)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """``(o, lse) = FlashAttentionFunction.apply(plan, q, k, v, causal, window, scale)`` on checked inputs;
-    ``plan`` is the signature's prefill plan (``differentiable_plan``)."""
+    """``(o, lse) = FlashAttentionFunction.apply(call, q, k, v, causal, window, scale)`` on checked inputs;
+    ``call`` is the signature's prefill call (``differentiable_call``)."""
 
     @staticmethod
-    def forward(ctx, plan, q, k, v, causal, window, scale):
-        o, lse = run_attention(plan, q, k, v)
+    def forward(ctx, call, q, k, v, causal, window, scale):
+        o, lse = run_attention(call, q, k, v)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.band = (causal, window, scale)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None instead of a tensor of zeros
@@ -82,6 +82,6 @@ __all__ = [
     "LSE_NOT_DIFFERENTIABLE",
     "SMALL_QUERY_CONFIGS",
     "check_no_lse_gradient",
-    "differentiable_plan",
+    "differentiable_call",
     "small_query_config",
 ]

@@ -10,6 +10,10 @@
  * to a kernel that takes host-side tensor descriptors): everything in it but the tensor's address is fixed by the
  * signature, so a launch encodes it from that address (cuTensorMapEncodeTiled) with the arguments given once.
  *
+ * A launch may also take, besides the tensors, the grid and the values of named runtime parameters chosen when
+ * the handle is made (launch_with): the lengths and strides of a kernel compiled once for every length of a bucket,
+ * and, for a tensor map, the dims and byte strides of this launch's tensor. The rest of the block stays packed.
+ *
  * Built at first use with the C compiler Triton builds its own launchers with (no CUDA toolkit: the driver
  * functions are looked up in libcuda at run time). Nothing here reads a tensor's dtype or device: the caller
  * launches only on tensors of the signature it planned for, and checks the first direct launch against a
@@ -63,12 +67,23 @@ typedef struct {
   uint32_t box[MAX_RANK];
 } Slot;
 
+/* One runtime value of a launch (launch_with's values, in this order): a scalar parameter written into its cell,
+ * or a dim / byte stride of a tensor map slot's encoding. */
+enum { RT_I32 = 0, RT_I64 = 1, RT_F32 = 2, RT_MAP_DIM = 3, RT_MAP_STRIDE = 4 };
+typedef struct {
+  int kind;
+  Py_ssize_t index; /* the parameter (a scalar kind), or the tensor slot (a map kind) */
+  int aux;          /* a map kind: which dim or stride, innermost first */
+} Runtime;
+
 typedef struct {
   CUfunction function;
   int device; /* the ordinal of the device the function was loaded on */
   unsigned grid[3], threads, shared;
   Py_ssize_t n_params, n_tensors;
   Slot *slots;       /* one per tensor of a launch */
+  Py_ssize_t n_runtime;
+  Runtime *runtime; /* the values launch_with takes, in order */
   size_t *offset;    /* each parameter's place in the block */
   size_t *size;      /* and its size: 8 for a scalar cell or pointer, MAP_BYTES for a tensor map */
   size_t block_size;
@@ -77,6 +92,7 @@ typedef struct {
 
 #define MAX_PARAMS 256   /* far more than any of flashlab's kernels takes (about 60) */
 #define MAX_BLOCK 16384 /* bytes of parameters: 8 per cell, MAP_BYTES (aligned to 64) per tensor map */
+#define MAX_TENSORS 32  /* tensors of a launch with runtime values */
 
 /* The driver's functions, looked up once. Without a driver (a machine with no GPU) handles can still be made,
  * and their packing read back, but not launched. */
@@ -118,6 +134,7 @@ static void free_launch(PyObject *capsule) {
   Launch *l = (Launch *)PyCapsule_GetPointer(capsule, CAPSULE_NAME);
   if (l == NULL) return;
   free(l->slots);
+  free(l->runtime);
   free(l->offset);
   free(l->size);
   free(l->block);
@@ -167,21 +184,25 @@ static int read_slot(PyObject *entry, Slot *slot) {
   return 0;
 }
 
-/* make(function, grid_x, grid_y, grid_z, threads, shared, values, sizes, tensor_params, device) -> capsule
+/* make(function, grid_x, grid_y, grid_z, threads, shared, values, sizes, tensor_params, device[, runtime])
+ *   -> capsule
  *   values: bytes, 8 per parameter (the scalars packed, zeros where tensors go); sizes: bytes, one per
  *   parameter, its size in the kernel's parameter block, checked against the compiled function where the driver
  *   can say (cuFuncGetParamInfo), MAP_BYTES for a tensor map; tensor_params: a tuple, one entry per tensor of
  *   a launch: the index of the pointer parameter its address goes to, or (index, dtype, swizzle, fill, dims,
  *   strides, box) for a tensor map parameter encoded from its address (cuTensorMapEncodeTiled's enums; dims,
- *   byte strides and box innermost first); device: the ordinal of the device the function was loaded on. */
+ *   byte strides and box innermost first); device: the ordinal of the device the function was loaded on;
+ *   runtime: a tuple of (kind, index, aux), the values launch_with takes: (RT_I32 / RT_I64 / RT_F32, parameter, 0)
+ *   a scalar parameter of that type, (RT_MAP_DIM / RT_MAP_STRIDE, tensor slot, i) dim i / byte stride i of that
+ *   tensor map's encoding. */
 static PyObject *make(PyObject *self, PyObject *args) {
   unsigned long long function;
   unsigned gx, gy, gz, threads, shared;
   int device;
   Py_buffer values, sizes;
-  PyObject *slots;
-  if (!PyArg_ParseTuple(args, "KIIIIIy*y*O!i", &function, &gx, &gy, &gz, &threads, &shared, &values, &sizes,
-                        &PyTuple_Type, &slots, &device))
+  PyObject *slots, *runtime = NULL;
+  if (!PyArg_ParseTuple(args, "KIIIIIy*y*O!i|O!", &function, &gx, &gy, &gz, &threads, &shared, &values, &sizes,
+                        &PyTuple_Type, &slots, &device, &PyTuple_Type, &runtime))
     return NULL;
   PyObject *result = NULL;
   Launch *l = NULL;
@@ -246,6 +267,33 @@ static PyObject *make(PyObject *self, PyObject *args) {
       goto done;
     }
   }
+  l->n_runtime = runtime == NULL ? 0 : PyTuple_GET_SIZE(runtime);
+  if (l->n_runtime > MAX_PARAMS) {
+    PyErr_Format(PyExc_ValueError, "more than %d runtime values", MAX_PARAMS);
+    goto done;
+  }
+  l->runtime = (Runtime *)calloc(l->n_runtime > 0 ? l->n_runtime : 1, sizeof(Runtime));
+  if (l->runtime == NULL) goto nomem;
+  for (Py_ssize_t i = 0; i < l->n_runtime; i++) {
+    Runtime *r = &l->runtime[i];
+    if (!PyArg_ParseTuple(PyTuple_GET_ITEM(runtime, i), "ini", &r->kind, &r->index, &r->aux)) goto done;
+    int ok;
+    if (r->kind == RT_MAP_DIM || r->kind == RT_MAP_STRIDE) {
+      const Slot *slot = r->index >= 0 && r->index < l->n_tensors ? &l->slots[r->index] : NULL;
+      unsigned rank = slot != NULL && slot->is_map ? slot->rank : 0;
+      ok = r->aux >= 0 && (unsigned)r->aux < (r->kind == RT_MAP_DIM ? rank : (rank > 0 ? rank - 1 : 0));
+    } else {
+      unsigned want = r->kind == RT_I64 ? 8 : 4;
+      ok = (r->kind == RT_I32 || r->kind == RT_I64 || r->kind == RT_F32) && r->index >= 0 && r->index < n &&
+           l->size[r->index] == 8 && ((unsigned char *)sizes.buf)[r->index] == want;
+      for (Py_ssize_t t = 0; ok && t < l->n_tensors; t++) ok = l->slots[t].param != r->index;
+    }
+    if (!ok) {
+      PyErr_Format(PyExc_ValueError, "runtime value %zd is not a scalar parameter of its type or a tensor map's "
+                   "dim or stride", i);
+      goto done;
+    }
+  }
   result = PyCapsule_New(l, CAPSULE_NAME, free_launch);
   if (result != NULL) l = NULL; /* owned by the capsule now */
   goto done;
@@ -254,6 +302,7 @@ nomem:
 done:
   if (l != NULL) {
     free(l->slots);
+    free(l->runtime);
     free(l->offset);
     free(l->size);
     free(l->block);
@@ -267,11 +316,54 @@ done:
 /* The handle's block copied into ``block`` (each launch its own copy, so that launches from several threads never
  * share one), with each tensor's address (a tensor's data_ptr(), or an int) written into its parameter, or a
  * tensor map encoded from it there. */
-static int fill(const Launch *l, unsigned char *block, PyObject *const *tensors, Py_ssize_t n) {
+static int fill(const Launch *l, unsigned char *block, PyObject *const *tensors, Py_ssize_t n, PyObject *values) {
   memcpy(block, l->block, l->block_size);
   if (n != l->n_tensors) {
     PyErr_Format(PyExc_TypeError, "this launch takes %zd tensors; got %zd", l->n_tensors, n);
     return -1;
+  }
+  Slot local[MAX_TENSORS]; /* the slots with this launch's map dims and strides */
+  const Slot *slots = l->slots;
+  if (values != NULL) {
+    if (!PyTuple_Check(values) || PyTuple_GET_SIZE(values) != l->n_runtime) {
+      PyErr_Format(PyExc_TypeError, "this launch takes a tuple of %zd runtime values", l->n_runtime);
+      return -1;
+    }
+    if (n > MAX_TENSORS) {
+      PyErr_Format(PyExc_ValueError, "a launch with runtime values takes at most %d tensors", MAX_TENSORS);
+      return -1;
+    }
+    memcpy(local, l->slots, (size_t)n * sizeof(Slot));
+    slots = local;
+    for (Py_ssize_t i = 0; i < l->n_runtime; i++) {
+      const Runtime *r = &l->runtime[i];
+      PyObject *x = PyTuple_GET_ITEM(values, i);
+      if (r->kind == RT_F32) {
+        float f = (float)PyFloat_AsDouble(x);
+        if (f == -1.0f && PyErr_Occurred()) return -1;
+        memcpy(block + l->offset[r->index], &f, 4);
+        continue;
+      }
+      long long v = PyLong_AsLongLong(x);
+      if (v == -1 && PyErr_Occurred()) return -1;
+      if (r->kind == RT_I32) {
+        if (v < INT32_MIN || v > INT32_MAX) {
+          PyErr_Format(PyExc_OverflowError, "runtime value %zd (%lld) does not fit the kernel's int32", i, v);
+          return -1;
+        }
+        int32_t w = (int32_t)v;
+        memcpy(block + l->offset[r->index], &w, 4);
+      } else if (r->kind == RT_I64) {
+        memcpy(block + l->offset[r->index], &v, 8);
+      } else if (v < 0) {
+        PyErr_Format(PyExc_ValueError, "runtime value %zd: a tensor map's dim or stride is negative", i);
+        return -1;
+      } else if (r->kind == RT_MAP_DIM) {
+        local[r->index].dims[r->aux] = (uint64_t)v;
+      } else {
+        local[r->index].strides[r->aux] = (uint64_t)v;
+      }
+    }
   }
   for (Py_ssize_t i = 0; i < n; i++) {
     PyObject *t = tensors[i];
@@ -285,7 +377,7 @@ static int fill(const Launch *l, unsigned char *block, PyObject *const *tensors,
       Py_DECREF(ptr);
     }
     if (address == (uint64_t)-1 && PyErr_Occurred()) return -1;
-    const Slot *slot = &l->slots[i];
+    const Slot *slot = &slots[i];
     unsigned char *cell = block + l->offset[slot->param];
     if (!slot->is_map) {
       memcpy(cell, &address, 8);
@@ -314,26 +406,20 @@ static int fill(const Launch *l, unsigned char *block, PyObject *const *tensors,
 
 static Launch *get_launch(PyObject *capsule) { return (Launch *)PyCapsule_GetPointer(capsule, CAPSULE_NAME); }
 
-/* launch(capsule, stream, *tensors): one launch on that stream (a raw handle). */
-static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs < 2) {
-    PyErr_SetString(PyExc_TypeError, "launch(launch, stream, *tensors)");
-    return NULL;
-  }
-  Launch *l = get_launch(args[0]);
-  if (l == NULL) return NULL;
+static PyObject *do_launch(Launch *l, PyObject *stream_arg, const unsigned *grid, PyObject *values,
+                           PyObject *const *tensors, Py_ssize_t n) {
   if (launch_kernel == NULL) {
     PyErr_SetString(PyExc_RuntimeError, "the CUDA driver (libcuda.so.1, with cuLaunchKernel) is not available");
     return NULL;
   }
-  uint64_t stream = PyLong_AsUnsignedLongLong(args[1]);
+  uint64_t stream = PyLong_AsUnsignedLongLong(stream_arg);
   if (stream == (uint64_t)-1 && PyErr_Occurred()) return NULL;
   if (ensure_context(l->device) < 0) return NULL;
   _Alignas(64) unsigned char block[MAX_BLOCK];
   void *params[MAX_PARAMS];
-  if (fill(l, block, args + 2, nargs - 2) < 0) return NULL;
+  if (fill(l, block, tensors, n, values) < 0) return NULL;
   for (Py_ssize_t i = 0; i < l->n_params; i++) params[i] = block + l->offset[i];
-  CUresult status = launch_kernel(l->function, l->grid[0], l->grid[1], l->grid[2], l->threads, 1, 1, l->shared,
+  CUresult status = launch_kernel(l->function, grid[0], grid[1], grid[2], l->threads, 1, 1, l->shared,
                                   (CUstream)(uintptr_t)stream, params, NULL);
   if (status != 0) {
     const char *why = NULL;
@@ -345,17 +431,53 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   Py_RETURN_NONE;
 }
 
-/* packed(capsule, *tensors) -> bytes: the parameters a launch with these tensors would pass (no launch), each at
- * its size (8 bytes, or MAP_BYTES for a tensor map), one after the other. */
-static PyObject *packed(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs < 1) {
-    PyErr_SetString(PyExc_TypeError, "packed(launch, *tensors)");
+/* launch(capsule, stream, *tensors): one launch on that stream (a raw handle), on the grid and values packed. */
+static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs < 2) {
+    PyErr_SetString(PyExc_TypeError, "launch(launch, stream, *tensors)");
     return NULL;
   }
   Launch *l = get_launch(args[0]);
   if (l == NULL) return NULL;
+  return do_launch(l, args[1], l->grid, NULL, args + 2, nargs - 2);
+}
+
+/* The grid of launch_with: a tuple of 1 to 3 positive ints (missing dims 1). */
+static int read_grid(PyObject *tuple, unsigned *grid) {
+  if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) < 1 || PyTuple_GET_SIZE(tuple) > 3) {
+    PyErr_SetString(PyExc_TypeError, "a grid is a tuple of 1 to 3 ints");
+    return -1;
+  }
+  grid[0] = grid[1] = grid[2] = 1;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tuple); i++) {
+    long v = PyLong_AsLong(PyTuple_GET_ITEM(tuple, i));
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v < 1 || v > 0x7fffffffL) {
+      PyErr_Format(PyExc_ValueError, "grid dim %zd is %ld: it must be in [1, 2**31)", i, v);
+      return -1;
+    }
+    grid[i] = (unsigned)v;
+  }
+  return 0;
+}
+
+/* launch_with(capsule, stream, grid, values, *tensors): one launch on this grid, with these runtime values (a
+ * tuple in the order the handle's runtime entries give). */
+static PyObject *launch_with(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs < 4) {
+    PyErr_SetString(PyExc_TypeError, "launch_with(launch, stream, grid, values, *tensors)");
+    return NULL;
+  }
+  Launch *l = get_launch(args[0]);
+  if (l == NULL) return NULL;
+  unsigned grid[3];
+  if (read_grid(args[2], grid) < 0) return NULL;
+  return do_launch(l, args[1], grid, args[3], args + 4, nargs - 4);
+}
+
+static PyObject *packed_bytes(Launch *l, PyObject *values, PyObject *const *tensors, Py_ssize_t n) {
   _Alignas(64) unsigned char block[MAX_BLOCK];
-  if (fill(l, block, args + 1, nargs - 1) < 0) return NULL;
+  if (fill(l, block, tensors, n, values) < 0) return NULL;
   size_t total = 0;
   for (Py_ssize_t i = 0; i < l->n_params; i++) total += l->size[i];
   PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
@@ -368,7 +490,98 @@ static PyObject *packed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   return out;
 }
 
+/* packed(capsule, *tensors) -> bytes: the parameters a launch with these tensors would pass (no launch), each at
+ * its size (8 bytes, or MAP_BYTES for a tensor map), one after the other. */
+static PyObject *packed(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs < 1) {
+    PyErr_SetString(PyExc_TypeError, "packed(launch, *tensors)");
+    return NULL;
+  }
+  Launch *l = get_launch(args[0]);
+  if (l == NULL) return NULL;
+  return packed_bytes(l, NULL, args + 1, nargs - 1);
+}
+
+/* packed_with(capsule, values, *tensors) -> bytes: as packed, with launch_with's runtime values. */
+static PyObject *packed_with(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs < 2) {
+    PyErr_SetString(PyExc_TypeError, "packed_with(launch, values, *tensors)");
+    return NULL;
+  }
+  Launch *l = get_launch(args[0]);
+  if (l == NULL) return NULL;
+  return packed_bytes(l, args[1], args + 2, nargs - 2);
+}
+
+/* map_dims_with(capsule, values) -> tuple: for each tensor slot, (dims, byte strides) of the tensor map a launch
+ * with these runtime values would encode (innermost first), None for a pointer slot. No driver needed: what the
+ * encoding is given can be read back on any machine. */
+static PyObject *map_dims_with(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "map_dims_with(launch, values)");
+    return NULL;
+  }
+  Launch *l = get_launch(args[0]);
+  if (l == NULL) return NULL;
+  PyObject *values = args[1];
+  if (!PyTuple_Check(values) || PyTuple_GET_SIZE(values) != l->n_runtime) {
+    PyErr_Format(PyExc_TypeError, "this launch takes a tuple of %zd runtime values", l->n_runtime);
+    return NULL;
+  }
+  if (l->n_tensors > MAX_TENSORS) {
+    PyErr_Format(PyExc_ValueError, "a launch with runtime values takes at most %d tensors", MAX_TENSORS);
+    return NULL;
+  }
+  Slot local[MAX_TENSORS];
+  memcpy(local, l->slots, (size_t)l->n_tensors * sizeof(Slot));
+  for (Py_ssize_t i = 0; i < l->n_runtime; i++) {
+    const Runtime *r = &l->runtime[i];
+    if (r->kind != RT_MAP_DIM && r->kind != RT_MAP_STRIDE) continue;
+    unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(values, i));
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if (r->kind == RT_MAP_DIM)
+      local[r->index].dims[r->aux] = v;
+    else
+      local[r->index].strides[r->aux] = v;
+  }
+  PyObject *out = PyTuple_New(l->n_tensors);
+  if (out == NULL) return NULL;
+  for (Py_ssize_t t = 0; t < l->n_tensors; t++) {
+    PyObject *entry;
+    if (!local[t].is_map) {
+      Py_INCREF(Py_None);
+      entry = Py_None;
+    } else {
+      PyObject *dims = PyTuple_New(local[t].rank), *strides = PyTuple_New(local[t].rank - 1);
+      if (dims == NULL || strides == NULL) {
+        Py_XDECREF(dims);
+        Py_XDECREF(strides);
+        Py_DECREF(out);
+        return NULL;
+      }
+      for (unsigned j = 0; j < local[t].rank; j++) PyTuple_SET_ITEM(dims, j, PyLong_FromUnsignedLongLong(local[t].dims[j]));
+      for (unsigned j = 0; j + 1 < local[t].rank; j++)
+        PyTuple_SET_ITEM(strides, j, PyLong_FromUnsignedLongLong(local[t].strides[j]));
+      entry = PyTuple_Pack(2, dims, strides);
+      Py_DECREF(dims);
+      Py_DECREF(strides);
+      if (entry == NULL) {
+        Py_DECREF(out);
+        return NULL;
+      }
+    }
+    PyTuple_SET_ITEM(out, t, entry);
+  }
+  return out;
+}
+
 static PyMethodDef methods[] = {
+    {"launch_with", (PyCFunction)(void (*)(void))launch_with, METH_FASTCALL,
+     "launch_with(handle, stream, grid, values, *tensors)"},
+    {"packed_with", (PyCFunction)(void (*)(void))packed_with, METH_FASTCALL,
+     "packed_with(handle, values, *tensors) -> bytes"},
+    {"map_dims_with", (PyCFunction)(void (*)(void))map_dims_with, METH_FASTCALL,
+     "map_dims_with(handle, values) -> the dims and strides each tensor map would be encoded with"},
     {"make", make, METH_VARARGS, "Pack a kernel's parameters once; returns a launch handle."},
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL, "launch(handle, stream, *tensors)"},
     {"packed", (PyCFunction)(void (*)(void))packed, METH_FASTCALL, "packed(handle, *tensors) -> bytes"},

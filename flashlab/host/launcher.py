@@ -33,25 +33,29 @@ class FastLaunch:
 
     ``build`` goes one step further where it can: the parameter block packed once, launched by flashlab's own
     few lines of C (``flashlab.host.direct_launch``), which skip the per-launch parsing of Triton's launcher.
-    Both are called the same way, ``launch(stream, *tensors)``.
+    Both are called the same way, ``launch(stream, *tensors)``; built with ``runtime`` (the names of scalar
+    parameters, for a kernel compiled once for a bucket of lengths), both are ``launch(stream, grid, values,
+    *tensors)``: this launch's grid and the values of those parameters, in that order.
     """
 
-    __slots__ = ("launcher", "function", "metadata", "grid", "values", "slots", "tail")
+    __slots__ = ("launcher", "function", "metadata", "grid", "values", "slots", "tail", "runtime")
 
-    def __init__(self, launcher, function, metadata, grid, values, slots):
+    def __init__(self, launcher, function, metadata, grid, values, slots, runtime=()):
         self.launcher, self.function, self.metadata = launcher, function, metadata
-        self.grid, self.values, self.slots = grid, values, slots
+        self.grid, self.values, self.slots, self.runtime = grid, values, slots, runtime
         # flashlab's kernels take their tensors first: then a launch passes them followed by the fixed values
         self.tail = tuple(values[len(slots) :]) if slots == tuple(range(len(slots))) else None
 
     @classmethod
-    def build(cls, jit_function, kernel, grid, args, kwargs, tensor_names, global_scratch=False, native_only=False):
+    def build(cls, jit_function, kernel, grid, args, kwargs, tensor_names, global_scratch=False, native_only=False,
+              runtime=None):  # fmt: skip
         """From the CompiledKernel ``kernel`` that ``jit_function[grid](*args, **kwargs)`` just returned; None
         where this Triton does not look as expected (then the caller keeps launching through the JIT).
         ``global_scratch``: the caller can pass the kernel's global scratch to flashlab's launcher
         (``direct_launch.build``); Triton's launcher allocates its own. ``native_only``: flashlab's launcher or
         None, never Triton's (a kernel taking host-side tensor descriptors: a launch passes the tensors they
-        describe, which only flashlab's launcher encodes)."""
+        describe, which only flashlab's launcher encodes). ``runtime``: the names of the parameters each launch
+        passes (see the class docstring); None: every scalar fixed at this launch's value."""
         if not FAST_LAUNCH or kernel is None:
             return None
         try:
@@ -64,6 +68,7 @@ class FastLaunch:
             bound, _, _ = binder(*args, **kwargs)
             names = list(bound)
             slots = tuple(names.index(n) for n in tensor_names)
+            positions = None if runtime is None else tuple(names.index(n) for n in runtime)
             grid = tuple(grid) + (1,) * (3 - len(grid))
             values = list(bound.values())
             launch = None
@@ -71,12 +76,13 @@ class FastLaunch:
                 from flashlab.host import direct_launch
 
                 # the slots' values are read for a descriptor's shape only; the packing keeps no reference
-                launch = direct_launch.build(kernel, grid, values, slots, global_scratch)
+                launch = direct_launch.build(kernel, grid, values, slots, global_scratch, positions)
             if launch is not None or native_only:
                 return launch
             for slot in slots:  # hold no reference to this call's tensors (a KV cache may be gigabytes)
                 values[slot] = None
-            return cls(kernel.run, kernel.function, kernel.packed_metadata, grid, values, slots)
+            fast = cls(kernel.run, kernel.function, kernel.packed_metadata, grid, values, slots, positions or ())
+            return fast if runtime is None else fast.launch_with
         except Exception:  # noqa: BLE001 -- any surprise: launch through the JIT instead
             return None
 
@@ -88,6 +94,16 @@ class FastLaunch:
         values = self.values.copy()
         for slot, t in zip(self.slots, tensors, strict=True):
             values[slot] = t
+        self.launcher(g0, g1, g2, stream, self.function, self.metadata, None, None, None, *values)
+
+    def launch_with(self, stream, grid, runtime_values, *tensors):
+        """One launch on ``grid`` with the runtime parameters' values ``runtime_values`` (in ``runtime``'s order)."""
+        g0, g1, g2 = tuple(grid) + (1,) * (3 - len(grid))
+        values = self.values.copy()
+        for slot, t in zip(self.slots, tensors, strict=True):
+            values[slot] = t
+        for position, x in zip(self.runtime, runtime_values, strict=True):
+            values[position] = x
         self.launcher(g0, g1, g2, stream, self.function, self.metadata, None, None, None, *values)
 
 

@@ -1,8 +1,10 @@
 """How the host engine plans and runs each path: what a ``Plan`` holds for it, and its launch.
 
-- ``attention_plan``: a ``flash_attention`` signature's plan -- split-KV for decode, else the rung of the kernel
-  ladder that runs (skip-and-split, Hopper, overlap; the lesson loop and calls with a fixed config are a plain
-  launch every call). ``run_attention`` allocates the outputs and launches it.
+- ``attention_call``: a ``flash_attention`` signature's ``Call`` and the bucket's plan it runs -- split-KV for
+  decode, else the rung of the kernel ladder that runs (skip-and-split, Hopper, overlap; the lesson loop and calls
+  with a fixed config are a plain launch every call). ``run_attention`` allocates the outputs and launches it.
+  Split-KV and skip-and-split plans are shared by every signature of their bucket (``flashlab.host.plan``): the
+  signature's runtime scalars and grid are computed here, once per signature.
 - ``kvcache_plan`` / ``run_kvcache``: the same for ``flash_attention_with_kvcache``.
 
 Each path's ``run_*`` launches through Triton's JIT until the plan's direct launch is checked
@@ -17,8 +19,9 @@ import contextlib
 import torch
 
 from flashlab.core.integers import cdiv
+from flashlab.host import plan as plans
 from flashlab.host.launcher import FastLaunch, current_stream, reproduces
-from flashlab.host.plan import CHECKED, TUNED, Plan
+from flashlab.host.plan import BUILT, CHECKED, OFF, Call, Plan
 from flashlab.host.scratch import scratch, workspace
 from flashlab.kernels import ladder, softmax_step
 from flashlab.kernels.decode import kvcache, split_kv
@@ -45,10 +48,50 @@ def unit_stride_d(q, k, v):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def attention_plan(q, k, v, causal, window, scale, num_splits, rung, config=None) -> Plan:
-    """The plan of a checked ``flash_attention`` signature (``num_splits`` and ``rung`` as there). ``config`` (a
-    dict of BLOCK_M, BLOCK_N, num_warps, num_stages) fixes the prefill kernel's tiles: a plain launch every call
-    (the small query tiles a differentiable decode-sized call runs with)."""
+def kernel_config(kernel: str, q, causal, window, group, nq, nk, **extra) -> dict:
+    """The tile config a planned kernel runs with on q's GPU (``flashlab.kernels.configs.pick``: the shipped
+    table by bucket, or a default that fits everywhere), never the autotuner."""
+    try:
+        from flashlab.kernels import configs
+    except ImportError:  # pragma: no cover - a package without the table: each kernel's first fitting config
+        return _first_config(kernel, q)
+    mask = plans.mask_name(causal, window)
+    return dict(configs.pick(kernel, device=q.device, dtype=q.dtype, head_dim=q.shape[-1], mask=mask, group=group,
+                             nq=nq, nk=nk, **extra))  # fmt: skip
+
+
+def _first_config(kernel, q):
+    from flashlab.kernels.device import block_d, device_index, fits_smem, smem_limit
+
+    limit, bd, size = smem_limit(device_index(q)), block_d(q.shape[-1]), q.element_size()
+    if kernel == SPLIT_KV:
+        space = split_kv.FP32_TUNING_SPACE if size == 4 else split_kv.TUNING_SPACE
+        bm = 64
+        for bn, warps, stages in space:
+            if fits_smem(bm, 2 * bn, stages, bd, size, limit):
+                return {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    space = skip_split.TUNING_SPACE[skip_split.tuning_class(bd, q.dtype)] + skip_split.FALLBACK_SPACE
+    for bm, bn, warps, stages in space:
+        if fits_smem(bm, 2 * bn, stages, bd, size, limit):
+            return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+    return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+
+
+def autotuning() -> bool:
+    """Whether the user opted into Triton's autotuners (``FLASHLAB_AUTOTUNE=1``): then a plan's config is the
+    autotuner's pick on its first launch, and its key holds the autotuner's length classes instead."""
+    try:
+        from flashlab.kernels import configs
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(configs.autotune_enabled())
+
+
+def attention_call(q, k, v, causal, window, scale, num_splits, rung, config=None) -> Call:
+    """The ``Call`` of a checked ``flash_attention`` signature (``num_splits`` and ``rung`` as there), with the
+    plan of its bucket. ``config`` (a dict of BLOCK_M, BLOCK_N, num_warps, num_stages) fixes the prefill kernel's
+    tiles: a plain launch every call (the small query tiles a differentiable decode-sized call runs with)."""
     b, hq, nq, d = q.shape
     nk = k.shape[2]
     copy = tuple(x.stride(-1) != 1 for x in (q, k, v))
@@ -58,45 +101,48 @@ def attention_plan(q, k, v, causal, window, scale, num_splits, rung, config=None
         q = -q  # everything below reads the tensor a launch runs on: -q may have other strides than q
     band = (offset, win_left, win_right, qk_scale)
     if num_splits is not None or (rung is None and config is None and nq <= split_kv.MAX_SPLIT_QUERY_ROWS):
-        plan = Plan(SPLIT_KV, run_split)
-        o = torch.empty((b, hq, nq, d), dtype=q.dtype, device="meta")  # for its strides only
-        plan.args = split_kv.SplitArguments(q, k, v, o, offset, win_left, win_right, qk_scale, num_splits)
+        call = split_call(q, k, v, causal, window, band, num_splits)
     elif config is not None and rung is None:  # a fixed config goes to skip-and-split, as in forward's switches
         plan = Plan(skip_split.NAME, run_plain)
         plan.extra = (ladder.rung_named(skip_split.NAME), causal, window, band, config)
+        call = Call(plan)
     else:
         chosen, note = ladder.select(rung, q, k, v, causal, window)
         if config is not None or chosen.name not in _PLANNED:
             plan = Plan(chosen.name, run_plain)
             plan.extra = (chosen, causal, window, band, config)
+            call = Call(plan)
+        elif chosen.name == skip_split.NAME:
+            call = skip_split_call(q, k, v, causal, window, band)
         else:
-            plan = _PLANNED[chosen.name](q, k, v, causal, window, band)
-        plan.note = note
-    plan.copy, plan.negate = copy, negate
-    plan.o_like_q = q.is_contiguous()  # o is allocated contiguous: then like q, which is quicker
-    plan.o_shape, plan.lse_shape = (b, hq, nq, d), (b, hq, nq)
-    return plan
+            call = Call(_PLANNED[chosen.name](q, k, v, causal, window, band))
+        call.note = note
+    call.copy, call.negate = copy, negate
+    call.o_like_q = q.is_contiguous()  # o is allocated contiguous: then like q, which is quicker
+    call.o_shape, call.lse_shape = (b, hq, nq, d), (b, hq, nq)
+    return call
 
 
-def run_attention(plan: Plan, q, k, v, need_lse=True):
-    """Launch a plan on tensors of its signature: ``(o, lse)``, lse None when ``need_lse`` is False and the
+def run_attention(call: Call, q, k, v, need_lse=True):
+    """Launch a call on tensors of its signature: ``(o, lse)``, lse None when ``need_lse`` is False and the
     split-KV path ran (it then writes the lse to scratch memory instead of a new tensor)."""
-    if True in plan.copy:
-        q, k, v = (x.contiguous() if c else x for x, c in zip((q, k, v), plan.copy, strict=True))
-    if plan.negate:
+    if True in call.copy:
+        q, k, v = (x.contiguous() if c else x for x, c in zip((q, k, v), call.copy, strict=True))
+    if call.negate:
         q = -q
-    o = torch.empty_like(q) if plan.o_like_q else torch.empty(plan.o_shape, dtype=q.dtype, device=q.device)
+    o = torch.empty_like(q) if call.o_like_q else torch.empty(call.o_shape, dtype=q.dtype, device=q.device)
+    plan = call.plan
     if need_lse or plan.path is not SPLIT_KV:
-        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(call.lse_shape, dtype=torch.float32, device=q.device)
     else:
         lse = None
-    plan.run(plan, q, k, v, o, lse)
+    plan.run(call, q, k, v, o, lse)
     return o, lse
 
 
-def run_plain(plan, q, k, v, o, lse):
+def run_plain(call, q, k, v, o, lse):
     """A rung's plain launch (``flashlab.kernels.ladder``), every call: the lesson loop, or a fixed config."""
-    chosen, causal, window, band, config = plan.extra
+    chosen, causal, window, band, config = call.plan.extra
     chosen.launch(q, k, v, o, lse, causal, window, band, config=config)
 
 
@@ -105,22 +151,94 @@ def run_plain(plan, q, k, v, o, lse):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def run_split(plan, q, k, v, o, lse):
-    """A split-KV plan's launch; ``lse`` None writes it to scratch."""
+def split_call(q, k, v, causal, window, band, num_splits) -> Call:
+    """A split-KV signature's call: its chunks, grid and runtime scalars (``split_kv.SplitArguments``), and the
+    plan of its bucket: dtype, head dim, mask kind, GQA group, the packed-row tile and the merge's constexprs, the
+    tile config, the strides' classes, the tensors' alignment (``flashlab.host.plan``)."""
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    o = torch.empty((b, hq, nq, d), dtype=q.dtype, device="meta")  # for its strides only
+    args = split_kv.SplitArguments(q, k, v, o, *band, num_splits)
+    strides, lengths = args.scalars[:12], args.scalars[12:-1]
+    aligned = not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
     if not q.is_cuda:
-        o_part, lse_part, spare, counters = workspace(plan, q.device, 0)
+        config, tune = {"BLOCK_N": CPU_CONFIG["BLOCK_N"]}, None
+    elif autotuning():
+        config, tune = None, args.tune  # the autotuner's pick, made on the plan's first launch
+    else:
+        config, tune = kernel_config(SPLIT_KV, q, causal, window, hq // hk, nq, nk), None
+    key = (SPLIT_KV, q.device, q.dtype, d, plans.mask_kind(causal, window), hq // hk, tuple(args.meta.items()),
+           None if config is None else tuple(sorted(config.items())), tune, plans.int_classes(strides),
+           plans.wide(lengths + args.tune), aligned)  # fmt: skip
+
+    def make():
+        plan = Plan(SPLIT_KV, run_split)
+        plan.meta, plan.config = args.meta, config
+        if not aligned:  # addresses of other alignments compile other binaries: the JIT picks per call
+            plan.state = OFF
+        return plan
+
+    call = Call(plans.planned(key, make))
+    call.args, call.grid = args, args.grid
+    call.values = (*args.scalars, *args.tune)  # split_kv.SCALAR_PARAMETERS
+    return call
+
+
+def run_split(call, q, k, v, o, lse):
+    """A split-KV call's launch; ``lse`` None writes it to scratch."""
+    plan, args = call.plan, call.args
+    if not q.is_cuda:
+        o_part, lse_part, spare, counters = workspace(call, q.device, 0)
         tensors = (q, k, v, o_part, lse_part, o, spare if lse is None else lse, counters)
-        _interpreted_launch(split_kv.split_kv_partial, plan.args, tensors)
+        _interpreted_launch(split_kv.split_kv_partial, args, tensors)
         return
     with torch.cuda.device(q.device) if q.get_device() != current_device_index() else _NO_CONTEXT:
         stream = current_stream(q.get_device())
-        o_part, lse_part, spare, counters = workspace(plan, q.device, stream)
+        o_part, lse_part, spare, counters = workspace(call, q.device, stream)
         tensors = (q, k, v, o_part, lse_part, o, spare if lse is None else lse, counters)
         if plan.state is CHECKED:  # the launcher directly: no binding, no specialisation, no cache lookup
-            plan.fast[0](stream, *tensors)
+            plan.fast[0](stream, args.grid, call.values, *tensors)
             return
-        _decode_jit(plan, split_kv.split_kv_partial, split_kv.split_kv_partial_tuned, tensors, stream,
-                    split_kv.PARTIAL_TENSORS)  # fmt: skip
+        _split_jit(plan, call, tensors, stream)
+
+
+def _split_jit(plan, call, tensors, stream):
+    """A split-KV launch through the JIT, with the plan's config (the autotuner's pick on the plan's first launch
+    where the user opted in), then the direct launch moved on (``Plan.advance``)."""
+    grid, jit_function = call.grid, split_kv.split_kv_partial
+    args = (*tensors, *call.values)
+    kernel = None
+    if plan.config is None:
+        split_kv.split_kv_partial_tuned[grid](*args, **plan.meta)
+        plan.config = split_kv.split_kv_partial_tuned.best_config.all_kwargs()
+    else:
+        kernel = jit_function[grid](*args, **plan.meta, **plan.config)
+    _advance(plan, kernel, jit_function, grid, args, {**plan.meta, **plan.config}, split_kv.PARTIAL_TENSORS,
+             split_kv.SCALAR_PARAMETERS, tensors[5], tensors[6], lambda o2, lse2: (*tensors[:5], o2, lse2, tensors[7]),
+             call, stream)  # fmt: skip
+
+
+def _advance(plan, kernel, jit_function, grid, args, kwargs, tensor_names, runtime, o, lse, tensors_into, call,
+             stream):  # fmt: skip
+    """Move a bucket plan's direct launch on after a JIT launch that returned ``kernel`` (None: the autotuner
+    ran, nothing to build from) and wrote ``o`` and ``lse``: built from the first, checked on the next -- only if
+    the JIT ran the very binary the direct launch relaunches, and it writes the same bits.
+    ``tensors_into(o2, lse2)``: this launch's tensors with fresh outputs."""
+    if plan.state is BUILT and kernel is not plan.binary:
+        plan.state = OFF  # another binary for a signature of this bucket: the key misses a specialisation
+        return
+
+    def build():
+        if kernel is None:
+            return None
+        plan.binary = kernel
+        return (FastLaunch.build(jit_function, kernel, grid, args, kwargs, tensor_names, runtime=runtime),)
+
+    def check():
+        return reproduces(lambda o2, lse2: plan.fast[0](stream, call.grid, call.values, *tensors_into(o2, lse2)), o,
+                          lse)  # fmt: skip
+
+    plan.advance(build, check)
 
 
 def kvcache_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, checked) -> Plan:
@@ -187,22 +305,22 @@ def _interpreted_launch(jit_function, args, tensors):
 
 
 def _decode_jit(plan, jit_function, tuned, tensors, stream, names):
-    """A decode plan's launch through the JIT: the autotuner's pick for its tuning key the first time that key
-    comes (``TUNED``), then the direct launch moved on (``Plan.advance``)."""
+    """A KV-cache plan's launch through the JIT: its tile config picked the first time
+    (``flashlab.kernels.configs``; the autotuner's pick where the user opted in), then the direct launch moved on
+    (``Plan.advance``)."""
     args, grid = (*tensors, *plan.args.scalars, *plan.args.tune), plan.args.grid
     meta = plan.args.meta
     kernel = None
-    if "num_warps" in meta:  # a fixed config, or the pick found on an earlier call
+    if "num_warps" in meta:  # a fixed config, or the one picked on an earlier call
         kernel = jit_function[grid](*args, **meta)
+    elif autotuning():
+        tuned[grid](*args, **meta)
+        plan.args.meta = {**meta, **tuned.best_config.all_kwargs()}
     else:
-        key = (plan.path, tensors[0].device, tensors[0].dtype, plan.args.tune, *meta.values())
-        best = TUNED.get(key)
-        if best is None:
-            tuned[grid](*args, **meta)
-            best = TUNED[key] = tuned.best_config.all_kwargs()
-        else:
-            kernel = jit_function[grid](*args, **meta, **best)
+        q, k_cache = tensors[0], tensors[1]  # q (B, Hq, Nq, D), the cache (..., Hk, D)
+        best = kernel_config(plan.path, q, False, None, q.shape[1] // k_cache.shape[-2], q.shape[2], plan.args.tune[0])
         plan.args.meta = meta = {**meta, **best}
+        kernel = jit_function[grid](*args, **meta)
     out = names.index("O")  # o and lse follow each other
 
     def build():
@@ -222,61 +340,78 @@ def _decode_jit(plan, jit_function, tuned, tensors, stream, names):
 PREFILL_TENSORS = ("Q", "K", "V", "O", "LSE", "desc_q", "desc_k", "desc_v", "desc_o")
 
 
-def skip_split_plan(q, k, v, causal, window, band) -> Plan:
-    """Skip-and-split: its arguments, its TMA choice, and (after the first call on a GPU) the autotuner's pick."""
+def skip_split_call(q, k, v, causal, window, band) -> Call:
+    """Skip-and-split: a signature's runtime scalars and grid, and the plan of its bucket (dtype, head dim, mask
+    kind, GQA group, the TMA choice, the tile config, the strides' classes, the tensors' alignment)."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     offset, win_left, win_right, qk_scale = band
-    plan = Plan(skip_split.NAME, run_skip_split)
     # masked short sequences: TMA was erratic there on the H200 (docs/host-path.md)
     want_tma = q.is_cuda and skip_split.wants_tma(causal, window, nk)
     strides_o = (hq * nq * d, nq * d, d)  # o is allocated contiguous
-    scalars = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
-    scalars += (v.stride(0), v.stride(1), v.stride(2), *strides_o)
-    plan.args = scalars + (hq, hq // hk, nq, nk, offset, win_left, win_right, qk_scale)
-    # re-tune per power-of-two length and per power-of-two amount of work (B * Hq * Nq query rows), not per shape
-    plan.tune = skip_split.tune_key(b, hq, nq, nk, causal, window)
-    plan.meta = skip_split.kernel_meta(q, causal)
-    plan.grid = (b * hq, nq)  # (query heads, query rows): the first grid dim divides by BLOCK_M at launch
-    plan.extra = want_tma
-    return plan
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+    strides += (v.stride(0), v.stride(1), v.stride(2), *strides_o)
+    lengths = (hq, hq // hk, nq, nk, offset, win_left, win_right)
+    # re-tuned per power-of-two length and per power-of-two amount of work where the user opted in
+    tune = skip_split.tune_key(b, hq, nq, nk, causal, window)
+    meta = skip_split.kernel_meta(q, causal)
+    aligned = not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
+    if not q.is_cuda:
+        config, tune_class = dict(CPU_CONFIG), None
+    elif autotuning():
+        config, tune_class = None, tune
+    else:
+        config, tune_class = kernel_config(skip_split.NAME, q, causal, window, hq // hk, nq, nk), None
+    key = (skip_split.NAME, q.device, q.dtype, d, plans.mask_kind(causal, window), hq // hk, tuple(meta.items()),
+           want_tma, None if config is None else tuple(sorted(config.items())), tune_class, plans.int_classes(strides),
+           plans.wide(lengths + tune), aligned)  # fmt: skip
+
+    def make():
+        plan = Plan(skip_split.NAME, run_skip_split)
+        plan.meta, plan.config, plan.extra = meta, config, want_tma
+        if not aligned:
+            plan.state = OFF
+        return plan
+
+    call = Call(plans.planned(key, make))
+    call.values = (*strides, *lengths, qk_scale, *tune)  # skip_split.SCALAR_PARAMETERS
+    call.args = (b * hq, nq)  # (query heads, query rows): the grid's first dim divides by BLOCK_M at launch
+    if config is not None:
+        call.grid = (cdiv(nq, config["BLOCK_M"]), b * hq)
+    return call
 
 
-def run_skip_split(plan, q, k, v, o, lse):
+def run_skip_split(call, q, k, v, o, lse):
+    plan = call.plan
+    if call.grid is None and plan.config is not None:  # made before the autotuner's pick
+        call.grid = (cdiv(call.args[1], plan.config["BLOCK_M"]), call.args[0])
     if plan.state is CHECKED and q.get_device() == current_device_index():  # pointer loads, checked
-        plan.fast[0](current_stream(q.get_device()), q, k, v, o, lse, q, k, v, o)  # the launcher directly
+        # the launcher directly
+        plan.fast[0](current_stream(q.get_device()), call.grid, call.values, q, k, v, o, lse, q, k, v, o)
         return
     descs = skip_split.tma_descriptors(q, k, v, o) if plan.extra else None
-    args = (q, k, v, o, lse, *(descs if descs else (q, k, v, o)), *plan.args, *plan.tune)
+    args = (q, k, v, o, lse, *(descs if descs else (q, k, v, o)), *call.values)
     meta = {**plan.meta, "USE_TMA": descs is not None}
     if not q.is_cuda:
-        grid = (cdiv(plan.grid[1], CPU_CONFIG["BLOCK_M"]), plan.grid[0])
         with interpreted_language(softmax_step):
-            interpreted(skip_split.attn_fwd)[grid](*args, **meta, **CPU_CONFIG)
+            interpreted(skip_split.attn_fwd)[call.grid](*args, **meta, **CPU_CONFIG)
         return
     with torch.cuda.device(q.device) if q.device.index != torch.cuda.current_device() else _NO_CONTEXT:
-        if plan.config is None or plan.config[0] != meta["USE_TMA"]:  # the autotuner picks, once per tuning key
-            bh, nq = plan.grid
+        bh, nq = call.args
+        if plan.config is None:  # opted into the autotuner: its pick, once per plan
             skip_split.attn_fwd_tuned[lambda m: (cdiv(nq, m["BLOCK_M"]), bh)](*args, **meta)
-            config = skip_split.attn_fwd_tuned.best_config.all_kwargs()
-            plan.config = (meta["USE_TMA"], config, (cdiv(nq, config["BLOCK_M"]), bh))
+            plan.config = skip_split.attn_fwd_tuned.best_config.all_kwargs()
             return
-        _, config, grid = plan.config
+        config = plan.config
+        grid = call.grid = (cdiv(nq, config["BLOCK_M"]), bh)
         if descs:
             names = ("desc_q", "desc_k", "desc_v", "desc_o")
             skip_split.set_tma_block_shapes({**dict(zip(names, descs, strict=True)), **config, **meta})
         kernel = skip_split.attn_fwd[grid](*args, **meta, **config)
-        if descs is None:  # pointer loads: the direct launch, built, then checked once
-            stream = current_stream(q.device.index)
-
-            def build():
-                kwargs = {**meta, **config}
-                return (FastLaunch.build(skip_split.attn_fwd, kernel, grid, args, kwargs, PREFILL_TENSORS),)
-
-            def check():
-                return reproduces(lambda o2, lse2: plan.fast[0](stream, q, k, v, o2, lse2, q, k, v, o2), o, lse)
-
-            plan.advance(build, check)
+        if descs is None:  # pointer loads: the direct launch, built, then checked once per binary
+            _advance(plan, kernel, skip_split.attn_fwd, grid, args, {**meta, **config}, PREFILL_TENSORS,
+                     skip_split.SCALAR_PARAMETERS, o, lse, lambda o2, lse2: (q, k, v, o2, lse2, q, k, v, o2), call,
+                     current_stream(q.device.index))  # fmt: skip
 
 
 HOPPER_TENSORS = ("Q", "K", "V", "O", "LSE")  # the Hopper kernels' five tensor parameters
@@ -298,7 +433,8 @@ def hopper_plan(q, k, v, causal, window, band) -> Plan:
     return plan
 
 
-def run_hopper(plan, q, k, v, o, lse):
+def run_hopper(call, q, k, v, o, lse):
+    plan = call.plan
     hopper, mask, band = plan.extra[:3]
     if not q.is_cuda:
         hopper.launch(q, k, v, o, lse, *mask, band)
@@ -377,7 +513,8 @@ def overlap_plan(q, k, v, causal, window, band) -> Plan:
     return plan
 
 
-def run_overlap(plan, q, k, v, o, lse):
+def run_overlap(call, q, k, v, o, lse):
+    plan = call.plan
     overlap, mask, band, table = plan.extra[:4]
     if not all(overlap.hopper.aligned(x) for x in (q, k, v, o)):  # same signature, addresses TMA cannot take
         skip_split.launch(q, k, v, o, lse, *mask, band)
@@ -426,7 +563,8 @@ def _overlap_jit(plan, overlap, q, k, v, o, lse):
     plan.advance(build, check)
 
 
-_PLANNED = {"skip_split": skip_split_plan, "hopper": hopper_plan, "overlap": overlap_plan}
+_PLANNED = {"skip_split": skip_split_call, "hopper": hopper_plan, "overlap": overlap_plan}
 
 
-__all__ = ["KVCACHE", "SPLIT_KV", "attention_plan", "kvcache_plan", "run_attention", "run_kvcache", "unit_stride_d"]
+__all__ = ["KVCACHE", "SPLIT_KV", "attention_call", "autotuning", "kernel_config", "kvcache_plan", "run_attention",
+           "run_kvcache", "skip_split_call", "split_call", "unit_stride_d"]  # fmt: skip

@@ -1,22 +1,33 @@
-"""The plan: what a call signature decides once, in the one cache the host engine keeps.
+"""The plan: what a bucket of call signatures decides once, in the one cache the host engine keeps.
 
 A call signature is everything the checks and the launch decide from: shapes, strides, dtypes, devices, layouts,
 the mask, the scale, the path asked for (``signature`` for ``flash_attention``, ``kvcache_signature`` for
-``flash_attention_with_kvcache``). An entry point computes it once per call and looks it up in ``PLANS``; a
-signature is planned (checked, then its launches decided) the first time it comes, so a repeated call (a decode
-step, a layer of a model) pays one dict lookup, its outputs' allocation and its kernel launches.
+``flash_attention_with_kvcache``). Two caches, both bounded (cleared whole when full: the next calls plan again,
+which is cheap next to the launches it saves):
 
-``Plan`` is the one plan type, for prefill, split-KV, the paged KV cache and every rung of the ladder: the path,
-what the entry point does around the launch (copies, the negation of q, the outputs), the kernel's arguments, and
-the direct launch's state. A plan launches through Triton's JIT first (the autotuner's pick is made there, once),
-then builds a direct launch of the compiled kernel (``flashlab.host.launcher.FastLaunch``), checks it once against
-a JIT launch bit for bit, and uses it from then on:
+- ``CALLS`` (at most ``MAX_CALLS``): signature -> ``Call``, what the shapes decide per signature: the kernel's
+  runtime scalars (lengths, band, strides, chunks), the grid, the outputs' shapes, the copies around the launch.
+  Made the first time a signature comes, after every argument check (``flashlab.host.checks``: a few
+  microseconds of integer checks); a repeated call (a layer of a model) pays one dict lookup.
+- ``PLANS`` (at most ``MAX_PLANS``): plan key -> ``Plan``. A plan key holds only what picks the compiled binary
+  and its tiles: the path or rung, device, dtype, head dim, the mask's kind (none / causal / a window with which
+  sides), the GQA group, the constexprs and tile config the kernel runs with (``flashlab.kernels.configs``: a
+  table by length bucket, never the autotuner inside a call unless ``FLASHLAB_AUTOTUNE=1``), each stride's class
+  as Triton specialises it (1, divisible by 16, other; 32 or 64 bits) and whether the tensors' addresses are
+  16-byte aligned -- never an exact length or stride. The planned kernels take their lengths as runtime values
+  (``do_not_specialize``), so every signature of a bucket runs the same compiled binary: a decode loop over a
+  growing cache, or chunked prefill with a new (Nq, Nk) every call, shares one plan per bucket.
 
-    "untried" --first JIT launch--> "built" --next JIT launch, same bits--> "checked" (direct launches from now on)
-          \\--no direct launch here--> "off"      \\--other bits, or an error--> "off" (JIT launches stay)
+A plan launches through Triton's JIT first, then builds a direct launch of the compiled kernel
+(``flashlab.host.launcher.FastLaunch``) that takes each call's grid and runtime scalars, checks it once against a
+JIT launch bit for bit -- on whichever signature of the bucket comes next, so once per compiled binary -- and uses
+it from then on:
 
-``TUNED`` keeps the autotuner's pick per tuning key (a power-of-two length class), so a new plan of a known class
-(a decode loop meets a new cache length every step) skips the autotuner's own bookkeeping.
+    "untried" --first JIT launch--> "built" --next JIT launch, same binary, same bits--> "checked" (direct from now)
+          \\--no direct launch here--> "off"      \\--another binary, other bits, an error--> "off" (JIT launches stay)
+
+Paths not bucketed (the lesson loop, fixed configs, the Hopper and overlap rungs, the KV cache, whose signature
+does not change in a decode loop) key their plan by the exact signature, as one bucket per signature.
 """
 
 from __future__ import annotations
@@ -27,16 +38,15 @@ from flashlab.kernels.device import stream_capturing
 
 UNTRIED, BUILT, CHECKED, OFF = "untried", "built", "checked", "off"
 
-PLANS: dict = {}  # call signature -> Plan
-# A decode loop over a growing contiguous cache meets a new length every step: the cache is bounded, and cleared
-# whole when full (the next calls plan again; each plan is cheap to make next to the launches it saves).
-MAX_PLANS = 4096
-TUNED: dict = {}  # (kernel, device, dtype, tuning key, constexprs) -> the autotuner's pick (a dict of its kwargs)
+PLANS: dict = {}  # plan key (a bucket) -> Plan
+MAX_PLANS = 1024
+CALLS: dict = {}  # call signature -> Call
+MAX_CALLS = 4096
 
 
 class Plan:
-    """One call signature's decisions (see the module docstring). ``run(plan, ...)`` launches it: the function of
-    ``flashlab.host.launches`` for its path, set when the plan is made."""
+    """One bucket's decisions (see the module docstring). ``run(call, ...)`` launches a call of it: the function
+    of ``flashlab.host.launches`` for its path, set when the plan is made."""
 
     __slots__ = (
         "path",  # the kernel it launches: "split_kv", "kvcache", or a rung's name
@@ -62,6 +72,8 @@ class Plan:
         "state",  # UNTRIED, BUILT, CHECKED or OFF
         "scratch_bytes",  # global scratch the direct launch passes (the Hopper rung's descriptors)
         "views",  # the stream's scratch cut for this plan: (stream, epoch, cut)
+        "key",  # the plan key it is kept under
+        "binary",  # the compiled kernel its direct launch relaunches, once built
     )
 
     def __init__(self, path, run):
@@ -72,6 +84,7 @@ class Plan:
         self.backward = None
         self.args, self.tune, self.meta, self.grid, self.config, self.extra = (), (), {}, None, None, None
         self.fast, self.state, self.scratch_bytes, self.views = None, UNTRIED, 0, None
+        self.key = self.binary = None
 
     def advance(self, build, check) -> None:
         """After a launch through the JIT, move the direct launch one step on. ``build()`` gives the direct
@@ -90,13 +103,75 @@ class Plan:
             self.state = CHECKED if check() else OFF
 
 
+class Call:
+    """One call signature's share (see the module docstring): its plan and what its shapes decide. ``args``: the
+    path's kernel arguments for these shapes (``split_kv.SplitArguments``...), ``values``: the runtime scalars a
+    direct launch passes, in the order it was built with, ``grid``: the launch grid."""
+
+    __slots__ = ("plan", "note", "copy", "negate", "o_shape", "lse_shape", "o_like_q", "args", "values", "grid",
+                 "views", "backward")  # fmt: skip
+
+    def __init__(self, plan):
+        self.plan, self.note = plan, plan.note
+        self.copy, self.negate, self.o_like_q = (False, False, False), False, True
+        self.o_shape = self.lse_shape = None
+        self.args, self.values, self.grid, self.views, self.backward = None, (), None, None, None
+
+    @property
+    def path(self):
+        return self.plan.path
+
+
 def remember(key, plan: Plan) -> Plan:
-    """Keep ``plan`` for the signature ``key`` (None: a signature that cannot be hashed exactly, not kept)."""
+    """Keep ``plan`` under the key ``key`` (None: a signature that cannot be hashed exactly, not kept)."""
     if key is not None:
         if len(PLANS) >= MAX_PLANS:
             PLANS.clear()
         PLANS[key] = plan
+        plan.key = key
     return plan
+
+
+def planned(key, make) -> Plan:
+    """The plan kept under ``key``, or ``make()``'s, kept."""
+    plan = PLANS.get(key)
+    return plan if plan is not None else remember(key, make())
+
+
+def remember_call(key, call: Call) -> Call:
+    """Keep ``call`` for the signature ``key`` (None: not kept)."""
+    if key is not None:
+        if len(CALLS) >= MAX_CALLS:
+            CALLS.clear()
+        CALLS[key] = call
+    return call
+
+
+def int_class(x: int) -> int:
+    """How Triton specialises an integer argument: 1 (a constant), divisible by 16, other; +4 where it takes 64
+    bits. Two strides of one class compile to the same binary."""
+    return (x == 1) + 2 * (x % 16 == 0) + 4 * (not -(2**31) <= x < 2**31)
+
+
+def int_classes(values) -> tuple:
+    return tuple(int_class(x) for x in values)
+
+
+def wide(values) -> bool:
+    """Whether any of these runtime integers takes 64 bits (another binary)."""
+    return any(not -(2**31) <= x < 2**31 for x in values)
+
+
+def mask_kind(causal, window) -> tuple:
+    """The mask's kind as a plan key holds it: causal, and a window's bounded sides (its widths are runtime)."""
+    if window is None:
+        return (bool(causal), None)
+    return (bool(causal), (window[0] is not None, window[1] is not None))
+
+
+def mask_name(causal, window) -> str:
+    """``flashlab.kernels.configs``' name of the mask: "none", "causal" or "window"."""
+    return "window" if window is not None else ("causal" if causal else "none")
 
 
 def _window_key(window):
@@ -119,8 +194,9 @@ def signature(q, k, v, causal, window, scale, num_splits, rung):
     window = _window_key(window)
     if window is False or not (q.layout is k.layout is v.layout is torch.strided):
         return None
+    aligned = not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15  # Triton specialises 16-byte aligned pointers
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, causal, window, scale,
-            type(scale), num_splits, k.dtype, v.dtype, k.device, v.device, rung)  # fmt: skip
+            type(scale), num_splits, k.dtype, v.dtype, k.device, v.device, rung, aligned)  # fmt: skip
 
 
 def kvcache_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale):
@@ -144,5 +220,6 @@ def kvcache_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, w
     return (*key, block_table.shape, block_table.stride(), block_table.dtype, block_table.device)
 
 
-__all__ = ["BUILT", "CHECKED", "MAX_PLANS", "OFF", "PLANS", "Plan", "TUNED", "UNTRIED", "kvcache_signature",
-           "remember", "signature"]  # fmt: skip
+__all__ = ["BUILT", "CALLS", "CHECKED", "Call", "MAX_CALLS", "MAX_PLANS", "OFF", "PLANS", "Plan", "UNTRIED",
+           "int_class", "int_classes", "kvcache_signature", "mask_kind", "mask_name", "planned", "remember",
+           "remember_call", "signature", "wide"]  # fmt: skip

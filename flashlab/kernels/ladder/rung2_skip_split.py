@@ -62,8 +62,15 @@ NAME = "skip_split"  # the rung's name in flashlab.kernels.ladder
 # ----------------------------------------------------------------------------------------------------------------
 
 
+# Lengths and the band are runtime values: a new length never compiles another binary (Triton would otherwise
+# specialise an integer that is 1 or divisible by 16). The strides stay specialised: whether each is divisible by
+# 16 (aligned vector loads) is part of the host engine's plan key. The lse is stored one float a row.
+RUNTIME_LENGTHS = ("HQ", "GROUP", "NQ", "NK", "offset", "win_left", "win_right", "TUNE_KEY_N", "TUNE_KEY_ROWS",
+                   "TUNE_KEY_BAND")  # fmt: skip
+
+
 # fmt: off
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_LENGTHS, do_not_specialize_on_alignment=("LSE",))
 def _attn_fwd(
     Q, K, V, O, LSE,  # tensors: q, k, v, the output, the log-sum-exp
     desc_q, desc_k, desc_v, desc_o,  # TMA tensor descriptors of q, k, v, o (Hopper); unused without USE_TMA
@@ -379,10 +386,15 @@ def best_config() -> str:
 # The kernel under a public name, for the modules that launch it (``flashlab.host.launches``); the @triton.jit
 # function keeps the name ``_attn_fwd``, which is what profilers and the recorded Nsight traffic files show.
 attn_fwd = _attn_fwd
+# every scalar parameter after the tensors and descriptors, in order: what the host engine passes per call
+_NAMES = attn_fwd.arg_names
+SCALAR_PARAMETERS = tuple(_NAMES[_NAMES.index("stride_qb") : _NAMES.index("HEAD_DIM")])
 
 __all__ = [
     "FALLBACK_SPACE",
     "NAME",
+    "RUNTIME_LENGTHS",
+    "SCALAR_PARAMETERS",
     "TMA_MAX_HEAD_DIM",
     "TMA_MIN_MASKED_KEYS",
     "TUNING_SPACE",
