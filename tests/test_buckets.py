@@ -1,0 +1,266 @@
+"""Plans shared by a bucket of shapes: a new length is a new call, not a new plan, a new binary or a tuning run.
+
+A decode loop over a growing cache and chunked prefill with a new (Nq, Nk) every call meet a new signature every
+step. Each signature gets its own ``flashlab.host.plan.Call`` (its runtime scalars and grid, after every argument
+check), and the plan of its bucket (``PLANS``), shared by every length that compiles to the same binary with the
+same tiles. These tests check the sharing (the same plan object), that a new bucket gets a new plan, that every
+output still equals the float64 reference, that the kernels' lengths never change what Triton specialises on,
+and the packing of the runtime values the direct launch passes (``flashlab.host.direct_launch``). The GPU test at
+the end checks the compiled binaries and the direct launch on a GPU.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from test_kernel import check_against_reference, make_qkv
+
+from flashlab import flash_attention
+from flashlab.host import attention as forward
+from flashlab.host import direct_launch, launches
+from flashlab.host.plan import CALLS, CHECKED, int_class, mask_kind
+from flashlab.kernels.decode import split_kv
+from flashlab.kernels.ladder import rung2_skip_split as skip_split
+
+
+def call_of(q, k, v, causal=False, window=None, scale=None, num_splits=None, rung=None):
+    """The call a ``flash_attention`` of these arguments was planned into."""
+    return CALLS[forward.signature(q, k, v, causal, window, scale, num_splits, rung)]
+
+
+def decode_step(n, seed, hq=4, hk=2, d=16, dtype=torch.float32, cache=None):
+    """q of one row against the first n keys of a cache (B = 1), as a decode loop slices its growing cache."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, hq, 1, d, generator=g).to(dtype)
+    if cache is None:
+        k, v = make_qkv(1, hq, hk, 1, n, d, dtype, seed)[1:]
+        return q, k, v
+    k, v = cache
+    return q, k[:, :, :n], v[:, :, :n]
+
+
+def test_two_lengths_of_one_bucket_share_a_plan_and_both_match_the_reference():
+    cache = make_qkv(1, 4, 2, 1, 400, 16, torch.float32, seed=1)[1:]
+    q, k, v = decode_step(301, 2, cache=cache)
+    check_against_reference(q, k, v)
+    q2, k2, v2 = decode_step(333, 3, cache=cache)
+    check_against_reference(q2, k2, v2)
+    first, second = call_of(q, k, v), call_of(q2, k2, v2)
+    assert first is not second  # two signatures, two sets of runtime scalars ...
+    assert first.plan is second.plan  # ... one plan: the same compiled kernel, the same direct launch
+    assert first.plan.path == launches.SPLIT_KV
+    assert first.values != second.values and first.args.num_splits == second.args.num_splits == 3
+
+
+def test_a_length_in_another_bucket_gets_another_plan():
+    q, k, v = decode_step(300, 4)
+    check_against_reference(q, k, v)
+    q2, k2, v2 = decode_step(100, 5)  # one chunk: the kernel writes o itself (DIRECT), another binary
+    check_against_reference(q2, k2, v2)
+    assert call_of(q2, k2, v2).args.direct and not call_of(q, k, v).args.direct
+    assert call_of(q, k, v).plan is not call_of(q2, k2, v2).plan
+    q3, k3, v3 = make_qkv(1, 4, 4, 1, 300, 16, torch.float32, seed=6)  # another GQA group: another plan
+    check_against_reference(q3, k3, v3)
+    assert call_of(q3, k3, v3).plan is not call_of(q, k, v).plan
+
+
+def test_a_growing_decode_loop_makes_at_most_a_couple_of_plans():
+    # a cache that grows one token a step, read through slices of one buffer, and through fresh contiguous tensors
+    cache = make_qkv(1, 4, 2, 1, 300, 16, torch.float32, seed=7)[1:]
+    sliced, fresh = set(), set()
+    for step, n in enumerate(range(250, 270)):
+        q, k, v = decode_step(n, 100 + step, cache=cache)
+        check_against_reference(q, k, v, causal=True)
+        sliced.add(id(call_of(q, k, v, causal=True).plan))
+        q, k, v = decode_step(n, 200 + step)  # contiguous: the head stride n * D changes every step
+        check_against_reference(q, k, v, causal=True)
+        fresh.add(id(call_of(q, k, v, causal=True).plan))
+    assert len(sliced) <= 2 and len(fresh) <= 2, (len(sliced), len(fresh))
+
+
+def test_chunked_prefill_with_new_lengths_every_call_shares_a_plan():
+    plans = set()
+    for step, (nq, nk) in enumerate([(17, 40), (24, 53), (31, 66), (38, 79), (45, 92), (52, 105)]):
+        q, k, v = make_qkv(1, 4, 2, nq, nk, 16, torch.float32, seed=300 + step)
+        check_against_reference(q, k, v, causal=True)
+        call = call_of(q, k, v, causal=True)
+        assert call.plan.path == skip_split.NAME
+        plans.add(id(call.plan))
+    assert len(plans) <= 2, len(plans)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bucketed_plans_still_match_the_reference_on_random_shapes(seed):
+    # odd lengths, GQA, negative scales, strided inputs, causal and window masks: two shapes of one kind share a
+    # plan and both match the float64 reference
+    g = torch.Generator().manual_seed(seed)
+    hk = int(torch.randint(1, 3, (1,), generator=g))
+    hq = hk * int(torch.randint(1, 4, (1,), generator=g))
+    d = [16, 24, 32][seed % 3]
+    causal = seed % 2 == 0
+    window = [None, (7, None), (5, 3)][seed % 3]
+    scale = [None, -0.4, 0.3][(seed + 1) % 3]
+    prefill = seed % 2 == 1
+    seen = set()
+    for turn in range(2):
+        nq = int(torch.randint(17, 40, (1,), generator=g)) if prefill else 1 + turn
+        nk = int(torch.randint(60, 200, (1,), generator=g)) | 1  # odd
+        q, k, v = make_qkv(1, hq, hk, nq, nk, d, torch.float32, seed=1000 * seed + turn)
+        if seed % 3 == 1:  # strided: q's rows two apart, k and v heads transposed out of a larger buffer
+            q = torch.cat([q, q], dim=2)[:, :, ::2]
+            k = k.transpose(1, 2).contiguous().transpose(1, 2)
+        check_against_reference(q, k, v, causal=causal, window=window, scale=scale)
+        seen.add(mask_kind(causal, window))
+        call = call_of(q, k, v, causal, window, scale)
+        assert call.plan.path in (launches.SPLIT_KV, skip_split.NAME)
+    assert len(seen) == 1
+
+
+def test_the_kernels_lengths_are_runtime_values():
+    # what Triton specialises a launch on (its binder's specialisation) must not change with the lengths of one
+    # bucket: every length, offset and band parameter is do_not_specialize, and the strides' classes are in the key
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import create_function_from_signature
+
+    for kernel, lengths in ((split_kv.split_kv_partial, split_kv.RUNTIME_LENGTHS),
+                            (skip_split.attn_fwd, skip_split.RUNTIME_LENGTHS)):  # fmt: skip
+        flagged = {p.name for p in kernel.params if p.do_not_specialize}
+        assert set(lengths) <= flagged, set(lengths) - flagged
+        for name in ("NQ", "NK", "offset", "win_left", "win_right"):
+            assert name in flagged
+    binder = create_function_from_signature(split_kv.split_kv_partial.signature, split_kv.split_kv_partial.params,
+                                            BaseBackend)  # fmt: skip
+    cache = make_qkv(1, 4, 2, 1, 4200, 16, torch.float32, seed=8)[1:]
+    specs = []
+    for n in (4001, 4016, 4097):  # odd, divisible by 16, past a power of two: the same specialisation
+        q, k, v = decode_step(n, n, cache=cache)
+        call = launches.attention_call(q, k, v, False, None, None, None, None)
+        o = torch.empty_like(q)
+        tensors = (q, k, v, o, torch.empty(64), o, torch.empty(4), torch.zeros(4, dtype=torch.int32))
+        _, spec, _ = binder(*tensors, *call.values, **call.args.meta, BLOCK_N=64)
+        specs.append(spec)
+    assert specs[0] == specs[1] == specs[2]
+
+
+def test_a_strides_class_is_what_triton_specialises_on():
+    assert int_class(1) != int_class(3) != int_class(32)
+    assert int_class(48) == int_class(4096) and int_class(7) == int_class(4001)
+    assert int_class(2**31 + 16) != int_class(32)  # 64 bits: another binary
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The direct launch's runtime values, packed in Python and read back from the C launcher (no GPU needed)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_runtime_scalars_are_packed_into_their_cells_on_every_launch():
+    types = ["*fp32", "i32", "fp32", "i64", "*fp32", "i32"]
+    values = [None, 7, 0.5, 2**33, None, 9]
+    packed = direct_launch.pack_runtime(types, values, (0, 4), (5, 1, 2, 3))
+    assert packed is not None
+    cells, sizes, slots, entries = packed
+    assert entries == ((direct_launch.RT_I32, 5, 0), (direct_launch.RT_I32, 1, 0), (direct_launch.RT_F32, 2, 0),
+                       (direct_launch.RT_I64, 3, 0))  # fmt: skip
+    assert direct_launch.pack(types, values, (0, 4)) == packed[:3]  # the same block without runtime values
+    module = direct_launch.native()
+    if module is None:
+        pytest.skip("no C compiler here for flashlab's launcher")
+    handle = module.make(0, 1, 1, 1, 128, 0, cells, sizes, slots, 0, entries)
+    a, b = torch.zeros(4), torch.zeros(4)
+    block = module.packed_with(handle, (11, -3, 0.25, -(2**40)), a, b)
+    cell = [block[8 * i : 8 * i + 8] for i in range(len(types))]
+    assert cell[0] == struct.pack("<Q", a.data_ptr()) and cell[4] == struct.pack("<Q", b.data_ptr())
+    assert cell[5][:4] == struct.pack("<i", 11) and cell[1][:4] == struct.pack("<i", -3)
+    assert cell[2][:4] == struct.pack("<f", 0.25) and cell[3] == struct.pack("<q", -(2**40))
+    assert module.packed(handle, a, b)[8:12] == struct.pack("<i", 7)  # launch() keeps the packed values
+    with pytest.raises(OverflowError, match="int32"):
+        module.packed_with(handle, (2**31, 0, 0.0, 0), a, b)
+    with pytest.raises(TypeError, match="4 runtime values"):
+        module.packed_with(handle, (1, 2, 0.5), a, b)
+    with pytest.raises(ValueError, match="runtime value 0"):  # a pointer is no runtime scalar
+        module.make(0, 1, 1, 1, 128, 0, cells, sizes, slots, 0, ((direct_launch.RT_I64, 0, 0),))
+    with pytest.raises(ValueError, match="runtime value 0"):  # an i32 cell written as 8 bytes
+        module.make(0, 1, 1, 1, 128, 0, cells, sizes, slots, 0, ((direct_launch.RT_I64, 1, 0),))
+
+
+def test_pack_runtime_refuses_what_it_cannot_write():
+    assert direct_launch.pack_runtime(["*fp32", "i32"], [None, 1], (0,), (0,)) is None  # a pointer
+    assert direct_launch.pack_runtime(["*fp32", "i16"], [None, 1], (0,), (1,)) is None  # an i16
+    assert direct_launch.pack_runtime(["*fp32", "constexpr"], [None, 1], (0,), (1,)) is None  # a constexpr
+
+
+def test_a_tensor_maps_dims_and_cells_are_runtime_values():
+    from types import SimpleNamespace
+
+    pytest.importorskip("triton.backends.nvidia.driver")
+    meta = [{"elem_size": 2, "elem_type": 9, "block_size": [1, 1, 64, 128], "swizzle": 3}]  # 9: Triton's bf16
+    desc = SimpleNamespace(shape=[2, 8, 1000, 128], strides=[8 * 1000 * 128, 1000 * 128, 128, 1])
+    types = ["i32", "tensordesc<bf16[1, 1, 64, 128]>", "*fp32"]
+    packed = direct_launch.pack_runtime(types, [5, desc, None], (1, 2), (1, 0), tensordesc_meta=meta)
+    assert packed is not None
+    cells, sizes, slots, entries = packed
+    rank = 4
+    assert len(entries) == rank + (rank - 1) + 2 * rank + 1
+    assert entries[0] == (direct_launch.RT_MAP_DIM, 0, 0) and entries[rank] == (direct_launch.RT_MAP_STRIDE, 0, 0)
+    assert entries[2 * rank - 1] == (direct_launch.RT_I32, 2, 0)  # the shape cells follow the map (parameter 1)
+    assert entries[-1] == (direct_launch.RT_I32, 0, 0)  # then the scalar named after it
+    module = direct_launch.native()
+    if module is None:
+        pytest.skip("no C compiler here for flashlab's launcher")
+    handle = module.make(0, 1, 1, 1, 128, 0, cells, sizes, slots, 0, entries)
+    shape, strides = (2, 8, 1700, 128), (8 * 1700 * 128, 1700 * 128, 128, 1)
+    values = (*direct_launch.map_values(shape, strides, 2), 6)
+    assert values[:rank] == (128, 1700, 8, 2) and values[rank : 2 * rank - 1] == (256, 1700 * 256, 8 * 1700 * 256)
+    maps = module.map_dims_with(handle, values)
+    assert maps[0] == ((128, 1700, 8, 2), (256, 1700 * 256, 8 * 1700 * 256)) and maps[1] is None
+    with pytest.raises(TypeError, match="runtime values"):
+        module.map_dims_with(handle, values[:-1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# On a GPU: one binary per bucket, the direct launch checked after the second call of a bucket
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def binaries(kernel, device) -> int:
+    """How many binaries Triton has compiled of ``kernel`` on that device."""
+    return sum(len(cache[0]) for d, cache in kernel.device_caches.items() if d == device)
+
+
+@pytest.mark.gpu
+def test_growing_decode_and_changing_prefill_compile_once_per_bucket_on_gpu():
+    from flashlab.reference.torch_float64 import attention_float64
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dev = torch.cuda.current_device()
+    k_all, v_all = (torch.randn(1, 8, 4300, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+    counts = []
+    for step, n in enumerate(range(4001, 4041)):  # one bucket: many chunks, one config
+        q = torch.randn(1, 32, 1, 128, device="cuda", generator=g).bfloat16()
+        k, v = k_all[:, :, :n], v_all[:, :, :n]
+        o = flash_attention(q, k, v)
+        ro, _ = attention_float64(q, k, v)
+        err = float((o.double() - ro).norm() / ro.norm())
+        assert err < 1.5e-2, (n, err)
+        call = call_of(q, k, v)
+        if step >= 1:
+            assert call.plan.state == CHECKED, (n, call.plan.state)  # direct from the bucket's second call on
+        counts.append(binaries(split_kv.split_kv_partial, dev))
+    assert len(set(counts)) == 1, counts  # no length compiled another binary
+    counts, plan = [], None
+    for step, (nq, nk) in enumerate(zip(range(300, 370, 7), range(4000, 4130, 13), strict=False)):
+        q = torch.randn(1, 16, nq, 128, device="cuda", generator=g).bfloat16()
+        k, v = (torch.randn(1, 16, nk, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+        o = flash_attention(q, k, v, causal=True, rung="skip_split")
+        ro, _ = attention_float64(q, k, v, causal=True)
+        err = float((o.double() - ro).norm() / ro.norm())
+        assert err < 1.5e-2, (nq, nk, err)
+        call = call_of(q, k, v, causal=True, rung="skip_split")
+        plan = plan or call.plan
+        assert call.plan is plan
+        if step >= 1:
+            assert plan.state == CHECKED, (nq, nk, plan.state)
+        counts.append(binaries(skip_split.attn_fwd, dev))
+    assert len(set(counts)) == 1, counts
