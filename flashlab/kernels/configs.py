@@ -16,6 +16,7 @@ or tune inside a user's call. So each GPU family ships a table of the autotuners
   ``MAX_GROUP_BUCKET``, head dims into the tile width they pad to (``device.block_d``: 80 and 96 share 128's).
 - ``mask_kind(nq, nk, offset, win_left, win_right)``: "none", "causal" or "window" -- what the band of a launch
   hides (a decode query's causal band hides nothing, so it is "none").
+- ``launch_fields(q, kv_heads, nk, offset, win_left, win_right)``: ``pick``'s bucket arguments for a launch.
 - ``device_family(device)``: the table's name for a device, its CUDA name in lower case with dashes
   ("NVIDIA H200" -> "nvidia-h200"), or "cpu".
 - ``autotune_enabled()``: True when ``FLASHLAB_AUTOTUNE=1``: then the launches use Triton's autotuners, as before
@@ -171,6 +172,14 @@ def mask_kind(nq: int, nk: int, offset: int, win_left: int, win_right: int) -> s
     if offset + win_right < nk - 1:
         return "causal"
     return "none"
+
+
+def launch_fields(q: torch.Tensor, kv_heads: int, nk: int, offset: int, win_left: int, win_right: int) -> dict:
+    """``pick``'s arguments but the kernel for a launch of ``q (B, Hq, Nq, D)`` against ``kv_heads`` K/V heads of
+    ``nk`` keys, with the band as ``device.kernel_band`` gives it."""
+    _, hq, nq, d = q.shape
+    mask = mask_kind(nq, nk, offset, win_left, win_right)
+    return dict(device=q.device, dtype=q.dtype, head_dim=d, mask=mask, group=hq // kv_heads, nq=nq, nk=nk)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -394,6 +403,7 @@ __all__ = [
     "entry_key",
     "family_of_name",
     "head_dim_class",
+    "launch_fields",
     "length_bucket",
     "load_table",
     "mask_kind",
