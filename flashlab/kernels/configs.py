@@ -77,32 +77,35 @@ LENGTH_BUCKETS = tuple(2**i for i in range(18))  # 1, 2, 4, ..., 131072 (128K)
 MAX_GROUP_BUCKET = 64
 MAX_PAGE_BUCKET = 1024
 
-# The fixed configs, per kernel and head-dim class, best first: the first that fits the GPU's shared memory is the
-# default. Each is a config of the kernel's own tuning space or of its fallbacks for small shared memories (the
-# tests check both against the kernel's pruning), so a table-less GPU runs what the autotuner could have chosen.
-# Decode: (BLOCK_N, num_warps, num_stages), the 64-key tile with two stages that the decode kernels' chunking
-# assumes (split_kv.PROGRAMS_PER_SM). Prefill: (BLOCK_M, BLOCK_N, num_warps, num_stages), the first config of the
-# kernel's head-dim class, then its fallbacks.
-DECODE_DEFAULTS = {"16-bit": [(64, 4, 2), (32, 4, 1)], "fp32": [(32, 4, 2), (32, 4, 1)]}
+# The fixed configs, per kernel and head-dim class, in order: the first that fits the GPU's shared memory is the
+# default. They are the kernel's own tuning space for the class, then its fallbacks for small shared memories, so a
+# GPU without a table runs a config the kernel's autotuner could have chosen (tests/test_configs.py checks these
+# lists against the kernels' spaces and pruning). Decode: (BLOCK_N, num_warps, num_stages), first the 64-key tile
+# with two stages that the decode kernels' chunking assumes (split_kv.PROGRAMS_PER_SM), then split_kv's last
+# resort. Prefill: (BLOCK_M, BLOCK_N, num_warps, num_stages).
+DECODE_DEFAULTS = {"16-bit": [(64, 4, 2), (32, 4, 1)], "fp32": [(32, 4, 2), (64, 4, 2), (32, 4, 1)]}
+_SKIP_SPLIT_FALLBACKS = [(64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1)]
+_LESSON_LOOP_FALLBACKS = [(64, 32, 4, 2), (32, 32, 4, 1)]
+_HOPPER_FALLBACKS = [(64, 64, 4, 2), (64, 32, 4, 2)]
 PREFILL_DEFAULTS = {
     "skip_split": {
-        "d<=64": [(128, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1)],
-        "d=128": [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1)],
-        "d=256": [(64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1)],
-        "fp32": [(64, 32, 4, 2), (32, 32, 4, 1)],
+        "d<=64": [(128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 8, 3), *_SKIP_SPLIT_FALLBACKS],
+        "d=128": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4), *_SKIP_SPLIT_FALLBACKS],
+        "d=256": [(64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), *_SKIP_SPLIT_FALLBACKS],
+        "fp32": [(64, 32, 4, 2), (64, 64, 4, 2), *_SKIP_SPLIT_FALLBACKS],
     },
     "lesson_loop": {
-        "d<=64": [(128, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 1)],
-        "d=128": [(128, 64, 8, 3), (64, 32, 4, 2), (32, 32, 4, 1)],
-        "d=256": [(64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1)],
-        "fp32": [(64, 32, 4, 2), (32, 32, 4, 1)],
+        "d<=64": [(128, 64, 4, 3), (64, 64, 4, 3), *_LESSON_LOOP_FALLBACKS],
+        "d=128": [(128, 64, 8, 3), (64, 64, 4, 3), *_LESSON_LOOP_FALLBACKS],
+        "d=256": [(64, 64, 4, 2), (64, 32, 4, 2), *_LESSON_LOOP_FALLBACKS],
+        "fp32": [(64, 32, 4, 2), (64, 64, 4, 2), *_LESSON_LOOP_FALLBACKS],
     },
     # 16-bit only. Four warps are warp-specialised (rung3_hopper.WARP_SPECIALIZED_WARPS), which stages the output
     # tile in shared memory too.
     "hopper": {
-        "d<=64": [(128, 128, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2)],
-        "d=128": [(128, 128, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2)],
-        "d=256": [(64, 64, 4, 2), (64, 32, 4, 2)],
+        "d<=64": [(128, 128, 4, 2), (128, 64, 4, 2), (128, 64, 8, 3), *_HOPPER_FALLBACKS],
+        "d=128": [(128, 128, 4, 2), (128, 64, 4, 2), (128, 64, 8, 3), *_HOPPER_FALLBACKS],
+        "d=256": [(64, 64, 4, 2), (64, 64, 8, 2), *_HOPPER_FALLBACKS],
     },
 }
 HOPPER_WARP_SPECIALIZED_WARPS = 4
@@ -345,15 +348,19 @@ def cpu_config(kernel: str) -> dict:
     return config
 
 
+def lookup(table: dict[tuple, dict], key: tuple, smem_bytes: int) -> dict:
+    """The config of bucket ``key`` on a GPU whose table is ``table`` and whose blocks may use ``smem_bytes`` of
+    shared memory: the table's (``nearest_entry``), else ``default_config``."""
+    found = nearest_entry(table, key)
+    return dict(found) if found is not None else default_config(key[0], key, smem_bytes)
+
+
 @functools.lru_cache(maxsize=CACHE_SIZE)
 def _bucket_config(device_type: str, index: int, key: tuple) -> tuple:
-    kernel = key[0]
     if device_type != "cuda":
-        return tuple(cpu_config(kernel).items())
-    family = family_of_name(torch.cuda.get_device_name(index))
-    found = nearest_entry(table_for(family), key)
-    config = found if found is not None else default_config(kernel, key, smem_limit(index))
-    return tuple(config.items())
+        return tuple(cpu_config(key[0]).items())
+    table = table_for(family_of_name(torch.cuda.get_device_name(index)))
+    return tuple(lookup(table, key, smem_limit(index)).items())
 
 
 def pick(kernel: str, *, device, dtype, head_dim: int, mask: str, group: int, nq: int, nk: int, **extra) -> dict:
@@ -406,6 +413,7 @@ __all__ = [
     "launch_fields",
     "length_bucket",
     "load_table",
+    "lookup",
     "mask_kind",
     "nearest_entry",
     "pick",
