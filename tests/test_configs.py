@@ -60,6 +60,7 @@ def test_a_bucket_pads_head_dims_and_groups():
     assert key(head_dim=80) == key(head_dim=128) != key(head_dim=64)
     assert key(group=6) == key(group=8) != key(group=4)
     assert key(group=1000)[4] == configs.MAX_GROUP_BUCKET
+    assert key("skip_split", group=8) == key("skip_split", group=1)  # a prefill tile does not depend on the group
     assert key(nk=3000) == key(nk=4096) != key(nk=4097)
     assert key(dtype=torch.float16) == key(dtype="float16") != key(dtype="bfloat16")
     k = key("kvcache", page_size=16)

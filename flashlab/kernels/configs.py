@@ -13,7 +13,9 @@ or tune inside a user's call. So each GPU family ships a table of the autotuners
   interpreter) it is ``flashlab.kernels.device.CPU_CONFIG``, as the kernels have always run there.
 - ``bucket(...)``: the table key of a launch. Lengths fall into ``LENGTH_BUCKETS`` (powers of two from 1 to 128K,
   a length rounded up to the next one and clamped to the last), GQA groups into powers of two up to
-  ``MAX_GROUP_BUCKET``, head dims into the tile width they pad to (``device.block_d``: 80 and 96 share 128's).
+  ``MAX_GROUP_BUCKET`` (decode kernels, whose query tile packs the group; the prefill kernels' tiles do not depend
+  on it, so their buckets all have group 1), head dims into the tile width they pad to (``device.block_d``: 80 and
+  96 share 128's).
 - ``mask_kind(nq, nk, offset, win_left, win_right)``: "none", "causal" or "window" -- what the band of a launch
   hides (a decode query's causal band hides nothing, so it is "none").
 - ``launch_fields(q, kv_heads, nk, offset, win_left, win_right)``: ``pick``'s bucket arguments for a launch.
@@ -161,7 +163,8 @@ def bucket(kernel: str, *, dtype, head_dim: int, mask: str, group: int, nq: int,
         if value < 0:
             raise ValueError(f"{name} must be >= 0; got {value}")
         extras.append((name, min(next_power_of_2(value), MAX_PAGE_BUCKET) if value else 0))
-    group_bucket = min(next_power_of_2(group), MAX_GROUP_BUCKET)
+    # a prefill kernel's tiles do not depend on the group (its programs own one query head each): one bucket for all
+    group_bucket = min(next_power_of_2(group), MAX_GROUP_BUCKET) if kernel in DECODE_KERNELS else 1
     name = dtype_name(dtype)
     return (kernel, name, block_d(head_dim), mask, group_bucket, length_bucket(nq), length_bucket(nk), tuple(extras))
 
