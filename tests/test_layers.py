@@ -245,6 +245,7 @@ def test_the_lower_layers_do_not_need_torch(name):
 
 # Inside flashlab.kernels imports point one way too: the shared pieces at the bottom, then the kernels' folders.
 KERNEL_BASE = (
+    "flashlab.kernels.configs",
     "flashlab.kernels.device",
     "flashlab.kernels.interpreter",
     "flashlab.kernels.interpreter_rounding",
@@ -270,6 +271,8 @@ def test_inside_the_kernels_imports_point_one_way():
 # Module-level caches outside the host engine that are no plan, and why. Anything else a module outside
 # flashlab.host keeps at module level and fills while it runs is a second plan cache, and fails the test below.
 NOT_PLANS = {
+    "flashlab.kernels.configs:_bucket_config": "the tile config of a length bucket, one per bucket (bounded)",
+    "flashlab.kernels.configs:_table": "a tuned-config table file as read, one per file (bounded)",
     "flashlab.kernels.interpreter:_INTERPRETED": "interpreted copies of @triton.jit functions, one per function",
     "flashlab.kernels.device:smem_limit": "a device query (shared memory per block), one per GPU",
     "flashlab.kernels.device:sm_count": "a device query (multiprocessors), one per GPU",

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from flashlab.core.integers import cdiv, next_power_of_2
-from flashlab.kernels import softmax_step
+from flashlab.kernels import configs, softmax_step
 from flashlab.kernels.decode import split_kv
 from flashlab.kernels.device import (
     CPU_CONFIG,
@@ -253,7 +253,9 @@ PARTIAL_TENSORS = ("Q", "K", "V", "BLOCK_TABLE", "SEQLENS", "O_PART", "LSE_PART"
 
 
 def launch(q, k_cache, v_cache, table, cache_seqlens, o, lse, page_size, capacity, win_left, win_right, qk_scale):
-    """Run the kernel once on prepared inputs (``KVCacheArguments`` says which), writing ``o`` and ``lse``."""
+    """Run the kernel once on prepared inputs (``KVCacheArguments`` says which), writing ``o`` and ``lse``. On a GPU
+    the tiles are ``SMALL_BLOCK_CONFIG`` or ``flashlab.kernels.configs.pick``'s (``FLASHLAB_AUTOTUNE=1``: the
+    autotuner's pick)."""
     args = KVCacheArguments(q, k_cache, v_cache, table, page_size, capacity, win_left, win_right, qk_scale)
     o_part, lse_part, _, counters = split_kv.fresh_workspace(args, q.device)
     tensors = (q, k_cache, v_cache, table, cache_seqlens, o_part, lse_part, o, lse, counters)
@@ -265,8 +267,12 @@ def launch(q, k_cache, v_cache, table, cache_seqlens, o, lse, page_size, capacit
     with torch.cuda.device(q.device):
         if "num_warps" in args.meta:  # a fixed config
             _kvcache_partial[args.grid](*tensors, *args.scalars, *args.tune, **args.meta)
-        else:
+        elif configs.autotune_enabled():
             kvcache_partial_tuned[args.grid](*tensors, *args.scalars, *args.tune, **args.meta)
+        else:  # the tuned table's config for this bucket (flashlab.kernels.configs)
+            fields = configs.launch_fields(q, k_cache.shape[2], capacity, capacity - q.shape[2], win_left, win_right)
+            config = configs.pick("kvcache", **fields, page_size=page_size)
+            _kvcache_partial[args.grid](*tensors, *args.scalars, *args.tune, **args.meta, **config)
 
 
 def paged_kv_cache(k, v, block_size: int, lengths=None, seed: int = 0):

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from flashlab.core.integers import cdiv, next_power_of_2
-from flashlab.kernels import softmax_step
+from flashlab.kernels import configs, softmax_step
 from flashlab.kernels.device import (
     CPU_CONFIG,
     block_d,
@@ -327,7 +327,8 @@ def launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits=No
     """Run the split-KV kernel once on prepared inputs (unit stride along D, q negated for a negative scale, the
     band and ``qk_scale`` as ``flashlab.kernels.device.kernel_band`` gives them): writes ``o`` and ``lse``; returns
     the number of chunks. ``num_splits=None`` picks it with ``choose_splits``. With one chunk the kernel writes
-    ``o`` and ``lse`` itself; with more, the chunks' last finishers merge them in the same launch."""
+    ``o`` and ``lse`` itself; with more, the chunks' last finishers merge them in the same launch. On a GPU the
+    tiles come from ``flashlab.kernels.configs.pick`` (``FLASHLAB_AUTOTUNE=1``: the autotuner's pick)."""
     args = SplitArguments(q, k, v, o, offset, win_left, win_right, qk_scale, num_splits)
     o_part, lse_part, _, counters = fresh_workspace(args, q.device)
     tensors = (q, k, v, o_part, lse_part, o, lse, counters)
@@ -337,7 +338,12 @@ def launch(q, k, v, o, lse, offset, win_left, win_right, qk_scale, num_splits=No
                                                       BLOCK_N=CPU_CONFIG["BLOCK_N"])  # fmt: skip
     else:
         with torch.cuda.device(q.device):
-            split_kv_partial_tuned[args.grid](*tensors, *args.scalars, *args.tune, **args.meta)
+            if configs.autotune_enabled():
+                split_kv_partial_tuned[args.grid](*tensors, *args.scalars, *args.tune, **args.meta)
+            else:  # the tuned table's config for this bucket (flashlab.kernels.configs)
+                fields = configs.launch_fields(q, k.shape[1], k.shape[2], offset, win_left, win_right)
+                config = configs.pick("split_kv", **fields)
+                _split_kv_partial[args.grid](*tensors, *args.scalars, *args.tune, **args.meta, **config)
     return args.num_splits
 
 

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from flashlab.core.integers import cdiv, next_power_of_2
-from flashlab.kernels import softmax_step
+from flashlab.kernels import configs, softmax_step
 from flashlab.kernels.device import (
     CPU_CONFIG,
     block_d,
@@ -217,7 +217,8 @@ def launch(q, k, v, o, lse, causal, window, band, config=None):
     negates q for a negative scale); ``band = (offset, win_left, win_right, qk_scale)`` as
     ``flashlab.kernels.device.kernel_band`` gives it. ``causal`` and ``window`` are not needed here: the band already
     holds them, and this rung does the same work whatever the mask. ``config`` (a dict of BLOCK_M, BLOCK_N, num_warps,
-    num_stages) bypasses the autotuner on a GPU; CPU tensors run the interpreter with ``CPU_CONFIG``.
+    num_stages) fixes the tiles on a GPU (None: the tuned table's, ``flashlab.kernels.configs.pick``, or with
+    ``FLASHLAB_AUTOTUNE=1`` the autotuner's); CPU tensors run the interpreter with ``CPU_CONFIG``.
     """
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
@@ -242,6 +243,8 @@ def launch(q, k, v, o, lse, causal, window, band, config=None):
     def grid(meta):
         return (cdiv(nq, meta["BLOCK_M"]), b * hq)
 
+    if config is None and not configs.autotune_enabled():  # the tuned table's (flashlab.kernels.configs)
+        config = configs.pick("lesson_loop", **configs.launch_fields(q, hk, nk, offset, win_left, win_right))
     with torch.cuda.device(q.device):
         if config is None:
             lesson_loop_fwd_tuned[grid](*args, **meta)

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from flashlab.core.integers import cdiv, next_power_of_2
-from flashlab.kernels import softmax_step
+from flashlab.kernels import configs, softmax_step
 from flashlab.kernels.device import (
     CPU_CONFIG,
     block_d,
@@ -344,7 +344,8 @@ def launch(q, k, v, o, lse, causal, window, band, config=None, reverse_m=None, u
     q ``(B, Hq, Nq, D)``, k and v ``(B, Hk, Nk, D)`` with unit stride along D (the host engine makes them so, and
     negates q for a negative scale); ``band = (offset, win_left, win_right, qk_scale)`` as
     ``flashlab.kernels.device.kernel_band`` gives it. The benchmark's switches (None: the kernel's own choice):
-    ``config`` (a dict of BLOCK_M, BLOCK_N, num_warps, num_stages) bypasses the autotuner, ``reverse_m`` overrides the
+    ``config`` (a dict of BLOCK_M, BLOCK_N, num_warps, num_stages) fixes the tiles (None: the tuned table's,
+    ``flashlab.kernels.configs.pick``, or with ``FLASHLAB_AUTOTUNE=1`` the autotuner's), ``reverse_m`` overrides the
     causal tile order, ``use_tma`` turns TMA loads on or off where they can be used. CPU tensors run the interpreter
     with ``CPU_CONFIG``.
     """
@@ -369,6 +370,8 @@ def launch(q, k, v, o, lse, causal, window, band, config=None, reverse_m=None, u
     def grid(meta):
         return (cdiv(nq, meta["BLOCK_M"]), b * hq)
 
+    if config is None and not configs.autotune_enabled():  # the tuned table's (flashlab.kernels.configs)
+        config = configs.pick("skip_split", **configs.launch_fields(q, hk, nk, offset, win_left, win_right))
     with torch.cuda.device(q.device):
         if config is None:
             attn_fwd_tuned[grid](*args, **meta)

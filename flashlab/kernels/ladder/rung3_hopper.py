@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from flashlab.core.integers import cdiv
-from flashlab.kernels import softmax_step
+from flashlab.kernels import configs, softmax_step
 from flashlab.kernels.device import (
     CPU_CONFIG,
     block_d,
@@ -376,9 +376,10 @@ def launch(q, k, v, o, lse, causal, window, band, config=None, warp_specialize=N
     """Run the kernel once on prepared inputs, writing ``o (B, Hq, Nq, D)`` and ``lse (B, Hq, Nq)``.
 
     Inputs as ``rung2_skip_split.launch`` takes them (the host engine checks and prepares them). ``config``
-    (a dict of BLOCK_M, BLOCK_N, num_warps, num_stages) bypasses the autotuner; ``warp_specialize`` (None: on
-    with four warps) turns the loop's warp specialisation on or off. CPU tensors run the interpreter with
-    ``CPU_CONFIG``.
+    (a dict of BLOCK_M, BLOCK_N, num_warps, num_stages) fixes the tiles (None: the tuned table's,
+    ``flashlab.kernels.configs.pick``, or with ``FLASHLAB_AUTOTUNE=1`` the autotuner's); ``warp_specialize`` (None:
+    the config's, else on with four warps) turns the loop's warp specialisation on or off. CPU tensors run the
+    interpreter with ``CPU_CONFIG``.
 
     Where some tile holds keys a row must ignore (the mask hides real keys, or the last key tile runs into the
     next head's rows), a second launch follows: the repair pass, which redoes only the query tiles this kernel
@@ -402,13 +403,16 @@ def launch(q, k, v, o, lse, causal, window, band, config=None, warp_specialize=N
             return (cdiv(nq, meta["BLOCK_M"]), b * hq)
 
         ensure_allocator()
+        if config is None and not configs.autotune_enabled():  # the tuned table's (flashlab.kernels.configs)
+            config = configs.pick("hopper", **configs.launch_fields(q, k.shape[1], k.shape[2], *band[:3]))
         with torch.cuda.device(q.device):
             if config is None:
                 hopper_fwd_tuned[grid](*args, **meta)
             else:
                 if warp_specialize is None:
-                    warp_specialize = config["num_warps"] == WARP_SPECIALIZED_WARPS
-                _attn_fwd_hopper[grid](*args, **meta, **config, WARP_SPECIALIZE=bool(warp_specialize))
+                    warp_specialize = config.get("WARP_SPECIALIZE", config["num_warps"] == WARP_SPECIALIZED_WARPS)
+                config = {**config, "WARP_SPECIALIZE": bool(warp_specialize)}
+                _attn_fwd_hopper[grid](*args, **meta, **config)
     if meta["FLAG_NONFINITE"]:  # redo the tiles with a row marked non-finite (none, on finite inputs)
         repair(args[:-3], q, meta)
 
