@@ -23,7 +23,7 @@ from flashlab.host import plan as plans
 from flashlab.host.launcher import FastLaunch, current_stream, reproduces
 from flashlab.host.plan import BUILT, CHECKED, OFF, Call, Plan
 from flashlab.host.scratch import scratch, workspace
-from flashlab.kernels import ladder, softmax_step
+from flashlab.kernels import configs, ladder, softmax_step
 from flashlab.kernels.decode import kvcache, split_kv
 from flashlab.kernels.device import CPU_CONFIG, current_device_index, kernel_band
 from flashlab.kernels.interpreter import interpreted, interpreted_language
@@ -48,44 +48,18 @@ def unit_stride_d(q, k, v):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def kernel_config(kernel: str, q, causal, window, group, nq, nk, **extra) -> dict:
+def kernel_config(kernel: str, q, kv_heads: int, nk: int, band, **extra) -> dict:
     """The tile config a planned kernel runs with on q's GPU (``flashlab.kernels.configs.pick``: the shipped
-    table by bucket, or a default that fits everywhere), never the autotuner."""
-    try:
-        from flashlab.kernels import configs
-    except ImportError:  # pragma: no cover - a package without the table: each kernel's first fitting config
-        return _first_config(kernel, q)
-    mask = plans.mask_name(causal, window)
-    return dict(configs.pick(kernel, device=q.device, dtype=q.dtype, head_dim=q.shape[-1], mask=mask, group=group,
-                             nq=nq, nk=nk, **extra))  # fmt: skip
-
-
-def _first_config(kernel, q):
-    from flashlab.kernels.device import block_d, device_index, fits_smem, smem_limit
-
-    limit, bd, size = smem_limit(device_index(q)), block_d(q.shape[-1]), q.element_size()
-    if kernel == SPLIT_KV:
-        space = split_kv.FP32_TUNING_SPACE if size == 4 else split_kv.TUNING_SPACE
-        bm = 64
-        for bn, warps, stages in space:
-            if fits_smem(bm, 2 * bn, stages, bd, size, limit):
-                return {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
-    space = skip_split.TUNING_SPACE[skip_split.tuning_class(bd, q.dtype)] + skip_split.FALLBACK_SPACE
-    for bm, bn, warps, stages in space:
-        if fits_smem(bm, 2 * bn, stages, bd, size, limit):
-            return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-    return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    table by bucket, or a default that fits everywhere), never the autotuner. ``band`` as ``kernel_band`` gives
+    it (its first three)."""
+    fields = configs.launch_fields(q, kv_heads, nk, *band[:3])
+    return dict(configs.pick(kernel, **fields, **extra))
 
 
 def autotuning() -> bool:
     """Whether the user opted into Triton's autotuners (``FLASHLAB_AUTOTUNE=1``): then a plan's config is the
     autotuner's pick on its first launch, and its key holds the autotuner's length classes instead."""
-    try:
-        from flashlab.kernels import configs
-    except ImportError:  # pragma: no cover
-        return False
-    return bool(configs.autotune_enabled())
+    return configs.autotune_enabled()
 
 
 def attention_call(q, k, v, causal, window, scale, num_splits, rung, config=None) -> Call:
@@ -166,7 +140,7 @@ def split_call(q, k, v, causal, window, band, num_splits) -> Call:
     elif autotuning():
         config, tune = None, args.tune  # the autotuner's pick, made on the plan's first launch
     else:
-        config, tune = kernel_config(SPLIT_KV, q, causal, window, hq // hk, nq, nk), None
+        config, tune = kernel_config(SPLIT_KV, q, hk, nk, band), None
     key = (SPLIT_KV, q.device, q.dtype, d, plans.mask_kind(causal, window), hq // hk, tuple(args.meta.items()),
            None if config is None else tuple(sorted(config.items())), tune, plans.int_classes(strides),
            plans.wide(lengths + args.tune), aligned)  # fmt: skip
@@ -317,8 +291,11 @@ def _decode_jit(plan, jit_function, tuned, tensors, stream, names):
         tuned[grid](*args, **meta)
         plan.args.meta = {**meta, **tuned.best_config.all_kwargs()}
     else:
-        q, k_cache = tensors[0], tensors[1]  # q (B, Hq, Nq, D), the cache (..., Hk, D)
-        best = kernel_config(plan.path, q, False, None, q.shape[1] // k_cache.shape[-2], q.shape[2], plan.args.tune[0])
+        q, k_cache = tensors[0], tensors[1]  # q (B, Hq, Nq, D), the cache (num_blocks or B, page or Nk, Hk, D)
+        capacity, _, page_size = plan.extra  # check_kvcache_inputs' (capacity, pages, page size)
+        win_left, win_right = plan.args.scalars[19:21]  # KVCacheArguments.scalars: the band
+        band = (capacity - q.shape[2], win_left, win_right)
+        best = kernel_config(plan.path, q, k_cache.shape[2], capacity, band, page_size=page_size)
         plan.args.meta = meta = {**meta, **best}
         kernel = jit_function[grid](*args, **meta)
     out = names.index("O")  # o and lse follow each other
@@ -361,7 +338,7 @@ def skip_split_call(q, k, v, causal, window, band) -> Call:
     elif autotuning():
         config, tune_class = None, tune
     else:
-        config, tune_class = kernel_config(skip_split.NAME, q, causal, window, hq // hk, nq, nk), None
+        config, tune_class = kernel_config(skip_split.NAME, q, hk, nk, band), None
     key = (skip_split.NAME, q.device, q.dtype, d, plans.mask_kind(causal, window), hq // hk, tuple(meta.items()),
            want_tma, None if config is None else tuple(sorted(config.items())), tune_class, plans.int_classes(strides),
            plans.wide(lengths + tune), aligned)  # fmt: skip
