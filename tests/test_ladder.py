@@ -29,7 +29,7 @@ from flashlab.bench import ladder_results as bench_ladder
 from flashlab.bench.implementations import RUNG_PREFIX, rung_backend
 from flashlab.core.masking import tile_map
 from flashlab.core.numerics import relative_error, tolerance
-from flashlab.host.plan import PLANS
+from flashlab.host.plan import CALLS
 from flashlab.kernels import ladder
 from flashlab.kernels.device import CPU_CONFIG
 from flashlab.reference.torch_float64 import attention_float64, attention_float64_grads
@@ -216,12 +216,12 @@ def test_gradients_flow_through_a_named_rung(nq, count_dots):
 
 
 def test_forward_plans_remember_the_rung():
-    # one signature asked for each rung: a plan per rung, keyed by its name
+    # one signature asked for each rung: a call per rung, keyed by its name
     q, k, v = make_qkv(1, 1, 1, 17, 17, 16, torch.float32, seed=9)
     rungs = ("lesson_loop", "skip_split")
     for rung in rungs:
         flash_attention(q, k, v, rung=rung)
-    keyed = [key for key in PLANS if key[0] == q.shape and key[2] == k.shape]
+    keyed = [key for key in CALLS if key[0] == q.shape and key[2] == k.shape]
     assert {key[-1] for key in keyed} >= set(rungs)
 
 

@@ -2,8 +2,9 @@
 
 - ``attention`` -- the entry points, ``flash_attention`` and ``flash_attention_with_kvcache``.
 - ``checks`` -- every argument check (a TypeError or ValueError naming the argument).
-- ``plan`` -- the call signature, the one bounded plan cache (``PLANS``) and the one plan type (``Plan``: a JIT
-  launch, then a direct launch checked once against it, bit for bit).
+- ``plan`` -- the call signature and its ``Call`` (``CALLS``), the bounded plan cache keyed by bucket (``PLANS``)
+  and the one plan type (``Plan``: a JIT launch, then a direct launch checked once per compiled binary against it,
+  bit for bit).
 - ``launches`` -- each path's plan and launch: prefill (every rung of ``flashlab.kernels.ladder``), split-KV
   decode, the paged KV cache.
 - ``launcher`` and ``direct_launch`` (with ``launcher.c``) -- a compiled kernel relaunched without Triton's per-call

@@ -444,7 +444,11 @@ def _hopper_jit(plan, hopper, q, k, v, o, lse):
     tensors = (q, k, v, o, lse)
     args = (*tensors, *plan.args, *plan.tune)
     kernel = repair_kernel = None
-    if plan.config is None:  # the autotuner picks, once per signature
+    if plan.config is None and not autotuning():  # the configs table's tiles (flashlab.kernels.configs)
+        band = plan.extra[2]
+        plan.config = kernel_config(hopper.NAME, q, k.shape[1], k.shape[2], band)
+        plan.grid = (cdiv(nq, plan.config["BLOCK_M"]), bh)
+    if plan.config is None:  # opted into the autotuner: its pick, once per signature
         hopper.hopper_fwd_tuned[lambda m: (cdiv(nq, m["BLOCK_M"]), bh)](*args, **plan.meta)
         plan.config = hopper.hopper_fwd_tuned.best_config.all_kwargs()
         plan.grid = (cdiv(nq, plan.config["BLOCK_M"]), bh)

@@ -86,6 +86,11 @@ class Plan:
         self.fast, self.state, self.scratch_bytes, self.views = None, UNTRIED, 0, None
         self.key = self.binary = None
 
+    @property
+    def plan(self):
+        """A plan keyed by its signature (the Hopper and overlap rungs) runs as its own call: ``run(plan, ...)``."""
+        return self
+
     def advance(self, build, check) -> None:
         """After a launch through the JIT, move the direct launch one step on. ``build()`` gives the direct
         launches built from this launch (None in the tuple: this Triton does not allow one), or None when this
@@ -196,7 +201,7 @@ def signature(q, k, v, causal, window, scale, num_splits, rung):
         return None
     aligned = not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15  # Triton specialises 16-byte aligned pointers
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, causal, window, scale,
-            type(scale), num_splits, k.dtype, v.dtype, k.device, v.device, rung, aligned)  # fmt: skip
+            type(scale), num_splits, k.dtype, v.dtype, k.device, v.device, aligned, rung)  # fmt: skip
 
 
 def kvcache_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale):

@@ -61,8 +61,14 @@ TMA_ALIGN_BYTES = 16  # a TMA descriptor's base address and every stride but the
 # ----------------------------------------------------------------------------------------------------------------
 
 
+# Lengths and the band are runtime values (no binary per length); the strides stay specialised.
+RUNTIME_LENGTHS = ("HQ", "GROUP", "NQ", "NK", "offset", "win_left", "win_right", "TUNE_KEY_N", "TUNE_KEY_ROWS",
+                   "TUNE_KEY_BAND")  # fmt: skip
+REPAIR_RUNTIME_LENGTHS = ("HQ", "GROUP", "NQ", "NK", "offset", "win_left", "win_right", "NUM_TILES", "M_TILES")
+
+
 # fmt: off
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_LENGTHS)
 def _attn_fwd_hopper(
     Q, K, V, O, LSE,  # tensors: q, k, v, the output, the log-sum-exp
     stride_qb, stride_qh, stride_qm,  # strides (elements) of q over batch, head, row; D has stride 1
@@ -169,7 +175,7 @@ def _attn_fwd_hopper(
         tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(offs_m < NQ)[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=REPAIR_RUNTIME_LENGTHS)
 def _repair_flagged(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
@@ -495,6 +501,8 @@ __all__ = [
     "FALLBACK_SPACE",
     "MIN_CAPABILITY",
     "NAME",
+    "REPAIR_RUNTIME_LENGTHS",
+    "RUNTIME_LENGTHS",
     "TUNING_SPACE",
     "best_config",
     "hopper_fwd",

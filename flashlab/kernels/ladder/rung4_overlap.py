@@ -130,6 +130,10 @@ PINGPONG = True  # the consumer warpgroups take turns issuing their products (Fl
 # softmax, not the products, bounds each warpgroup; D = 256 was not timed with it.
 LATE_WAIT_HEAD_DIMS = (128,)
 
+# Lengths, the band and the head count are runtime values (no binary per length). The tensor maps' shapes come in
+# with each launch's descriptors.
+RUNTIME_LENGTHS = ("HQ", "NQ", "NK", "GROUP", "offset", "win_left", "win_right", "n_bh")
+
 if GLUON_ERROR is None:
     # the bulk copies' names: async_load / async_store in newer Tritons (3.9), async_copy_* in older ones (3.6)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -429,7 +433,7 @@ if GLUON_ERROR is None:
             code = code_next
         tma.store_wait(0)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=RUNTIME_LENGTHS)
     def _attn_fwd_overlap(desc_q, desc_k, desc_v, desc_o, LSE, SCHED, HQ, NQ, NK, GROUP, offset, win_left, win_right,
                           qk_scale, n_bh, HEAD_DIM: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, WINDOW: gl.constexpr,
@@ -671,6 +675,7 @@ __all__ = [
     "DESCRIBED_TENSORS",
     "HEAD_DIMS",
     "NAME",
+    "RUNTIME_LENGTHS",
     "TILES",
     "attn_fwd_overlap",
     "descriptors",
