@@ -144,6 +144,28 @@ def test_the_kernels_lengths_are_runtime_values():
     assert specs[0] == specs[1] == specs[2]
 
 
+def test_the_runtime_values_follow_each_kernels_signature():
+    # a direct launch passes each call's values in the order it was built with: the names must be the kernels'
+    # scalar parameters, in order, and the calls' value tuples as long
+    names = split_kv.split_kv_partial.arg_names
+    assert split_kv.SCALAR_PARAMETERS == tuple(names[len(split_kv.PARTIAL_TENSORS) : names.index("HEAD_DIM")])
+    q, k, v = decode_step(500, 9)
+    assert len(launches.attention_call(q, k, v, False, None, None, None, None).values) == len(
+        split_kv.SCALAR_PARAMETERS
+    )
+    q, k, v = make_qkv(1, 4, 2, 40, 90, 16, torch.float32, seed=10)
+    call = launches.attention_call(q, k, v, True, None, None, None, "skip_split")
+    assert len(call.values) == len(skip_split.SCALAR_PARAMETERS)
+    assert skip_split.SCALAR_PARAMETERS[0] == "stride_qb" and skip_split.SCALAR_PARAMETERS[-1] == "TUNE_KEY_BAND"
+    from flashlab.kernels.ladder import rung4_overlap as overlap
+
+    if overlap.attn_fwd_overlap is not None:  # rung 4: four tensor maps, then its scalars as launch_shape gives them
+        names = overlap.attn_fwd_overlap.arg_names
+        assert launches.OVERLAP_RUNTIME[:4] == overlap.DESCRIBED_TENSORS[:4]
+        assert launches.OVERLAP_RUNTIME[4:] == tuple(names[names.index("SCHED") + 1 : names.index("HEAD_DIM")])
+        assert set(overlap.RUNTIME_LENGTHS) <= {p.name for p in overlap.attn_fwd_overlap.params if p.do_not_specialize}
+
+
 def test_a_strides_class_is_what_triton_specialises_on():
     assert int_class(1) != int_class(3) != int_class(32)
     assert int_class(48) == int_class(4096) and int_class(7) == int_class(4001)
@@ -263,4 +285,31 @@ def test_growing_decode_and_changing_prefill_compile_once_per_bucket_on_gpu():
         if step >= 1:
             assert plan.state == CHECKED, (nq, nk, plan.state)
         counts.append(binaries(skip_split.attn_fwd, dev))
+    assert len(set(counts)) == 1, counts
+
+
+@pytest.mark.gpu
+def test_chunked_prefill_on_the_overlap_rung_compiles_once_per_bucket_on_gpu():
+    from flashlab.kernels.ladder import rung4_overlap as overlap
+    from flashlab.reference.torch_float64 import attention_float64
+
+    if torch.cuda.get_device_capability()[0] != overlap.CAPABILITY or overlap.GLUON_ERROR is not None:
+        pytest.skip("rung 4 needs Hopper (sm_90) and Gluon")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    dev = torch.cuda.current_device()
+    counts, plan = [], None
+    for step, (nq, nk) in enumerate(zip(range(300, 370, 7), range(4000, 4130, 13), strict=False)):
+        q = torch.randn(1, 16, nq, 128, device="cuda", generator=g).bfloat16()
+        k, v = (torch.randn(1, 16, nk, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+        o = flash_attention(q, k, v, causal=True)  # the default rung on Hopper
+        ro, _ = attention_float64(q, k, v, causal=True)
+        err = float((o.double() - ro).norm() / ro.norm())
+        assert err < 1.5e-2, (nq, nk, err)
+        call = call_of(q, k, v, causal=True)
+        assert call.plan.path == overlap.NAME
+        plan = plan or call.plan
+        assert call.plan is plan
+        if step >= 1:
+            assert plan.state == CHECKED, (nq, nk, plan.state)
+        counts.append(binaries(overlap.attn_fwd_overlap, dev))
     assert len(set(counts)) == 1, counts

@@ -19,6 +19,7 @@ import contextlib
 import torch
 
 from flashlab.core.integers import cdiv
+from flashlab.host import direct_launch
 from flashlab.host import plan as plans
 from flashlab.host.launcher import FastLaunch, current_stream, reproduces
 from flashlab.host.plan import BUILT, CHECKED, OFF, Call, Plan
@@ -86,8 +87,8 @@ def attention_call(q, k, v, causal, window, scale, num_splits, rung, config=None
             plan = Plan(chosen.name, run_plain)
             plan.extra = (chosen, causal, window, band, config)
             call = Call(plan)
-        elif chosen.name == skip_split.NAME:
-            call = skip_split_call(q, k, v, causal, window, band)
+        elif chosen.name in _BUCKETED:
+            call = _PLANNED[chosen.name](q, k, v, causal, window, band)
         else:
             call = Call(_PLANNED[chosen.name](q, k, v, causal, window, band))
         call.note = note
@@ -477,74 +478,122 @@ def _hopper_jit(plan, hopper, q, k, v, o, lse):
     plan.advance(build, check)
 
 
-def overlap_plan(q, k, v, causal, window, band) -> Plan:
-    """Rung 4: the grid, the arguments and constexprs, and direct relaunches of the kernel and of the Hopper
-    rung's repair pass, through flashlab's own launcher (which encodes the four tensor maps from the tensors'
-    addresses). Through Triton's JIT, building the four descriptors in Python and binding them cost 140-390 us of
-    host time per call on the H200's host, more than the GPU time of a short call (docs/host-path.md). A
-    signature does not include addresses: a call whose q, k, v or o is not 16-byte aligned, which the copy engine
-    cannot take, runs skip and split instead."""
+def overlap_call(q, k, v, causal, window, band) -> Call:
+    """Rung 4: a signature's grid, schedule table, runtime scalars (its lengths and band, and its four tensor maps'
+    dims and strides) and the Hopper rung's repair pass under a mask, and the plan of its bucket (dtype, head dim,
+    mask kind, group, the constexprs -- tiles, key tail, schedule --, the strides' classes, alignment), whose direct
+    launches go through flashlab's own launcher (which encodes the four tensor maps from each launch's tensors and
+    runtime dims). Through Triton's JIT, building the four descriptors in Python and binding them cost 140-390 us of
+    host time per call on the H200's host, more than the GPU time of a short call (docs/host-path.md). A call whose
+    q, k, v or o is not 16-byte aligned, which the copy engine cannot take, runs skip and split instead."""
     from flashlab.kernels.ladder import rung4_overlap as overlap
 
-    plan = Plan(overlap.NAME, run_overlap)
-    table = None
+    b, hq, nq, d = q.shape
+    hk = k.shape[1]
+    grid, table, scalars, meta = overlap.launch_shape(q, k, causal, window, band) if q.is_cuda else (None,) * 4
+    o_strides = (hq * nq * d, nq * d, d)  # o is allocated contiguous
+    repair = None
+    if q.is_cuda and (causal or window is not None):
+        repair = overlap.hopper.repair_parts(q, k, v, o_strides, causal, window, band)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+    aligned = not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
+    key = (overlap.NAME, q.device, q.dtype, d, plans.mask_kind(causal, window), hq // hk,
+           None if meta is None else tuple(meta.items()), None if repair is None else tuple(repair[3].items()),
+           plans.int_classes(strides), plans.wide(scalars or ()), aligned)  # fmt: skip
+
+    def make():
+        plan = Plan(overlap.NAME, run_overlap)
+        plan.meta, plan.extra = meta, (overlap, (causal, window), band)  # the band: the CPU's launch only
+        if not aligned or not q.is_cuda:
+            plan.state = OFF
+        return plan
+
+    plan = plans.planned(key, make) if q.is_cuda else make()
+    call = Call(plan)
+    call.grid = grid
+    call.args = (band, table, repair)
     if q.is_cuda:
-        plan.grid, table, plan.args, plan.meta = overlap.launch_shape(q, k, causal, window, band)
-    plan.extra = [overlap, (causal, window), band, table, None]  # the repair pass: from the first call's o
-    return plan
+        elem = q.element_size()
+        maps = ()
+        for x, shape in ((q, q.shape), (k, k.shape), (v, v.shape)):
+            maps += direct_launch.map_values(tuple(shape), tuple(overlap._strides(x)), elem)
+        o_like = torch.empty((b, hq, nq, d), dtype=q.dtype, device="meta")
+        maps += direct_launch.map_values((b, hq, nq, d), tuple(overlap._strides(o_like)), elem)
+        call.values = (*maps, *scalars)  # OVERLAP_RUNTIME's order
+        if repair is not None:
+            call.values = (call.values, repair[1], repair[2])  # the main kernel's, the repair's grid and values
+        else:
+            call.values = (call.values, None, None)
+    return call
+
+
+def overlap_plan(q, k, v, causal, window, band) -> Plan:
+    """The plan of rung 4's bucket for these inputs (``overlap_call``'s)."""
+    return overlap_call(q, k, v, causal, window, band).plan
+
+
+OVERLAP_RUNTIME = ("desc_q", "desc_k", "desc_v", "desc_o", "HQ", "NQ", "NK", "GROUP", "offset", "win_left",
+                   "win_right", "qk_scale", "n_bh")  # fmt: skip
 
 
 def run_overlap(call, q, k, v, o, lse):
     plan = call.plan
-    overlap, mask, band, table = plan.extra[:4]
+    overlap, mask = plan.extra[:2]
+    band = call.args[0] if isinstance(call, Call) else plan.extra[2]  # a plan run as its own call: its first band
     if not all(overlap.hopper.aligned(x) for x in (q, k, v, o)):  # same signature, addresses TMA cannot take
         skip_split.launch(q, k, v, o, lse, *mask, band)
         return
-    if not q.is_cuda:
+    if not q.is_cuda or not isinstance(call, Call):  # a plan run as its own call: the plain launch
         overlap.launch(q, k, v, o, lse, *mask, band)
         return
     if plan.state is CHECKED and q.get_device() == current_device_index():
-        _overlap_fast(plan, current_stream(q.get_device()), q, k, v, o, lse)
+        _overlap_fast(plan, call, current_stream(q.get_device()), q, k, v, o, lse)
         return
     with torch.cuda.device(q.device):
-        _overlap_jit(plan, overlap, q, k, v, o, lse)
+        _overlap_jit(plan, call, overlap, q, k, v, o, lse)
 
 
-def _overlap_fast(plan, stream, q, k, v, o, lse):
-    table = plan.extra[3]
-    plan.fast[0](stream, q, k, v, o, lse, lse if table is None else table)
+def _overlap_fast(plan, call, stream, q, k, v, o, lse):
+    table = call.args[1]
+    values, repair_grid, repair_values = call.values
+    plan.fast[0](stream, call.grid, values, q, k, v, o, lse, lse if table is None else table)
     if len(plan.fast) > 1:
-        plan.fast[1](stream, q, k, v, o, lse)
+        plan.fast[1](stream, repair_grid, repair_values, q, k, v, o, lse)
 
 
-def _overlap_jit(plan, overlap, q, k, v, o, lse):
-    (causal, window), band, table = plan.extra[1:4]
-    if plan.extra[4] is None and (causal or window is not None):
-        plan.extra[4] = overlap.hopper.repair_parts(q, k, v, o.stride()[:3], causal, window, band)
-    repair = plan.extra[4]
-    args = (*overlap.descriptors(q, k, v, o, plan.meta["BLOCK_N"]), lse, lse if table is None else table, *plan.args)
-    kernel = overlap.attn_fwd_overlap[plan.grid](*args, **plan.meta)
+def _overlap_jit(plan, call, overlap, q, k, v, o, lse):
+    band, table, repair = call.args
+    args = (*overlap.descriptors(q, k, v, o, plan.meta["BLOCK_N"]), lse, lse if table is None else table,
+            *call.values[0][-len(OVERLAP_RUNTIME) + 4 :])  # fmt: skip
+    kernel = overlap.attn_fwd_overlap[call.grid](*args, **plan.meta)
     repair_kernel = None
     if repair is not None:
         jit, rgrid, rargs, rmeta = repair
         repair_kernel = jit[rgrid](q, k, v, o, lse, *rargs, **rmeta)
+    if plan.state is BUILT and (plan.binary[0] is not kernel or plan.binary[1] is not repair_kernel):
+        plan.state = OFF  # another binary for a signature of this bucket
+        return
 
     def build():
-        fast = FastLaunch.build(overlap.attn_fwd_overlap, kernel, plan.grid, args, plan.meta,
-                                overlap.DESCRIBED_TENSORS, native_only=True)  # fmt: skip
+        plan.binary = (kernel, repair_kernel)
+        fast = FastLaunch.build(overlap.attn_fwd_overlap, kernel, call.grid, args, plan.meta,
+                                overlap.DESCRIBED_TENSORS, native_only=True, runtime=OVERLAP_RUNTIME)  # fmt: skip
         if repair_kernel is None:
             return (fast,)
         jit, rgrid, rargs, rmeta = repair
-        return fast, FastLaunch.build(jit, repair_kernel, rgrid, (q, k, v, o, lse, *rargs), rmeta, HOPPER_TENSORS)
+        names = jit.arg_names[len(HOPPER_TENSORS) : jit.arg_names.index("HEAD_DIM")]
+        return fast, FastLaunch.build(jit, repair_kernel, rgrid, (q, k, v, o, lse, *rargs), rmeta, HOPPER_TENSORS,
+                                      runtime=names)  # fmt: skip
 
     def check():
         stream = current_stream(q.get_device())
-        return reproduces(lambda o2, lse2: _overlap_fast(plan, stream, q, k, v, o2, lse2), o, lse)
+        return reproduces(lambda o2, lse2: _overlap_fast(plan, call, stream, q, k, v, o2, lse2), o, lse)
 
     plan.advance(build, check)
 
 
-_PLANNED = {"skip_split": skip_split_call, "hopper": hopper_plan, "overlap": overlap_plan}
+_BUCKETED = ("skip_split", "overlap")  # the rungs whose plans a bucket of signatures shares
+_PLANNED = {"skip_split": skip_split_call, "hopper": hopper_plan, "overlap": overlap_call}
 
 
 __all__ = ["KVCACHE", "SPLIT_KV", "attention_call", "autotuning", "kernel_config", "kvcache_plan", "run_attention",

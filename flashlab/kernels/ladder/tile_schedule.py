@@ -83,6 +83,9 @@ def _work(lengths, tiles, start_cost) -> float:
 
 
 _TABLES = {}  # (lengths, heads, programs, device) -> the table on that device
+# Chunked prefill meets new lengths every call: the tables are bounded, and dropped whole when full (a launch
+# already planned keeps its own reference).
+MAX_TABLES = 1024
 
 
 def _table_key(lengths, heads, programs, device):
@@ -99,10 +102,13 @@ def table(lengths, heads: int, programs: int, device) -> torch.Tensor:
     """``schedule`` as the kernel reads it, on ``device``, kept per (lengths, heads, programs, device)."""
     key = _table_key(lengths, heads, programs, device)
     if key not in _TABLES:
+        if len(_TABLES) >= MAX_TABLES:
+            _TABLES.clear()
         starts, tiles = schedule(list(lengths), heads, programs)
         # one int32 table: programs + 1 starts, the tiles, and one spare entry (a program reads one tile ahead)
         _TABLES[key] = torch.tensor([*starts, *tiles, 0], dtype=torch.int32, device=key[3])
     return _TABLES[key]
 
 
-__all__ = ["TAIL_ROUNDS", "TILE_START_COST", "finish_times", "has_table", "key_tiles", "schedule", "table"]
+__all__ = ["MAX_TABLES", "TAIL_ROUNDS", "TILE_START_COST", "finish_times", "has_table", "key_tiles", "schedule",
+           "table"]  # fmt: skip
