@@ -68,8 +68,9 @@ CPU_SM_COUNT = 4  # what the CPU path pretends to have: long caches still get se
 
 
 # Lengths, the band and the chunking are runtime values: a new cache length never compiles another binary (Triton
-# would otherwise specialise an integer that is 1 or divisible by 16). The strides stay specialised: whether each is
-# divisible by 16 (aligned vector loads) is part of the host engine's plan key. The lse pointers and the counters
+# would otherwise specialise an integer that is 1 or divisible by 16; some Tritons tie the second to the alignment
+# flag, so both are set). The strides stay specialised: whether each is divisible by 16 (aligned vector loads) is
+# part of the host engine's plan key. The lse pointers and the counters
 # are read and written one element a row, so their alignment is not specialised either.
 RUNTIME_LENGTHS = ("HQ", "HK", "GROUP", "NQ", "NK", "offset", "win_left", "win_right", "keys_per_split", "NUM_SPLITS",
                    "TUNE_KEY_N", "TUNE_KEY_UNITS")  # fmt: skip
@@ -77,7 +78,7 @@ UNALIGNED_POINTERS = ("LSE_PART", "LSE", "COUNTERS")
 
 
 # fmt: off
-@triton.jit(do_not_specialize=RUNTIME_LENGTHS, do_not_specialize_on_alignment=UNALIGNED_POINTERS)
+@triton.jit(do_not_specialize=RUNTIME_LENGTHS, do_not_specialize_on_alignment=RUNTIME_LENGTHS + UNALIGNED_POINTERS)
 def _split_kv_partial(
     Q, K, V, O_PART, LSE_PART,  # q, k, v; the partial outputs (fp32) and log-sum-exps (log2 units) per chunk
     O, LSE,  # the output and its lse: written by the one chunk (DIRECT) or by the last chunk to finish

@@ -70,7 +70,7 @@ RUNTIME_LENGTHS = ("HQ", "GROUP", "NQ", "NK", "offset", "win_left", "win_right",
 
 
 # fmt: off
-@triton.jit(do_not_specialize=RUNTIME_LENGTHS, do_not_specialize_on_alignment=("LSE",))
+@triton.jit(do_not_specialize=RUNTIME_LENGTHS, do_not_specialize_on_alignment=(*RUNTIME_LENGTHS, "LSE"))
 def _attn_fwd(
     Q, K, V, O, LSE,  # tensors: q, k, v, the output, the log-sum-exp
     desc_q, desc_k, desc_v, desc_o,  # TMA tensor descriptors of q, k, v, o (Hopper); unused without USE_TMA

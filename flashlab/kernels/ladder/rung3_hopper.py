@@ -68,7 +68,7 @@ REPAIR_RUNTIME_LENGTHS = ("HQ", "GROUP", "NQ", "NK", "offset", "win_left", "win_
 
 
 # fmt: off
-@triton.jit(do_not_specialize=RUNTIME_LENGTHS)
+@triton.jit(do_not_specialize=RUNTIME_LENGTHS, do_not_specialize_on_alignment=RUNTIME_LENGTHS)
 def _attn_fwd_hopper(
     Q, K, V, O, LSE,  # tensors: q, k, v, the output, the log-sum-exp
     stride_qb, stride_qh, stride_qm,  # strides (elements) of q over batch, head, row; D has stride 1
@@ -175,7 +175,7 @@ def _attn_fwd_hopper(
         tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(offs_m < NQ)[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
-@triton.jit(do_not_specialize=REPAIR_RUNTIME_LENGTHS)
+@triton.jit(do_not_specialize=REPAIR_RUNTIME_LENGTHS, do_not_specialize_on_alignment=REPAIR_RUNTIME_LENGTHS)
 def _repair_flagged(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,

@@ -433,7 +433,7 @@ if GLUON_ERROR is None:
             code = code_next
         tma.store_wait(0)
 
-    @gluon.jit(do_not_specialize=RUNTIME_LENGTHS)
+    @gluon.jit(do_not_specialize=RUNTIME_LENGTHS, do_not_specialize_on_alignment=RUNTIME_LENGTHS)
     def _attn_fwd_overlap(desc_q, desc_k, desc_v, desc_o, LSE, SCHED, HQ, NQ, NK, GROUP, offset, win_left, win_right,
                           qk_scale, n_bh, HEAD_DIM: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, WINDOW: gl.constexpr,
