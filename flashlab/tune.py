@@ -305,6 +305,18 @@ def table_document(entries: list[dict], device, command: str) -> dict:
     }
 
 
+RUN_FIELDS = ("gpu", "torch", "triton", "cuda", "python", "date", "command")
+
+
+def updated_table(old: dict, new: dict) -> dict:
+    """``new``'s header and entries, with ``old``'s entries of the buckets ``new`` did not tune kept (first), and
+    the runs that made them listed under ``earlier_runs``."""
+    tuned = {configs.entry_key(e) for e in new["entries"]}
+    kept = [e for e in old["entries"] if configs.entry_key(e) not in tuned]
+    runs = [*old.get("earlier_runs", []), {f: old.get(f) for f in RUN_FIELDS}]
+    return {**new, "earlier_runs": runs, "entries": kept + new["entries"]}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The command line
 # ----------------------------------------------------------------------------------------------------------------
@@ -431,17 +443,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rep-ms", type=_milliseconds, default=40.0, help="autotuner timing per config (default: 40)")
     p.add_argument("--out", type=Path, help="the table file to write (default: the package's table of this GPU)")
     p.add_argument("--overwrite", action="store_true", help="replace the --out file if it exists")
+    p.add_argument(
+        "--update",
+        action="store_true",
+        help="add the buckets tuned now to the existing --out table, replacing those it has and keeping the others "
+        "(a set too long for one run, a wider set)",
+    )
     p.add_argument("--dry-run", action="store_true", help="list the buckets and exit (runs anywhere, no GPU needed)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     return p
 
 
-def output_problem(path: Path, overwrite: bool) -> str | None:
+def output_problem(path: Path, overwrite: bool, update: bool = False) -> str | None:
     """Why the table cannot be written to ``path``, or None."""
+    if overwrite and update:
+        return "--overwrite replaces the table and --update adds to it: pass one of them"
     if path.is_dir():
         return f"{path} is a folder; name the table file, e.g. {path / 'gpu.json'}"
-    if path.exists() and not overwrite:
-        return f"{path} already exists; pass --overwrite to replace it, or choose another --out"
+    if update:
+        if not path.is_file():
+            return f"{path} does not exist: --update adds to a table that is there"
+        try:
+            configs.check_table(json.loads(path.read_text()), source=str(path))
+        except ValueError as e:  # json.JSONDecodeError too
+            return f"--update cannot read it: {e}"
+    elif path.exists() and not overwrite:
+        return f"{path} already exists; pass --overwrite to replace it, --update to add to it, or choose another --out"
     if path.suffix != ".json":
         return f"{path}: a table file ends in .json"
     return None
@@ -469,7 +496,9 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
                      "--dry-run lists the buckets anywhere")  # fmt: skip
     device = torch.device("cuda", torch.cuda.current_device())
     out = args.out or configs.table_path(configs.device_family(device))
-    problem = output_problem(out, args.overwrite)
+    problem = output_problem(out, args.overwrite, args.update)
+    if not problem and args.update and json.loads(out.read_text())["family"] != configs.device_family(device):
+        problem = f"its family is not this GPU's ({configs.device_family(device)})"
     if problem:
         parser.error(f"--out {out}: {problem}")
     from tqdm import tqdm
@@ -485,9 +514,11 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
             entries.append(table_entry(shape, tune_shape(shape, device)))
             torch.cuda.empty_cache()
     doc = table_document(entries, device, command)
+    if args.update:
+        doc = updated_table(json.loads(out.read_text()), doc)
     configs.check_table(doc, source=str(out))  # what is written is what launches can read
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w" if args.overwrite else "x") as f:
+    with open(out, "w" if args.overwrite or args.update else "x") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
     configs.clear_cache()

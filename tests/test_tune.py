@@ -174,3 +174,23 @@ def test_a_tuned_table_is_what_the_launches_read(tmp_path, monkeypatch, capsys):
         tune.launch(shape, q, k, v)
         assert picks[-1] == entry["config"], shape.label()
     configs.clear_cache()
+
+
+def test_update_keeps_the_buckets_it_does_not_tune(tmp_path):
+    old_config = {"BLOCK_N": 32, "num_warps": 4, "num_ctas": 1, "num_stages": 1}
+    new_config = {"BLOCK_N": 128, "num_warps": 8, "num_ctas": 1, "num_stages": 3}
+    shapes = plan(kernels=("split_kv",), head_dims=(64,), dtypes=("bfloat16",), groups=(1,), kv_lengths=(1024, 2048))
+    header = dict(version=configs.TABLE_VERSION, family="x", gpu="X", torch="a", triton="b", date="d1", command="c1")
+    old = {**header, "entries": [tune.table_entry(s, old_config) for s in shapes]}
+    new = {**header, "date": "d2", "command": "c2", "entries": [tune.table_entry(shapes[1], new_config)]}
+    merged = tune.updated_table(old, new)
+    table = configs.check_table(merged)
+    assert table == {shapes[0].key(): old_config, shapes[1].key(): new_config}
+    assert merged["date"] == "d2" and [r["command"] for r in merged["earlier_runs"]] == ["c1"]
+    path = tmp_path / "t.json"
+    assert "does not exist" in tune.output_problem(path, False, update=True)
+    path.write_text(json.dumps(old))
+    assert tune.output_problem(path, False, update=True) is None
+    assert "pass one of them" in tune.output_problem(path, True, update=True)
+    path.write_text("{")
+    assert "--update cannot read it" in tune.output_problem(path, False, update=True)
