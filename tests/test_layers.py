@@ -40,6 +40,8 @@ LAYERS = {
     "flashlab.widgets": 4,
     "flashlab.kv_allocator": 4,
     "flashlab.distributed": 4,
+    "flashlab.tune": 4,
+    "flashlab.warmup": 4,
 }
 TOOLS = 4  # the top layer, whose packages may import each other
 # What the root re-exports, and where it comes from.
