@@ -278,8 +278,13 @@ def test_paged_kv_cache_holds_the_same_keys():
 
 
 BAD_VALUES = {  # (what is broken, how, the message it must give) in a case of lengths [40, 48, 20], 16-token blocks
-    "entry_past_the_pool": ("table", (1, 2), lambda pages: pages, r"block_table\[1, 2\] = {v} is not a block of "
-                            r"the cache \(0 <= entry < {pages}\)"),
+    "entry_past_the_pool": (
+        "table",
+        (1, 2),
+        lambda pages: pages,
+        r"block_table\[1, 2\] = {v} is not a block of "
+        r"the cache \(0 <= entry < {pages}\)",
+    ),
     "negative_entry": ("table", (1, 0), lambda pages: -1, r"block_table\[1, 0\] = -1 is not a block"),
     "length_past_capacity": ("lengths", 1, lambda pages: 49, r"cache_seqlens\[1\] = 49 is outside \[0, 48\]"),
     "negative_length": ("lengths", 1, lambda pages: -3, r"cache_seqlens\[1\] = -3 is outside \[0, 48\]"),
