@@ -208,12 +208,14 @@ def flash_attention_with_kvcache(
 
     - ``True`` (the default): the kernel checks the values as it reads them and records the first bad one where
       the host reads it without waiting for the GPU. On a GPU the error is raised by the first later call on the
-      same device that begins after the faulty launch has finished (a decode loop: usually a step or two later),
-      or at once by ``flashlab.check_kvcache_errors()``, which waits for the GPU; on the CPU it is raised by the
-      call itself. No synchronisation, so a decode loop never stalls on it; it also works inside a CUDA graph.
+      same device that begins after the faulty launch has finished (in a decode loop whose host runs ahead of the
+      GPU, a later step), or at once by ``flashlab.check_kvcache_errors()``, which waits for the GPU; on the CPU
+      it is raised by the call itself. No synchronisation, so a decode loop never stalls on it; a launch replayed
+      from a CUDA graph records its errors the same way.
     - ``"sync"``: the lengths and the table are read on the host before the launch, so the same call raises; on a
       GPU that costs one synchronisation per call, which stalls a decode loop.
-    - ``False``: nothing is reported (the NaN rows stay the only sign).
+    - ``False``: nothing is reported (the NaN rows stay the only sign; an error recorded earlier waits for the
+      next call that checks).
     """
     if torch.compiler.is_compiling():  # the values are checked inside the operator, when it runs
         mode = check_values_flag(check_values)
