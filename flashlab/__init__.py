@@ -34,4 +34,8 @@ def __getattr__(name):
         from flashlab.host import flash_attention_with_kvcache
 
         return flash_attention_with_kvcache
+    if name == "check_kvcache_errors":
+        from flashlab.host import check_kvcache_errors
+
+        return check_kvcache_errors
     raise AttributeError(f"module 'flashlab' has no attribute {name!r}")

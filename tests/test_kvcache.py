@@ -277,25 +277,162 @@ def test_paged_kv_cache_holds_the_same_keys():
         assert torch.equal(gather(kc, table[b], 40)[0], k[b]) and torch.equal(gather(vc, table[b], 40)[0], v[b])
 
 
-def test_unchecked_values_never_leave_the_pool():
-    # check_values=False: no host read of the table. An entry outside the pool is never followed (its keys are
-    # left out) and a length past the capacity is clamped to it.
-    q, kc, vc, seqlens, table = paged_case(12, b=2, hq=2, hk=1, nq=1, d=16, bs=16, dtype=torch.float32, max_len=48,
-                                           lengths=[40, 48])  # fmt: skip
-    good = flash_attention_with_kvcache(q, kc, vc, seqlens, table)
+BAD_VALUES = {  # (what is broken, how, the message it must give) in a case of lengths [40, 48, 20], 16-token blocks
+    "entry_past_the_pool": (
+        "table",
+        (1, 2),
+        lambda pages: pages,
+        r"block_table\[1, 2\] = {v} is not a block of "
+        r"the cache \(0 <= entry < {pages}\)",
+    ),
+    "negative_entry": ("table", (1, 0), lambda pages: -1, r"block_table\[1, 0\] = -1 is not a block"),
+    "length_past_capacity": ("lengths", 1, lambda pages: 49, r"cache_seqlens\[1\] = 49 is outside \[0, 48\]"),
+    "negative_length": ("lengths", 1, lambda pages: -3, r"cache_seqlens\[1\] = -3 is outside \[0, 48\]"),
+}
+
+
+def nan_fenced_case(seed, bs=16, dtype=torch.float32, **kwargs):
+    """``paged_case`` with lengths [40, 48, 20] whose pool is a slice of a larger tensor holding NaN on both
+    sides: a block read from just outside the pool (entry -1, or the pool's size) would bring NaN into the
+    answer."""
+    q, kc, vc, seqlens, table = paged_case(seed, b=3, hq=4, hk=2, nq=1, d=16, bs=bs, dtype=dtype, max_len=48,
+                                           lengths=[40, 48, 20], shared=False, **kwargs)  # fmt: skip
+
+    def fenced(cache):
+        big = torch.full((cache.shape[0] + 4, *cache.shape[1:]), float("nan"), dtype=cache.dtype)
+        big[2:-2] = cache
+        return big[2:-2]
+
+    return q, fenced(kc), fenced(vc), seqlens, table
+
+
+def broken(name, seqlens, table, pages):
+    """The case's lengths and table with ``BAD_VALUES[name]`` applied, and the message it must raise."""
+    where, at, value, message = BAD_VALUES[name]
+    seqlens, table = seqlens.clone(), table.clone()
+    (table if where == "table" else seqlens)[at] = value(pages)
+    return seqlens, table, message.format(v=value(pages), pages=pages)
+
+
+@pytest.mark.parametrize("block_n", [16, 32], ids=["one_entry_a_tile", "one_entry_a_key"])
+@pytest.mark.parametrize("name", list(BAD_VALUES))
+def test_a_bad_value_raises_in_the_call_on_the_cpu_and_the_next_call_works(monkeypatch, name, block_n):
+    # The interpreter runs the kernel to its end inside the call, so the kernel's own report raises there; the
+    # host's synchronous check ("sync") raises the same words before launching. Either way the record is empty
+    # again afterwards: the next good call answers, and nothing is left for check_kvcache_errors.
+    import flashlab
+    from flashlab.host import launches
+
+    monkeypatch.setattr(launches, "CPU_CONFIG", {**launches.CPU_CONFIG, "BLOCK_N": block_n})
+    q, kc, vc, seqlens, table = nan_fenced_case(20)
+    bad_lengths, bad_table, message = broken(name, seqlens, table, kc.shape[0])
+    for check_values in (True, "sync"):
+        with pytest.raises(ValueError, match=message):
+            flash_attention_with_kvcache(q, kc, vc, bad_lengths, bad_table, check_values=check_values)
+        check(q, kc, vc, seqlens, table)
+        flashlab.check_kvcache_errors()
+        flashlab.check_kvcache_errors("cpu")
+
+
+@pytest.mark.parametrize("name", list(BAD_VALUES))
+def test_a_bad_value_never_reads_outside_the_pool_and_gives_nan_rows(name):
+    # check_values=False: no report. Sequence 1's rows are NaN; sequences 0 and 2, in the same launch, are finite
+    # and match float64 (a read of the NaN beside the pool would have reached them through a shared tile or a
+    # merge, or shown in sequence 1 as a finite wrong answer if the NaN rows were missing).
+    q, kc, vc, seqlens, table = nan_fenced_case(21)
+    bad_lengths, bad_table, _ = broken(name, seqlens, table, kc.shape[0])
+    for check_values in (False, True):
+        if check_values:
+            with pytest.raises(ValueError):
+                flash_attention_with_kvcache(q, kc, vc, bad_lengths, bad_table, check_values=True)
+            continue
+        o, lse = flash_attention_with_kvcache(q, kc, vc, bad_lengths, bad_table, return_lse=True, check_values=False)
+        assert torch.isnan(o[1]).all(), "the bad sequence's rows must be NaN"
+        good = [0, 2]
+        ro, rlse = reference(q[good], kc, vc, seqlens[good], table[good], False, None)
+        assert torch.isfinite(o[good]).all()
+        torch.testing.assert_close(o[good].double(), ro, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[good].double(), rlse, rtol=1e-5, atol=1e-5)
+    check(q, kc, vc, seqlens, table)  # nothing left in the record
+
+
+@pytest.mark.parametrize("causal, window, nq, column", [(False, (10, 0), 1, 0), (True, None, 100, 6)], ids=str)
+def test_a_bad_entry_the_band_never_reads_is_still_found(causal, window, nq, column):
+    # A window of 10 keys before the last never reads sequence 1's first block. With 100 causal queries (two
+    # blocks of 64 packed rows) against 112 keys, the first block of rows sees keys up to 75, never the last
+    # block (keys 96..111). The programs scan the entries their band leaves out, so the sequence is still
+    # reported, and all its rows are NaN.
+    q, kc, vc, seqlens, table = paged_case(22, b=2, hq=2, hk=2, nq=nq, d=16, bs=16, dtype=torch.float32,
+                                           max_len=112, lengths=[112, 112], shared=False)  # fmt: skip
     bad = table.clone()
-    bad[0, 1] = 10**6  # sequence 0's keys 16..31 point outside the pool
-    o = flash_attention_with_kvcache(q, kc, vc, seqlens, bad, check_values=False)
-    torch.testing.assert_close(o[1], good[1], rtol=0, atol=0)
-    keep = torch.cat([torch.arange(16), torch.arange(32, 40)])  # the keys sequence 0 still has
-    k0, v0 = gather(kc, table[0], 40)[:, :, keep], gather(vc, table[0], 40)[:, :, keep]
-    ref, _ = attention_float64(q[:1], k0, v0)
-    torch.testing.assert_close(o[:1].double(), ref, rtol=1e-5, atol=1e-5)
-    long = torch.tensor([40, 10**6], dtype=torch.int32)
-    o = flash_attention_with_kvcache(q, kc, vc, long, table, check_values=False)
-    torch.testing.assert_close(o, good, rtol=0, atol=0)  # 10**6 keys clamped to the 48 the table holds
-    with pytest.raises(TypeError, match="check_values"):
-        flash_attention_with_kvcache(q, kc, vc, seqlens, table, check_values=0)
+    bad[1, column] = 10**6
+    with pytest.raises(ValueError, match=rf"block_table\[1, {column}\] = 1000000 is not a block"):
+        flash_attention_with_kvcache(q, kc, vc, seqlens, bad, causal=causal, window=window)
+    o = flash_attention_with_kvcache(q, kc, vc, seqlens, bad, causal=causal, window=window, check_values=False)
+    assert torch.isnan(o[1]).all()
+    ro, _ = reference(q[:1], kc, vc, seqlens[:1], table[:1], causal, window)
+    torch.testing.assert_close(o[:1].double(), ro, rtol=1e-5, atol=1e-5)
+
+
+def test_entries_past_the_last_block_and_a_length_at_capacity_are_not_errors():
+    q, kc, vc, seqlens, table = nan_fenced_case(23)
+    table[0, 3:] = 10**6  # sequence 0 holds 40 keys: blocks 0..2; its last entry is never read
+    table[2, 2:] = -9  # sequence 2 holds 20 keys: blocks 0..1
+    check(q, kc, vc, seqlens, table)  # sequence 1 holds 48 = the capacity
+    check(q, kc, vc, seqlens, table, causal=True, window=(5, None))
+
+
+def test_a_contiguous_cache_reports_a_bad_length():
+    g = torch.Generator().manual_seed(24)
+    kc, vc = torch.randn(2, 2, 50, 2, 16, generator=g).unbind(0)  # (B, Nk_max, Hk, D)
+    q = torch.randn(2, 2, 1, 16, generator=g)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 51 is outside \[0, 50\]"):
+        flash_attention_with_kvcache(q, kc, vc, torch.tensor([51, 7], dtype=torch.int32), None)
+    o = flash_attention_with_kvcache(q, kc, vc, torch.tensor([51, 7], dtype=torch.int32), None, check_values=False)
+    assert torch.isnan(o[0]).all() and torch.isfinite(o[1]).all()
+    check(q, kc, vc, torch.tensor([50, 7], dtype=torch.int32), None)
+
+
+def test_an_error_left_in_the_record_raises_at_the_next_call():
+    # What happens on a GPU, where the kernel runs after the call has returned: a launch (here the kernel's plain
+    # launch, into the device's record) meets a bad entry; the next call raises it, naming it as an earlier call's,
+    # and empties the record; check_kvcache_errors raises it the same way.
+    import flashlab
+    from flashlab.host.kvcache_errors import error_record
+    from flashlab.kernels.decode import kvcache
+    from flashlab.kernels.device import kernel_band
+
+    q, kc, vc, seqlens, table = nan_fenced_case(25)
+    bad = table.clone()
+    bad[2, 1] = 77
+    _, left, right, qk_scale, _ = kernel_band(1, 48, 16, False, None, None)
+    record = error_record(q.device)
+    for raise_it in ("next call", "check_kvcache_errors"):
+        o = torch.empty_like(q)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32)
+        kvcache.launch(q, kc, vc, bad, seqlens, o, lse, 16, 48, left, right, qk_scale, errors=record.tensor)
+        assert torch.isnan(o[2]).all() and torch.isfinite(o[:2]).all()
+        message = r"an earlier flash_attention_with_kvcache call on cpu met a bad value: block_table\[2, 1\] = 77 is"
+        with pytest.raises(ValueError, match=message):
+            if raise_it == "next call":
+                flash_attention_with_kvcache(q, kc, vc, seqlens, table)
+            else:
+                flashlab.check_kvcache_errors()
+        check(q, kc, vc, seqlens, table)
+
+
+def test_check_values_takes_true_false_or_sync():
+    q, kc, vc, seqlens, table = paged_case(26, b=2, hq=2, hk=1, nq=1, d=16, bs=16, dtype=torch.float32, max_len=40)
+    for wrong in (0, 1, None, 1.0):
+        with pytest.raises(TypeError, match=r'check_values must be True, False or "sync"'):
+            flash_attention_with_kvcache(q, kc, vc, seqlens, table, check_values=wrong)
+    for wrong in ("Sync", "device", ""):
+        with pytest.raises(ValueError, match=r'check_values must be True, False or "sync"'):
+            flash_attention_with_kvcache(q, kc, vc, seqlens, table, check_values=wrong)
+    ref = flash_attention_with_kvcache(q, kc, vc, seqlens, table)
+    for check_values in (False, "sync"):
+        torch.testing.assert_close(flash_attention_with_kvcache(q, kc, vc, seqlens, table, check_values=check_values),
+                                   ref, rtol=0, atol=0)  # fmt: skip
 
 
 @pytest.mark.parametrize("block_size, block_n", [(16, 32), (16, 64), (48, 32)])
@@ -310,8 +447,9 @@ def test_key_tiles_that_span_several_blocks(monkeypatch, block_size, block_n):
     )
     check(q, kc, vc, seqlens, table, causal=True)
     bad = table.clone()
-    bad[0, 1] = -5  # unchecked: the keys of that block are left out, nothing else changes
+    bad[0, 1] = -5  # unchecked: that sequence's rows are NaN, nothing else changes
     o = flash_attention_with_kvcache(q, kc, vc, seqlens, bad, causal=True, check_values=False)
+    assert torch.isnan(o[0]).all()
     torch.testing.assert_close(o[1:], flash_attention_with_kvcache(q, kc, vc, seqlens, table, causal=True)[1:])
 
 

@@ -2,15 +2,21 @@
 
 Run on the H200 with: ``python -m pytest tests/test_kvcache_gpu.py -q``. The cases are those of
 ``tests/test_kvcache.py`` scaled up: long ragged caches in shuffled, shared blocks of 16 and 256 tokens, 64 query /
-8 KV heads at D = 128, chunked prefill against a long cache, and the captured-in-a-CUDA-graph decode step.
+8 KV heads at D = 128, chunked prefill against a long cache, and the captured-in-a-CUDA-graph decode step; then the
+values check on the device: a bad entry or length raises at the next call or through ``check_kvcache_errors``,
+also from a CUDA graph's replay, and a 200-step decode loop with the default check never synchronises.
 """
 
 from __future__ import annotations
+
+import contextlib
+import warnings
 
 import pytest
 import torch
 from test_kvcache import check, gather, paged_case
 
+import flashlab
 from flashlab import flash_attention, flash_attention_with_kvcache
 
 pytestmark = pytest.mark.gpu
@@ -102,3 +108,90 @@ def test_small_blocks_with_many_chunks_merge_in_one_launch_as_a_tree():
     assert args.num_splits * 8 <= kvcache.SMALL_BLOCK_TREE_PROGRAMS_PER_SM * sms  # one wave at two an SM
     for _ in range(20):
         torch.testing.assert_close(flash_attention_with_kvcache(q, kc, vc, seqlens, table), first, rtol=0, atol=0)
+
+
+@contextlib.contextmanager
+def no_synchronisation():
+    """Any synchronising CUDA call inside is a RuntimeError (torch's sync debug mode, which warns that it is a
+    prototype when switched on)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cuda.set_sync_debug_mode(0)
+
+
+def test_a_bad_entry_raises_at_the_next_call_and_a_bad_length_through_the_explicit_check():
+    from flashlab.host.plan import CHECKED, PLANS, kvcache_signature
+
+    q, kc, vc, seqlens, table = on_gpu(*paged_case(7, b=4, hq=32, hk=8, nq=1, d=128, bs=16, dtype=torch.bfloat16,
+                                                   max_len=4096, lengths=[4096, 3000, 2000, 1000]))  # fmt: skip
+    for _ in range(6):  # autotune, JIT launch, the direct launch checked: the errors below come through it
+        good = flash_attention_with_kvcache(q, kc, vc, seqlens, table)
+    assert PLANS[kvcache_signature(q, kc, vc, seqlens, table, False, None, None)].state == CHECKED
+    bad = table.clone()
+    bad[2, 5] = kc.shape[0] + 7
+    o = flash_attention_with_kvcache(q, kc, vc, seqlens, bad)  # returns without waiting for the GPU
+    torch.cuda.synchronize()
+    assert torch.isnan(o[2]).all() and torch.isfinite(o[[0, 1, 3]]).all()
+    torch.testing.assert_close(o[[0, 1, 3]], good[[0, 1, 3]], rtol=0, atol=0)
+    message = rf"earlier .* on cuda:\d met a bad value: block_table\[2, 5\] = {kc.shape[0] + 7} is not a block"
+    with pytest.raises(ValueError, match=message):
+        flash_attention_with_kvcache(q, kc, vc, seqlens, table)
+    torch.testing.assert_close(flash_attention_with_kvcache(q, kc, vc, seqlens, table), good, rtol=0, atol=0)
+    bad_lengths = seqlens.clone()
+    bad_lengths[1] = -1
+    o = flash_attention_with_kvcache(q, kc, vc, bad_lengths, table)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = -1 is outside \[0, 4096\]"):
+        flashlab.check_kvcache_errors()
+    assert torch.isnan(o[1]).all() and torch.isfinite(o[[0, 2, 3]]).all()
+    flashlab.check_kvcache_errors(q.device)  # empty again
+    with pytest.raises(ValueError, match=r"block_table\[2, 5\]"):  # "sync": the host's check, in the call
+        flash_attention_with_kvcache(q, kc, vc, seqlens, bad, check_values="sync")
+    flash_attention_with_kvcache(q, kc, vc, seqlens, bad, check_values=False)  # nothing reported
+    flashlab.check_kvcache_errors()
+
+
+def test_a_replayed_cuda_graph_still_reports_a_bad_entry():
+    q, kc, vc, seqlens, table = on_gpu(
+        *paged_case(5, b=8, hq=64, hk=8, nq=1, d=128, bs=16, dtype=torch.bfloat16, max_len=4096, zero=False)
+    )
+    expected = flash_attention_with_kvcache(q, kc, vc, seqlens, table)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attention_with_kvcache(q, kc, vc, seqlens, table)
+    good = table.clone()
+    table[3, 0] = -2  # in place: the graph's kernel reads it at the replay
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isnan(out[3]).all() and torch.isfinite(out[torch.arange(8) != 3]).all()
+    with pytest.raises(ValueError, match=r"block_table\[3, 0\] = -2 is not a block"):
+        flashlab.check_kvcache_errors()
+    table.copy_(good)
+    graph.replay()
+    flashlab.check_kvcache_errors()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_a_decode_loop_with_the_default_check_never_synchronises(block_size):
+    lengths = [8192, 7000, 6000, 5000, 4000, 3000, 2000, 1000]
+    q, kc, vc, seqlens, table = on_gpu(*paged_case(8, b=8, hq=32, hk=8, nq=1, d=128, bs=block_size,
+                                                   dtype=torch.bfloat16, max_len=8192, lengths=lengths))  # fmt: skip
+    seqlens.sub_(200)  # the loop's 200 tokens fill the blocks the table holds
+    for _ in range(6):  # autotune, JIT launch, the direct launch checked (that check compares on the host)
+        flash_attention_with_kvcache(q, kc, vc, seqlens, table)
+    queries = torch.randn(200, *q.shape, device="cuda", dtype=q.dtype)
+    with no_synchronisation():
+        for step in range(200):
+            o = flash_attention_with_kvcache(queries[step], kc, vc, seqlens, table)
+            seqlens.add_(1)
+    flashlab.check_kvcache_errors()
+    check(queries[-1], kc, vc, seqlens - 1, table)
+    torch.testing.assert_close(o, flash_attention_with_kvcache(queries[-1], kc, vc, seqlens - 1, table))
+    with pytest.raises(RuntimeError, match="synchroniz"), no_synchronisation():  # the detector sees the old check
+        flash_attention_with_kvcache(q, kc, vc, seqlens, table, check_values="sync")

@@ -48,6 +48,7 @@ TOOLS = 4  # the top layer, whose packages may import each other
 ROOT_EXPORTS = {
     "flash_attention": "flashlab.host",
     "flash_attention_with_kvcache": "flashlab.host",
+    "check_kvcache_errors": "flashlab.host",
     "__version__": None,
 }
 

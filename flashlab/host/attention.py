@@ -21,6 +21,9 @@ import torch
 
 from flashlab.host import autograd
 from flashlab.host.checks import (
+    DEVICE_CHECK,
+    NO_CHECK,
+    SYNC_CHECK,
     check_inputs,
     check_kvcache_inputs,
     check_kvcache_values,
@@ -28,6 +31,7 @@ from flashlab.host.checks import (
     check_rung,
     check_values_flag,
 )
+from flashlab.host.kvcache_errors import raise_recorded
 from flashlab.host.launches import attention_call, kvcache_plan, run_attention, run_kvcache, unit_stride_d
 from flashlab.host.plan import CALLS, PLANS, kvcache_signature, remember, remember_call, signature
 from flashlab.kernels import ladder
@@ -201,17 +205,28 @@ def flash_attention_with_kvcache(
     ``seqlen_b - Nq + i - left <= j <= seqlen_b - Nq + i + right``. A sequence of length 0 gives zeros (lse -inf).
     Returns ``o`` like q, or ``(o, lse)`` with lse ``(B, Hq, Nq)`` float32 natural log-sum-exps.
 
-    ``check_values`` reads the lengths and the block table's entries on the host to check them (a length outside
-    ``[0, capacity]`` or an entry outside the pool is a ValueError); on a GPU that costs one synchronisation per
-    call, which stalls a decode loop. A loop whose tables are known good passes False: the kernel itself never
-    follows an entry outside the pool (those keys are left out) and clamps a length to ``[0, capacity]``.
+    A length outside ``[0, capacity]`` or a used block-table entry outside the pool is never followed: the kernel
+    reads nothing outside the pool and gives NaN in every output row of that sequence (its lse is then not
+    meaningful). ``check_values`` says how such a value is reported, as a ValueError naming it:
+
+    - ``True`` (the default): the kernel checks the values as it reads them and records the first bad one where
+      the host reads it without waiting for the GPU. On a GPU the error is raised by the first later call on the
+      same device that begins after the faulty launch has finished (in a decode loop whose host runs ahead of the
+      GPU, a later step), or at once by ``flashlab.check_kvcache_errors()``, which waits for the GPU; on the CPU
+      it is raised by the call itself. No synchronisation, so a decode loop never stalls on it; a launch replayed
+      from a CUDA graph records its errors the same way.
+    - ``"sync"``: the lengths and the table are read on the host before the launch, so the same call raises; on a
+      GPU that costs one synchronisation per call, which stalls a decode loop.
+    - ``False``: nothing is reported (the NaN rows stay the only sign; an error recorded earlier waits for the
+      next call that checks).
     """
     if torch.compiler.is_compiling():  # the values are checked inside the operator, when it runs
-        check_values_flag(check_values)
+        mode = check_values_flag(check_values)
         check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
         left, right = window_to_ints(window)
         o, lse = torch.ops.flashlab.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
-                                                           left, right, scale, check_values)  # fmt: skip
+                                                           left, right, scale, mode != NO_CHECK,
+                                                           mode == SYNC_CHECK)  # fmt: skip
         return (o, lse) if return_lse else o
     o, lse = kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, check_values,
                                return_lse)  # fmt: skip
@@ -221,20 +236,29 @@ def flash_attention_with_kvcache(
 def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, check_values,
                       need_lse=True):  # fmt: skip
     """``flash_attention_with_kvcache`` in eager mode: ``(o, lse)`` (lse None unless ``need_lse``). The shapes are
-    checked when the signature is planned; the values on every call that asks (``check_values``), except while a
-    CUDA graph is being captured, where the host cannot read device memory."""
+    checked when the signature is planned. The values, as ``check_values`` asks: the device's error record is read
+    first (a plain memory read) and raises what an earlier launch met; with "sync" the host reads the lengths and
+    the table (except while a CUDA graph is being captured, where the host cannot read device memory); on the CPU
+    the record is read again after the launch, which the interpreter has run to its end."""
+    mode = DEVICE_CHECK if check_values is True else check_values_flag(check_values)
     key = kvcache_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
     plan = PLANS.get(key)  # a plan exists only for a signature whose shapes passed
     if plan is None:
-        check_values_flag(check_values)
         checked = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
         plan = remember(key, kvcache_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale,
                                           checked))  # fmt: skip
-    if check_values is not False:
-        check_values_flag(check_values)
-        if not (q.is_cuda and stream_capturing()):
-            check_kvcache_values(cache_seqlens, block_table, *plan.extra)
-    return run_kvcache(plan, q, k_cache, v_cache, cache_seqlens, block_table, need_lse)
+    capacity, pages, page_size, record, unreported = plan.extra
+    if mode is NO_CHECK:
+        record = unreported
+    else:
+        if record.holds_error() and not (q.is_cuda and stream_capturing()):  # an earlier launch met a bad value
+            raise_recorded(record, earlier=True)
+        if mode is SYNC_CHECK and not (q.is_cuda and stream_capturing()):
+            check_kvcache_values(cache_seqlens, block_table, capacity, pages, page_size)
+    o, lse = run_kvcache(plan, q, k_cache, v_cache, cache_seqlens, block_table, need_lse, record.tensor)
+    if not q.is_cuda and mode is not NO_CHECK:  # the interpreter has finished: this call's own error
+        raise_recorded(record, earlier=False)
+    return o, lse
 
 
 __all__ = ["flash_attention", "flash_attention_with_kvcache", "forward", "ints_to_window", "kvcache_attention",

@@ -3,7 +3,9 @@ naming it, never a wrong answer.
 
 - ``check_inputs``: ``flash_attention``'s q, k, v, mask and scale; ``check_num_splits``, ``check_rung``.
 - ``check_kvcache_inputs``: ``flash_attention_with_kvcache``'s shapes, dtypes, devices, layouts, mask and scale;
-  ``check_kvcache_values``: the values of its lengths and block table (one synchronisation on a GPU).
+  ``check_values_flag``: its ``check_values`` argument; ``check_kvcache_values``: the values of its lengths and
+  block table read on the host (``check_values="sync"``: one synchronisation on a GPU; the default checks them on
+  the device instead, ``flashlab.host.kvcache_errors``).
 - ``check_dense``, ``check_scale``, ``check_head_dim``: the checks both share.
 
 Everything ``check_inputs`` and ``check_kvcache_inputs`` look at is a function of the call signature (shapes,
@@ -20,6 +22,7 @@ import torch
 from flashlab.core.checks import as_real
 from flashlab.core.masking import visible_band
 from flashlab.core.shapes import attention_shape
+from flashlab.host.kvcache_errors import entry_message, length_message
 from flashlab.kernels import ladder
 from flashlab.kernels.decode.kvcache import BLOCK_SIZE_MULTIPLE
 from flashlab.kernels.decode.split_kv import MAX_SPLITS
@@ -185,7 +188,8 @@ def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal
 
 
 def check_kvcache_values(cache_seqlens, block_table, capacity: int, pages: int, page_size: int) -> None:
-    """A ValueError for a length outside ``[0, capacity]`` or a used block-table entry outside the pool."""
+    """A ValueError for a length outside ``[0, capacity]`` or a used block-table entry outside the pool, read on
+    the host: one synchronisation on a GPU (``check_values="sync"``)."""
     bad_len = (cache_seqlens < 0) | (cache_seqlens > capacity)  # (B,)
     bad_len_any = bad_len.any()
     if block_table is None:
@@ -193,29 +197,41 @@ def check_kvcache_values(cache_seqlens, block_table, capacity: int, pages: int, 
     else:
         used = (
             torch.arange(block_table.shape[1], device=block_table.device)[None, :]
-            < ((cache_seqlens.clamp(min=0) + page_size - 1) // page_size)[:, None]
+            < ((cache_seqlens.clamp(min=0, max=capacity) + page_size - 1) // page_size)[:, None]
         )  # (B, max_blocks): the entries a sequence's keys live in
         bad_entry = (((block_table < 0) | (block_table >= pages)) & used).any()
     flags = torch.stack([bad_len_any, bad_entry]).tolist()  # one synchronisation on a GPU
     if flags[0]:
         b = int(bad_len.nonzero()[0, 0])
-        raise ValueError(
-            f"cache_seqlens[{b}] = {int(cache_seqlens[b])} is outside [0, {capacity}], the keys the cache can hold"
-        )
+        raise ValueError(length_message(b, int(cache_seqlens[b]), capacity))
     if flags[1]:
         b, j = (int(x) for x in (((block_table < 0) | (block_table >= pages)) & used).nonzero()[0])
-        raise ValueError(
-            f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a block of the cache (0 <= entry < {pages})"
-        )
+        raise ValueError(entry_message(b, j, int(block_table[b, j]), pages))
 
 
-def check_values_flag(check_values) -> None:
-    if not isinstance(check_values, bool):
-        raise TypeError(f"check_values must be True or False; got {check_values!r}")
+# check_values' three ways: on the device without a synchronisation, on the host (synchronously), not at all
+DEVICE_CHECK, SYNC_CHECK, NO_CHECK = "device", "sync", "off"
+
+
+def check_values_flag(check_values) -> str:
+    """``check_values`` as one of ``DEVICE_CHECK`` (True), ``SYNC_CHECK`` ("sync") and ``NO_CHECK`` (False); a
+    TypeError for any other type, a ValueError for any other string."""
+    if check_values is True:
+        return DEVICE_CHECK
+    if check_values is False:
+        return NO_CHECK
+    if isinstance(check_values, str):
+        if check_values == SYNC_CHECK:
+            return SYNC_CHECK
+        raise ValueError(f'check_values must be True, False or "sync"; got {check_values!r}')
+    raise TypeError(f'check_values must be True, False or "sync"; got {check_values!r}')
 
 
 __all__ = [
+    "DEVICE_CHECK",
     "MAX_FLOAT32",
+    "NO_CHECK",
+    "SYNC_CHECK",
     "check_causal",
     "check_dense",
     "check_head_dim",

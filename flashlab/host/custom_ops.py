@@ -17,7 +17,9 @@ interpreter inside the node, so the same compiled model runs in CI.
 - ``torch.ops.flashlab.attention_backward(do, dlse, q, k, v, o, lse, causal, window_left, window_right, scale) ->
   (dq, dk, dv)``: that gradient as an operator of its own, so a compiled backward graph holds it as one node.
 - ``torch.ops.flashlab.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
-  window_left, window_right, scale, check_values) -> (o, lse)``: ``flash_attention_with_kvcache``, likewise.
+  window_left, window_right, scale, check_values, sync_check=False) -> (o, lse)``: ``flash_attention_with_kvcache``,
+  likewise; ``check_values`` False is its ``check_values=False``, True with ``sync_check`` its ``"sync"``, True
+  alone its default (the check on the device).
 
 Why ``custom_op`` and not ``torch.library.triton_op`` + ``wrap_triton`` (which let the compiler see the Triton
 kernels themselves): the launches here go through an autotuner with a config-pruning hook and a TMA pre-hook,
@@ -117,15 +119,18 @@ def attention_with_kvcache(
     window_right: int,
     scale: Optional[float],  # noqa: UP045
     check_values: bool,
+    sync_check: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = ints_to_window(window_left, window_right)
     tensors = (q, k_cache, v_cache, cache_seqlens, block_table)
+    check = "sync" if check_values and sync_check else check_values
     with fresh_scratch():  # nothing kept alive from a CUDA-graph mode's memory pool
-        return attention.kvcache_attention(*tensors, causal, window, scale, check_values)
+        return attention.kvcache_attention(*tensors, causal, window, scale, check)
 
 
 @attention_with_kvcache.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, block_table, causal, window_left, window_right, scale, check_values):
+def _(q, k_cache, v_cache, cache_seqlens, block_table, causal, window_left, window_right, scale, check_values,
+      sync_check=False):  # fmt: skip
     b, hq, nq, d = q.shape
     return q.new_empty((b, hq, nq, d)), q.new_empty((b, hq, nq), dtype=torch.float32)
 

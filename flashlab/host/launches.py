@@ -21,6 +21,7 @@ import torch
 from flashlab.core.integers import cdiv
 from flashlab.host import direct_launch
 from flashlab.host import plan as plans
+from flashlab.host import kvcache_errors
 from flashlab.host.launcher import FastLaunch, current_stream, reproduces
 from flashlab.host.plan import BUILT, CHECKED, OFF, Call, Plan
 from flashlab.host.scratch import scratch, workspace
@@ -236,14 +237,17 @@ def kvcache_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, window
         table = table.contiguous()
     plan.args = kvcache.KVCacheArguments(q, k_cache, v_cache, table, page_size, capacity, win_left, win_right,
                                          qk_scale)  # fmt: skip
-    plan.extra = checked  # the values of later calls' lengths and tables are checked against these
+    # the values of later calls' lengths and tables are checked against these; the device's error records
+    plan.extra = (*checked, kvcache_errors.error_record(q.device), kvcache_errors.unreported_record(q.device))
     plan.o_like_q = q.is_contiguous()  # o is allocated contiguous: then like q, which is quicker
     plan.o_shape, plan.lse_shape = (b, hq, nq, d), (b, hq, nq)
     return plan
 
 
-def run_kvcache(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, need_lse):
-    """A KV-cache plan's launch on tensors of its signature: ``(o, lse)`` (lse None unless ``need_lse``)."""
+def run_kvcache(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, need_lse, errors):
+    """A KV-cache plan's launch on tensors of its signature: ``(o, lse)`` (lse None unless ``need_lse``).
+    ``errors`` is the error record the kernel writes a bad length or table entry into
+    (``flashlab.host.kvcache_errors``)."""
     if plan.copy[0]:
         q = q.contiguous()
     if plan.negate:
@@ -258,13 +262,16 @@ def run_kvcache(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, nee
     if not q.is_cuda:
         o_part, lse_part, spare, counters = workspace(plan, q.device, 0)
         tensors = (q, k_cache, v_cache, table, cache_seqlens, o_part, lse_part, o, spare if lse is None else lse)
-        _interpreted_launch(kvcache.kvcache_partial, plan.args, (*tensors, counters))
+        args = plan.args
+        with interpreted_language(*kvcache.DEVICE_MODULES):
+            interpreted(kvcache.kvcache_partial)[args.grid](*tensors, counters, errors, *args.scalars, *args.tune,
+                                                            **args.meta, BLOCK_N=CPU_CONFIG["BLOCK_N"])  # fmt: skip
         return o, lse
     with torch.cuda.device(q.device) if q.get_device() != current_device_index() else _NO_CONTEXT:
         stream = current_stream(q.get_device())
         o_part, lse_part, spare, counters = workspace(plan, q.device, stream)
         tensors = (q, k_cache, v_cache, table, cache_seqlens, o_part, lse_part, o, spare if lse is None else lse)
-        tensors += (counters,)
+        tensors += (counters, errors)
         if plan.state is CHECKED:  # the launcher directly
             plan.fast[0](stream, *tensors)
         else:

@@ -21,11 +21,24 @@ normalises and writes the output itself.
 Without a block table the cache is
 ``(B, Nk_max, Hk, D)``, one slab per sequence, read the same way.
 
+A bad block table or length never makes the kernel read outside the pool, and never gives a quiet wrong answer.
+A length outside ``[0, capacity]`` is clamped to it, and a table entry outside ``[0, num_blocks)`` is never
+followed; either way the program that meets it writes NaN into its partial output, so every output row of that
+sequence is NaN, and records what it met in a small int32 error record (``ERROR_RECORD_INTS`` of them, laid out as
+``ERROR_FIELDS`` says): the first program to fail claims the record with a compare-and-swap and fills it, and the
+others leave it alone. The host engine hands the kernel a record in page-locked host memory, which the device writes
+through, so the host reads it with a plain memory load, without waiting for the GPU (``flashlab.host.kvcache_errors``).
+Each program checks the entries of its own chunk of keys that the sequence uses (those before its length): the ones
+its band reads as it reads them, the rest of the chunk in a short scan after its loop. Entries past a sequence's
+last block are never read and may hold anything.
+
 The float64 reference it must equal is ``flashlab.reference.torch_float64.attention_float64`` applied to each
 sequence's keys and values, gathered into contiguous tensors (the tests do exactly that).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import triton
@@ -47,6 +60,48 @@ from flashlab.kernels.interpreter import interpreted, interpreted_language
 # Block sizes must be multiples of this: the smallest key tile, so a tile never straddles a block unevenly.
 BLOCK_SIZE_MULTIPLE = 16
 
+# The error record: int32 fields, in this order. "claim" is 0 until a program takes the record; "kind" (0: none,
+# else ERROR_ENTRY or ERROR_LENGTH) is written last, after the others, so a reader that sees it sees them too.
+ERROR_FIELDS = ("claim", "kind", "batch", "column", "value", "limit")
+ERROR_RECORD_INTS = 8  # the fields, padded to 32 bytes
+ERROR_ENTRY = 1  # block_table[batch, column] = value is outside [0, limit): limit is the pool's block count
+ERROR_LENGTH = 2  # cache_seqlens[batch] = value is outside [0, limit]: limit is the capacity (column is -1)
+ENTRY_SCAN = 64  # table entries a program checks per step of its scan outside the band
+NO_COLUMN = 2**31 - 1  # "no bad entry" in the scans: larger than any column
+# the same numbers as the kernel reads them
+_ENTRY, _LENGTH = tl.constexpr(ERROR_ENTRY), tl.constexpr(ERROR_LENGTH)
+_SCAN, _NO_COLUMN = tl.constexpr(ENTRY_SCAN), tl.constexpr(NO_COLUMN)
+
+
+@triton.jit
+def first_bad_column(table, key_lo, key_hi, NUM_PAGES, PAGE_SIZE: tl.constexpr, SCAN: tl.constexpr):
+    """The first column of a block-table row (``table``) whose block holds some of the keys ``[key_lo, key_hi)``
+    and whose entry lies outside ``[0, NUM_PAGES)``; ``NO_COLUMN`` if none. Reads ``SCAN`` entries a step."""
+    col_lo = key_lo // PAGE_SIZE
+    col_hi = tl.where(key_hi > key_lo, (key_hi + PAGE_SIZE - 1) // PAGE_SIZE, col_lo)
+    first = tl.zeros([], dtype=tl.int32) + _NO_COLUMN
+    for c0 in range(col_lo, col_hi, SCAN):
+        cols = c0 + tl.arange(0, SCAN)
+        inside = cols < col_hi
+        entry = tl.load(table + cols, mask=inside, other=0)
+        bad = inside & ((entry < 0) | (entry >= NUM_PAGES))
+        first = tl.minimum(first, tl.min(tl.where(bad, cols, _NO_COLUMN), 0))
+    return first
+
+
+@triton.jit
+def report_error(ERRORS, kind, batch, column, value, limit):
+    """Fill the error record ``ERRORS`` (``ERROR_FIELDS``) unless another program claimed it first. The fields
+    are stored before the kind, with a system-scope release: a host reading the kind of a record in page-locked
+    memory then reads the fields this program wrote."""
+    if tl.atomic_cas(ERRORS, 0, 1, sem="acq_rel", scope="sys") == 0:  # the first program to fail
+        tl.store(ERRORS + 2, batch)
+        tl.store(ERRORS + 3, column)
+        tl.store(ERRORS + 4, value)
+        tl.store(ERRORS + 5, limit)
+        tl.debug_barrier()  # every thread's stores are in before the kind is published
+        tl.atomic_xchg(ERRORS + 1, kind, sem="release", scope="sys")
+
 
 # fmt: off
 @triton.jit
@@ -54,13 +109,14 @@ def _kvcache_partial(
     Q, K, V, BLOCK_TABLE, SEQLENS,  # q; the K/V cache; the block table (unused when PAGE_SIZE == 0); lengths
     O_PART, LSE_PART, O, LSE,  # partial outputs (fp32) and lse (log2) per chunk; the output and its lse
     COUNTERS,  # int32, one per (sequence, K/V head, row block): chunks finished; zero between launches
+    ERRORS,  # int32 error record (ERROR_FIELDS): the first bad length or table entry a program meets
     stride_qb, stride_qh, stride_qm,  # strides (elements) of q over batch, head, row; D has stride 1
     stride_kp, stride_ks, stride_kh,  # K over (page, slot in page, head): a block, or a sequence without a table
     stride_vp, stride_vs, stride_vh,
     stride_tb,  # block table row stride
     stride_ob, stride_oh, stride_om,  # the output, written only with DIRECT
     HQ, HK, GROUP, NQ,  # query heads, K/V heads, query heads per K/V head, query length
-    NUM_PAGES, CAPACITY,  # blocks in the pool, keys a sequence can hold: a bad table entry or length never faults
+    NUM_PAGES, CAPACITY,  # blocks in the pool, keys a sequence can hold: a bad entry or length is reported
     win_left, win_right,  # the band: query i sees keys [i + offset - win_left, i + offset + win_right]
     keys_per_split, NUM_SPLITS,  # each chunk's keys: [split * keys_per_split, (split + 1) * keys_per_split)
     qk_scale,  # softmax scale * log2(e)
@@ -82,7 +138,9 @@ def _kvcache_partial(
     pid_m = tl.program_id(2)  # which block of packed rows
     off_b = pid_bk // HK
     off_hk = pid_bk % HK
-    nk = tl.minimum(tl.maximum(tl.load(SEQLENS + off_b), 0), CAPACITY)  # this sequence's length
+    seqlen = tl.load(SEQLENS + off_b)  # this sequence's length, as given
+    length_bad = (seqlen < 0) | (seqlen > CAPACITY)
+    nk = tl.minimum(tl.maximum(seqlen, 0), CAPACITY)  # clamped: the keys read never leave the sequence's blocks
     offset = nk - NQ  # masks are aligned to the sequence's own end
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -117,6 +175,7 @@ def _kvcache_partial(
     hi = tl.minimum(tl.minimum(split_lo + keys_per_split, nk), qi_hi + offset + win_right + 1)
     lo = tl.maximum(lo, 0) // BLOCK_N * BLOCK_N
     diag = qi + offset
+    bad_keys = tl.zeros([BLOCK_N], dtype=tl.int32)  # 1 where a key of some tile sat in a block outside the pool
 
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n  # (BLOCK_N,) logical key positions in the sequence
@@ -130,13 +189,15 @@ def _kvcache_partial(
         else:  # the tile spans several blocks: one table entry per key
             page = tl.load(table + cols // PAGE_SIZE, mask=cols < hi, other=0).to(tl.int64)
             slot = cols % PAGE_SIZE
-        # a table entry outside the pool is never followed (checked on the host unless check_values=False)
+        # a table entry outside the pool is never followed: its keys are masked, and remembered as bad
         if PAGE_SIZE == 0:
             key_ok = cols < hi
         elif PAGE_SIZE % BLOCK_N == 0:  # one entry for the tile: a bad one hides the whole tile
             key_ok = cols < tl.where((page >= 0) & (page < NUM_PAGES), hi, 0)
         else:
             key_ok = (cols < hi) & (page >= 0) & (page < NUM_PAGES)
+        if PAGE_SIZE != 0:
+            bad_keys = tl.where((cols < hi) & (key_ok == 0), 1, bad_keys)
         k_off = page * stride_kp + slot * stride_ks  # (BLOCK_N,) or broadcast scalar page
         v_off = page * stride_vp + slot * stride_vs
         # -- K tile: BLOCK_N * D * bytes(dtype), read once for all GROUP query heads
@@ -155,6 +216,27 @@ def _kvcache_partial(
         p = p.to(Q.dtype.element_ty)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
+
+    # -- the values' check: a bad length, or a bad entry among the chunk's used keys [split_lo, used_end) --
+    # those the loop read, then those its band left out (a window; a block of rows before a causal diagonal)
+    failed = length_bad | (tl.max(bad_keys, 0) > 0)
+    used_end = tl.minimum(split_lo + keys_per_split, nk)
+    if PAGE_SIZE != 0:
+        band_lo = tl.minimum(tl.maximum(lo, split_lo), used_end)
+        before = first_bad_column(table, split_lo, band_lo, NUM_PAGES, PAGE_SIZE, _SCAN)
+        after = first_bad_column(table, tl.maximum(hi, band_lo), used_end, NUM_PAGES, PAGE_SIZE, _SCAN)
+        failed = failed | (tl.minimum(before, after) < _NO_COLUMN)
+    # a failed program's partial is NaN (lse included): the merge, and so every row of the sequence, gives NaN
+    acc = tl.where(failed, float("nan"), acc)
+    m_i = tl.where(failed, float("nan"), m_i)
+    l_i = tl.where(failed, 1.0, l_i)
+    if failed:  # the rare path: find what to report
+        if length_bad:
+            report_error(ERRORS, _LENGTH, off_b, -1, seqlen, CAPACITY)
+        elif PAGE_SIZE != 0:
+            column = first_bad_column(table, split_lo, used_end, NUM_PAGES, PAGE_SIZE, _SCAN)
+            entry = tl.load(table + column, mask=column < _NO_COLUMN, other=0)
+            report_error(ERRORS, _ENTRY, off_b, column, entry, NUM_PAGES)
 
     # -- a sequence of length 0, or a chunk past its end, gives zeros and lse = -inf
     out = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + qi.to(tl.int64) * stride_om
@@ -248,22 +330,29 @@ class KVCacheArguments:
         self.grid = (num_splits, b * hk, row_blocks)
 
 
+# the modules whose device functions the kernel calls: what a CPU launch lets the interpreter call
+DEVICE_MODULES = (softmax_step, sys.modules[__name__])
 # the kernel's tensor parameters, in order
-PARTIAL_TENSORS = ("Q", "K", "V", "BLOCK_TABLE", "SEQLENS", "O_PART", "LSE_PART", "O", "LSE", "COUNTERS")
+PARTIAL_TENSORS = ("Q", "K", "V", "BLOCK_TABLE", "SEQLENS", "O_PART", "LSE_PART", "O", "LSE", "COUNTERS", "ERRORS")
 
 
-def launch(q, k_cache, v_cache, table, cache_seqlens, o, lse, page_size, capacity, win_left, win_right, qk_scale):
-    """Run the kernel once on prepared inputs (``KVCacheArguments`` says which), writing ``o`` and ``lse``. On a GPU
-    the tiles are ``SMALL_BLOCK_CONFIG`` or ``flashlab.kernels.configs.pick``'s (``FLASHLAB_AUTOTUNE=1``: the
+def launch(q, k_cache, v_cache, table, cache_seqlens, o, lse, page_size, capacity, win_left, win_right, qk_scale,
+           errors=None):  # fmt: skip
+    """Run the kernel once on prepared inputs (``KVCacheArguments`` says which), writing ``o`` and ``lse``; returns
+    the error record it wrote into (``errors``, ``ERROR_RECORD_INTS`` int32 zeros, or a fresh one): its "kind"
+    field (``ERROR_FIELDS``) is nonzero once the launch has met a bad length or table entry. On a GPU the
+    tiles are ``SMALL_BLOCK_CONFIG`` or ``flashlab.kernels.configs.pick``'s (``FLASHLAB_AUTOTUNE=1``: the
     autotuner's pick)."""
     args = KVCacheArguments(q, k_cache, v_cache, table, page_size, capacity, win_left, win_right, qk_scale)
     o_part, lse_part, _, counters = split_kv.fresh_workspace(args, q.device)
-    tensors = (q, k_cache, v_cache, table, cache_seqlens, o_part, lse_part, o, lse, counters)
+    if errors is None:
+        errors = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=q.device)
+    tensors = (q, k_cache, v_cache, table, cache_seqlens, o_part, lse_part, o, lse, counters, errors)
     if not q.is_cuda:
-        with interpreted_language(softmax_step):
+        with interpreted_language(*DEVICE_MODULES):
             interpreted(_kvcache_partial)[args.grid](*tensors, *args.scalars, *args.tune, **args.meta,
                                                      BLOCK_N=CPU_CONFIG["BLOCK_N"])  # fmt: skip
-        return
+        return errors
     with torch.cuda.device(q.device):
         if "num_warps" in args.meta:  # a fixed config
             _kvcache_partial[args.grid](*tensors, *args.scalars, *args.tune, **args.meta)
@@ -273,6 +362,7 @@ def launch(q, k_cache, v_cache, table, cache_seqlens, o, lse, page_size, capacit
             fields = configs.launch_fields(q, k_cache.shape[2], capacity, capacity - q.shape[2], win_left, win_right)
             config = configs.pick("kvcache", **fields, page_size=page_size)
             _kvcache_partial[args.grid](*tensors, *args.scalars, *args.tune, **args.meta, **config)
+    return errors
 
 
 def paged_kv_cache(k, v, block_size: int, lengths=None, seed: int = 0):
@@ -301,14 +391,23 @@ kvcache_partial = _kvcache_partial
 
 __all__ = [
     "BLOCK_SIZE_MULTIPLE",
+    "DEVICE_MODULES",
+    "ENTRY_SCAN",
+    "ERROR_ENTRY",
+    "ERROR_FIELDS",
+    "ERROR_LENGTH",
+    "ERROR_RECORD_INTS",
     "KVCacheArguments",
     "PARTIAL_TENSORS",
     "SMALL_BLOCK_CONFIG",
     "SMALL_BLOCK_TOKENS",
     "SMALL_BLOCK_TREE_PROGRAMS_PER_SM",
+    "NO_COLUMN",
     "TUNING_SPACE",
+    "first_bad_column",
     "kvcache_partial",
     "kvcache_partial_tuned",
     "launch",
     "paged_kv_cache",
+    "report_error",
 ]
