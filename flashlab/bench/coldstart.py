@@ -200,9 +200,13 @@ CHILD = (
 def child_main(start: float, calls_path: str, out_path: str, device: str, seed: str) -> None:
     """The child process's work: read the calls, make them, write the results (``import_s`` from ``start``)."""
     import_s = time.perf_counter() - start
+    cache = os.environ.get("TRITON_CACHE_DIR")
+    files_at_start = sum(len(files) for _, _, files in os.walk(cache)) if cache else None
     calls = [FirstCall(**{**c, "window": tuple(c["window"]) if c["window"] else None})
              for c in json.loads(Path(calls_path).read_text())]  # fmt: skip
-    Path(out_path).write_text(json.dumps({"import_s": import_s, **child(calls, device, int(seed))}))
+    result = child(calls, device, int(seed))
+    Path(out_path).write_text(json.dumps(dict(import_s=import_s, triton_cache_dir=cache,
+                                              cache_files_at_start=files_at_start, **result)))  # fmt: skip
 
 
 def child(calls: Sequence[FirstCall], device: str, seed: int) -> dict:
@@ -389,7 +393,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
                     meta["notes"].append(f"{warmed['command']} exited {warmed['returncode']}: "
                                          + " | ".join(warmed["output_tail"][-3:]))  # fmt: skip
             result = run_child(calls, device, args.seed, cache_dir, args.timeout)
-        record.update(wall_s=result["wall_s"], import_s=result["import_s"])
+        record.update(wall_s=result["wall_s"], import_s=result["import_s"],
+                      cache_files_at_start=result["cache_files_at_start"])  # fmt: skip
         meta["phases"].append(record)
         for r in result["rows"]:
             rows.append({"phase": phase, **r, **{col: meta[col] for col in STAMP_COLUMNS}})
