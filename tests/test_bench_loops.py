@@ -258,3 +258,19 @@ def test_coldstart_times_first_calls_in_a_fresh_process_with_an_empty_cache(tmp_
     with (tmp_path / "cs.csv").open() as f:
         assert tuple(csv.DictReader(f).fieldnames) == coldstart.ROW_COLUMNS
     assert "first calls together" in (tmp_path / "cs.txt").read_text()
+
+
+def test_a_child_stopped_at_its_time_limit_keeps_the_calls_it_finished(monkeypatch, tmp_path):
+    def stopped_run(command, **kwargs):  # the child wrote one call's row, then ran out of time
+        out_path = command[4]
+        with open(out_path, "w") as f:
+            json.dump(dict(import_s=1.0, cache_files_at_start=0, rows=[dict(index=0, first_ms=5.0)]), f)
+        raise coldstart.subprocess.TimeoutExpired(command, kwargs["timeout"])
+
+    monkeypatch.setattr(coldstart.subprocess, "run", stopped_run)
+    result = coldstart.run_child(coldstart.CALLS[:3], "cpu", 0, str(tmp_path), timeout=7)
+    assert result["rows"] == [dict(index=0, first_ms=5.0)] and "--timeout 7 s" in result["stopped"]
+    monkeypatch.setattr(coldstart, "warmup_module_present", lambda: False)
+    monkeypatch.setattr(coldstart, "run_child", lambda *a, **k: dict(result, rows=[]))
+    results = bench_main(["--mode", "coldstart", "--device", "cpu", "--no-warmup", "--out", str(tmp_path / "cs")])
+    assert any("time limit" in n and "after 0 of 40 calls" in n for n in results["meta"]["notes"])

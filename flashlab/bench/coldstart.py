@@ -204,13 +204,18 @@ def child_main(start: float, calls_path: str, out_path: str, device: str, seed: 
     files_at_start = sum(len(files) for _, _, files in os.walk(cache)) if cache else None
     calls = [FirstCall(**{**c, "window": tuple(c["window"]) if c["window"] else None})
              for c in json.loads(Path(calls_path).read_text())]  # fmt: skip
-    result = child(calls, device, int(seed))
-    Path(out_path).write_text(json.dumps(dict(import_s=import_s, triton_cache_dir=cache,
-                                              cache_files_at_start=files_at_start, **result)))  # fmt: skip
+    head = dict(import_s=import_s, triton_cache_dir=cache, cache_files_at_start=files_at_start)
+
+    def write(rows):  # after every call: a child stopped at its time limit leaves the calls it finished
+        Path(out_path).write_text(json.dumps(dict(**head, rows=rows)))
+
+    write([])
+    child(calls, device, int(seed), write)
 
 
-def child(calls: Sequence[FirstCall], device: str, seed: int) -> dict:
-    """Make each call twice (first, then warm), timed, and check it: ``{"rows": [...]}``."""
+def child(calls: Sequence[FirstCall], device: str, seed: int, written=None) -> dict:
+    """Make each call twice (first, then warm), timed, and check it: ``{"rows": [...]}``; ``written(rows)`` is
+    called with the rows so far after each call."""
     import torch
 
     from flashlab.core.numerics import relative_error, tolerance
@@ -247,6 +252,8 @@ def child(calls: Sequence[FirstCall], device: str, seed: int) -> dict:
         if device == "cuda":
             torch.cuda.empty_cache()
         rows.append(row)
+        if written is not None:
+            written(rows)
     return dict(rows=rows)
 
 
@@ -258,13 +265,19 @@ def run_child(calls: Sequence[FirstCall], device: str, seed: int, cache_dir: str
         env = {**os.environ, "TRITON_CACHE_DIR": cache_dir}
         command = [sys.executable, "-c", CHILD, str(calls_path), str(out_path), device, str(seed)]
         start = time.perf_counter()
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        stopped = None
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stopped = f"the child process was stopped at its time limit, --timeout {timeout:g} s"
         wall_s = time.perf_counter() - start
-        if done.returncode != 0:
+        if stopped is None and done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
             raise RuntimeError(f"the coldstart child process failed (exit {done.returncode}): " + " | ".join(tail))
+        if not out_path.exists():
+            raise RuntimeError(f"{stopped} before it imported flashlab")
         result = json.loads(out_path.read_text())
-    result["wall_s"] = wall_s
+    result.update(wall_s=wall_s, stopped=stopped)
     return result
 
 
@@ -395,6 +408,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
             result = run_child(calls, device, args.seed, cache_dir, args.timeout)
         record.update(wall_s=result["wall_s"], import_s=result["import_s"],
                       cache_files_at_start=result["cache_files_at_start"])  # fmt: skip
+        if result.get("stopped"):
+            meta["notes"].append(f"{phase}: {result['stopped']}, after {len(result['rows'])} of {len(calls)} calls")
         meta["phases"].append(record)
         for r in result["rows"]:
             rows.append({"phase": phase, **r, **{col: meta[col] for col in STAMP_COLUMNS}})

@@ -529,6 +529,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     if device == "cuda" and not torch.cuda.is_available() and not args.dry_run:
         parser.error("--device cuda: torch sees no CUDA GPU here")
     plan = CPU_PLAN if (args.quick or device == "cpu") else GPU_PLAN
+    if plan is CPU_PLAN and device == "cuda":  # the tiny loops on a GPU: SDPA's FLASH kernel takes 16-bit inputs
+        plan = LoopPlan(**{**_plan_dict(plan), "dtype": "bf16", "head_dim": 32})
     plan = LoopPlan(**{**_plan_dict(plan), "steps": args.steps or plan.steps, "passes": args.passes or plan.passes})
     if args.dry_run:
         print("\n".join(dry_run_lines(plan, families)))
