@@ -19,12 +19,12 @@ The other modes time one shape called again and again. A real loop rarely repeat
   same keys in a contiguous ``(B, Hk, N, D)`` cache, and the paged call with ``check_values=False`` for reference.
 
 A loop's time is the wall clock over the whole loop with one synchronise at the end, which is what a user sees
-(host and device together); per call = total / steps. Each loop runs once untimed-for-the-bars first (its
-"first pass": compiles and autotuning included, reported separately), then ``--passes`` timed passes, each
-variant's passes taken in rounds whose order turns; the median pass is reported. A last pass synchronises after
+(host and device together); per call = total / steps. Each loop first runs one pass the bars do not use (its
+"first pass": compiles and autotuning included, reported separately), then ``--passes`` timed passes, the
+variants' passes taken in rounds whose order turns; the median pass is reported. A last pass synchronises after
 every call, for a per-step picture (``step_us`` against ``step_nk`` in the JSON). A loop with changing shapes
-meets new shapes in every pass: its global step counter runs on across the passes, so no timed step repeats a
-shape an earlier pass already planned. Before any pass is timed, the first pass's first and last outputs are
+meets new shapes in every pass: its call counter runs on across the passes, so no timed call repeats a
+shape its own loop met before. Before any pass is timed, the first pass's first and last outputs are
 compared with the float64 reference (``flashlab.reference.torch_float64``); a variant that fails is reported as
 ``wrong`` and not timed.
 
@@ -33,7 +33,7 @@ Each comparison is a ratio of per-call times and is held to a bar, printed with 
     growing / fixed                      <= 1.5   a new length per step costs at most half a step more
     changing / repeated                  <= 1.5   likewise for a new (Nq, Nk) per call
     changing / SDPA FLASH changing       <= 1.0   and no slower than FlashAttention-2 on the same loop
-    contiguous / paged (default)         >= 0.9   the paged cache, default arguments, at 90 % of contiguous speed
+    contiguous / paged default           >= 0.9   the paged cache, default arguments, at 90 % of contiguous speed
 
 Results: ``PREFIX.json`` (meta, rows with the per-step lists, comparisons), ``PREFIX.csv`` (rows, stamp columns in
 each) and ``PREFIX.txt`` (the printed table); by default ``data/results/<gpu>-loops-<date>`` on a GPU and
