@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mode",
-        choices=["prefill", "decode", "backward", "traffic", "context-parallel"],
+        choices=["prefill", "decode", "backward", "traffic", "context-parallel", "loops", "coldstart"],
         default="prefill",
         help="prefill: N queries attend to N keys; decode: one query token per sequence against a KV cache of N "
         "tokens, grouped-query heads (--q-heads / --kv-heads), batches from --batches; backward: the prefill grid, "
@@ -64,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
         "peak memory of forward + backward recorded; traffic: HBM and L2 bytes per kernel from Nsight Compute's "
         "counters (its own flags: --mode traffic --help); context-parallel: ring against all-gather attention and "
         "one GPU, forward + backward, one process per GPU under torchrun (its own flags: --mode context-parallel "
-        "--help)",
+        "--help); loops: whole loops of calls as a user runs them (a growing decode cache, chunked prefill with a new "
+        "shape every call, paged decode with default arguments) beside the loops they should cost no more than (its "
+        "own flags: --mode loops --help); coldstart: the first call of 40 assorted shapes in a fresh process with an "
+        "empty Triton cache (its own flags: --mode coldstart --help)",
     )
     p.add_argument(
         "--seq-lens",
@@ -181,6 +184,14 @@ def main(argv: Sequence[str] | None = None) -> BenchResults:
 
         rest = mode.parse_known_args(argv)[1]  # every flag but --mode
         return context_parallel_main(rest)
+    if mode.parse_known_args(argv)[0].mode == "loops":  # whole loops of calls: its own flags
+        from flashlab.bench.loops import main as loops_main
+
+        return loops_main(argv)
+    if mode.parse_known_args(argv)[0].mode == "coldstart":  # first calls in a fresh process: its own flags
+        from flashlab.bench.coldstart import main as coldstart_main
+
+        return coldstart_main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     decode = args.mode == "decode"
