@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -674,7 +675,13 @@ def test_an_answer_that_builds_the_score_matrix_earns_nothing(stubs_and_solution
     tiled = r["03.tiled_attention"]
     assert tiled.score == 0 and tiled.status is Status.WRONG_METHOD, [t.message for t in tiled.tests]
     gate = next(t for t in tiled.tests if t.test == "test_tiled_memory_bound")
-    assert "MiB during the call" in gate.message and "score matrix alone is 72 MiB" in gate.message
+    said = re.search(
+        r"peak memory, up to the end of this call, was (\d+) MiB above where it stood before your "
+        r"cell ran, not counting the 1\.12 MiB of q, k and v",
+        gate.message,
+    )
+    assert said and "score matrix alone is 72 MiB" in gate.message, gate.message
+    assert 72 <= int(said[1]) < 1024, gate.message  # the whole score matrix, within the 1 GiB the process has
     assert r["03.count_causal_tiles"].score == r["03.count_causal_tiles"].max_score  # graded as if alone
     causal = next(
         t for t in _by_id(graded["03_misaligned.ipynb"])["03.tiled_attention"].tests if t.test == "test_tiled_causal"
@@ -722,6 +729,19 @@ def test_probe_scores_what_it_deserves_and_nothing_else_moves(probe_run, name):
         if other.exercise_id != ex_id:
             assert other.score == other.max_score > 0, f"{name}: {other.exercise_id}: {other.tests[0].message}"
     assert sub.max_score == points(nb_id)
+
+
+def test_the_memory_gate_says_what_it_measured(probe_run):
+    graded, _ = probe_run
+    r = _by_id(graded["09_delta_through_a_buffer_from_cell_time.ipynb"])["09.delta"]
+    gate = next(t for t in r.tests if t.test == "test_delta_without_an_n_by_n_matrix")
+    said = re.search(
+        r"peak memory, up to the end of this call, was ([\d.]+) MB above where it stood before your cell ran, "
+        r"not counting the 0\.19 MB of dO and O \(memory your cell or an earlier call touched counts too\)",
+        gate.message,
+    )
+    assert said, gate.message
+    assert 72 <= float(said[1]) < 1100, gate.message  # the 3000 x 3000 buffer the cell touched, before the call
 
 
 def test_clean_submissions_beside_the_probes_are_graded_as_if_alone(probe_run):

@@ -2,14 +2,25 @@
 
 - ``set_limits(limits)`` -- the first thing the child's interpreter does, before it imports anything else or reads
   the learner's code: address space, CPU seconds, tasks, file size and open files, through ``resource.setrlimit``.
+- ``view_plan(readable, writable, listable, wanted, root)`` and ``enter_private_view(root, plan)`` -- a mount
+  namespace of the child's own (Linux; a user namespace too where the process is not root), whose root is an empty
+  tmpfs holding only what the child may read (bound read-only), its working folder (bound read-write) and the
+  folders and links on the way to them: everything else -- the checkout, the instructor solutions, the exercise
+  tests, the grader's output, other submissions -- is not there at all, so even ``stat()`` and ``listdir()``, which
+  Landlock does not control, find nothing. The plan is made by the grader and carried out by the child, first thing
+  after it starts (a user namespace needs a single-threaded process).
 - ``restrict_filesystem(readable, writable, listable)`` -- Landlock (Linux 5.13+): from then on the process can read
   only beneath ``readable``, write only beneath ``writable`` and list the names beneath ``listable``; with a recent
   enough kernel it can also open no TCP connection and send no signal to a process outside its own sandbox.
+- ``drop_capabilities()`` -- no capabilities left (root's included): no raising a hard limit, no bypassing file
+  permissions, no opening a file by its handle.
 - ``forbid_new_processes()`` -- a seccomp filter (x86-64 and arm64): no fork, no exec, no new namespaces, no
-  reading another process's memory, and only the native system-call table; threads stay allowed.
+  mounting or unmounting, no opening files by handle, no reading another process's memory, and only the native
+  system-call table; threads stay allowed.
 
-The child applies the last two to itself after its trusted start-up imports and before the submission's code runs.
-Each returns what it managed, so the grader can say what held. This module imports only the standard library.
+The child enters its private view before its trusted start-up imports, and applies the rest to itself after them,
+before the submission's code runs. Each returns what it managed, so the grader can say what held. This module
+imports only the standard library.
 """
 
 from __future__ import annotations
