@@ -255,6 +255,13 @@ def test_the_view_plan_binds_what_may_be_read_and_keeps_the_links_on_the_way(tmp
         sandbox.view_plan([str(tmp_path / "lib")], [str(tmp_path / "lib" / "pkg")], [], [], root)
     with pytest.raises(ValueError, match="root"):  # the view's root inside what it holds
         sandbox.view_plan([str(tmp_path)], [], [], [], root)
+    shared = sandbox.view_plan([str(tmp_path / "alias")], [], [], [], None)  # made once, for every child
+    own = sandbox.view_plan([], [str(tmp_path / "work")], [], [], root)
+    assert sandbox.joined_plans(shared, own, root) == sandbox.view_plan(
+        [str(tmp_path / "alias")], [str(tmp_path / "work")], [], [], root
+    )
+    with pytest.raises(ValueError, match="inside"):
+        sandbox.joined_plans(shared, sandbox.view_plan([], [str(tmp_path / "lib" / "pkg")], [], [], root), root)
 
 
 _VIEW = """
@@ -321,8 +328,10 @@ def test_the_learners_process_runs_under_its_limits_in_a_session_of_its_own():
 
     code = (
         "import os, resource as r\n\ndef kv_cache_bytes_per_token(*args, **kwargs):\n"
-        "    return [r.getrlimit(x)[0] for x in (r.RLIMIT_AS, r.RLIMIT_NOFILE, r.RLIMIT_FSIZE, r.RLIMIT_CPU)] + "
-        "[os.getsid(0) == os.getpid(), os.getcwd(), sorted(os.environ)]\n"
+        "    limits = [r.getrlimit(x)[0] for x in (r.RLIMIT_AS, r.RLIMIT_NOFILE, r.RLIMIT_FSIZE, r.RLIMIT_CPU)]\n"
+        "    try:\n        r.setrlimit(r.RLIMIT_AS, (r.RLIM_INFINITY, r.RLIM_INFINITY))\n        raised = True\n"
+        "    except (ValueError, OSError):\n        raised = False\n"
+        "    return limits + [os.getsid(0) == os.getpid(), os.getcwd(), sorted(os.environ), raised]\n"
     )
     ex = exercises.get("07.kv_cache_bytes_per_token")
     s = Worker(ex, code, code, ex.name, time.monotonic() + 30, memory_mib=700)
@@ -331,8 +340,10 @@ def test_the_learners_process_runs_under_its_limits_in_a_session_of_its_own():
         got = Answer(s)(1, 2, 3)
     finally:
         s.kill()
-    address, files, size, cpu, own_session, cwd, env = got
+    address, files, size, cpu, own_session, cwd, env, raised = got
     assert (address, files, size) == (700 * 2**20, 256, 16 * 2**20) and 0 < cpu <= 33
+    if s.walls.get("no_capabilities"):  # root's too: no raising a hard limit
+        assert not raised
     assert own_session and cwd.startswith(tempfile.gettempdir()) and "flashlab-answer-" in cwd
     assert not {"PYTHONPATH", "VIRTUAL_ENV", "PWD"} & set(env), env
 

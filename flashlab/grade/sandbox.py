@@ -157,7 +157,7 @@ def _walk(path: str, dirs: set, links: dict, kinds: dict, hops: int = 40) -> str
     return at
 
 
-def view_plan(readable, writable, listable, wanted, root: str) -> dict:
+def view_plan(readable, writable, listable, wanted, root: str | None) -> dict:
     """What the child's private view holds, as plain data: ``binds`` ([path, "ro" or "rw"], each folder before what
     it holds, none inside another), the mount points and folders to make on the empty root (``dirs``, ``files``),
     and the symbolic links on the way to ``wanted`` (the paths the child will name: its import path, its working
@@ -182,7 +182,7 @@ def view_plan(readable, writable, listable, wanted, root: str) -> dict:
             if binds[outer] == "ro" and modes[path] == "rw":
                 raise ValueError(f"the writable {path} lies inside the read-only {outer}")
             continue  # already seen through the folder around it
-        if _beneath(root, path):
+        if root is not None and _beneath(root, path):
             raise ValueError(f"the view's root {root} lies inside {path}, which it would hold")
         binds[path] = modes[path]
     for p in [*listable, *wanted]:
@@ -193,6 +193,25 @@ def view_plan(readable, writable, listable, wanted, root: str) -> dict:
         "links": sorted([p, t] for p, t in links.items() if _outer(p, binds) is None),
         "files": files,
         "binds": [[p, m] for p, m in binds.items()],
+    }
+
+
+def joined_plans(shared: dict, own: dict, root: str) -> dict:
+    """One plan from two made apart (``shared`` once for every child, ``own`` for this child's folders), as
+    ``view_plan`` of both would be; ValueError where one's binds would lie inside the other's, or ``root`` inside
+    ``shared``'s."""
+    outer = {p for p, _ in shared["binds"]}
+    for path, _ in own["binds"]:
+        if path in outer or _outer(path, outer) or any(_beneath(p, path) for p in outer):
+            raise ValueError(f"{path} and a folder every child reads lie one inside the other")
+    if root in outer or _outer(root, outer):
+        raise ValueError(f"the view's root {root} lies inside a folder the view holds")
+    links = dict(map(tuple, shared["links"])) | dict(map(tuple, own["links"]))
+    return {
+        "dirs": sorted({*shared["dirs"], *(d for d in own["dirs"] if _outer(d, outer) is None)}),
+        "links": sorted([p, t] for p, t in links.items() if _outer(p, outer) is None),
+        "files": [*shared["files"], *own["files"]],
+        "binds": sorted([*shared["binds"], *own["binds"]]),
     }
 
 
@@ -225,14 +244,20 @@ def _make(root_fd: int, path: str, kind: str, target: str = "") -> None:
         os.close(fd)
 
 
-def _read_only(libc, path: str) -> None:
-    """Make the mount at ``path``, and every mount beneath it, read-only."""
-    attr = _MountAttr(_MOUNT_ATTR_RDONLY, 0, 0, 0)
+def _set_read_only(libc, path: str, read_only: bool = True) -> bool:
+    """Make the mount at ``path`` and every mount beneath it read-only (or read-write again) in one call; False
+    where the kernel (before 5.12) has no mount_setattr."""
+    attr = _MountAttr(_MOUNT_ATTR_RDONLY, 0, 0, 0) if read_only else _MountAttr(0, _MOUNT_ATTR_RDONLY, 0, 0)
     args = (ctypes.c_int(_AT_FDCWD), path.encode(), ctypes.c_uint(_AT_RECURSIVE), ctypes.byref(attr))
     if libc.syscall(_MOUNT_SETATTR, *args, ctypes.c_size_t(ctypes.sizeof(attr))) == 0:
-        return
-    if ctypes.get_errno() != 38:  # ENOSYS: a kernel before 5.12 remounts, mount by mount, below
-        _check(-1, f"making {path} read-only")
+        return True
+    if ctypes.get_errno() != 38:  # ENOSYS
+        _check(-1, f"making {path} {'read-only' if read_only else 'writable'}")
+    return False
+
+
+def _remount_read_only(libc, path: str) -> None:
+    """The same for one mount, the old way: a remount that keeps the flags a user namespace may not change."""
     flags = os.statvfs(path).f_flag
     kept = sum(m for st, m in _KEPT_FLAGS.items() if flags & st)
     _check(libc.mount(None, path.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | kept, None), path)
@@ -281,16 +306,22 @@ def enter_private_view(root: str, plan: dict, user_namespace: bool | None = None
                 _make(root_fd, f, "file")
         finally:
             os.close(root_fd)
-        for path, mode in plan["binds"]:
+        for path, _ in plan["binds"]:
             where = root + path
             _check(libc.mount(path.encode(), where.encode(), None, _MS_BIND | _MS_REC, None), f"binding {path}")
-            if mode == "ro":
-                _read_only(libc, where)
+        if _set_read_only(libc, root):  # the whole tree at once, then the writable folders again
+            for path, mode in plan["binds"]:
+                if mode == "rw":
+                    _set_read_only(libc, root + path, read_only=False)
+        else:
+            _remount_read_only(libc, root)
+            for path, mode in plan["binds"]:
+                if mode == "ro":
+                    _remount_read_only(libc, root + path)
         os.chdir(root)
         _check(libc.syscall(_PIVOT_ROOT[platform.machine()], b".", b"."), "pivot_root")
         _check(libc.umount2(b".", _MNT_DETACH), "detaching the old root")
         os.chdir("/")
-        _check(libc.mount(None, b"/", None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV, None), "/")
     except (OSError, KeyError, TypeError, ValueError) as e:
         return {"private_view": False, "view_problem": f"{how}, but the view could not be built ({e})"}
     return {"private_view": how}
