@@ -255,13 +255,6 @@ def test_the_view_plan_binds_what_may_be_read_and_keeps_the_links_on_the_way(tmp
         sandbox.view_plan([str(tmp_path / "lib")], [str(tmp_path / "lib" / "pkg")], [], [], root)
     with pytest.raises(ValueError, match="root"):  # the view's root inside what it holds
         sandbox.view_plan([str(tmp_path)], [], [], [], root)
-    shared = sandbox.view_plan([str(tmp_path / "alias")], [], [], [], None)  # made once, for every child
-    own = sandbox.view_plan([], [str(tmp_path / "work")], [], [], root)
-    assert sandbox.joined_plans(shared, own, root) == sandbox.view_plan(
-        [str(tmp_path / "alias")], [str(tmp_path / "work")], [], [], root
-    )
-    with pytest.raises(ValueError, match="inside"):
-        sandbox.joined_plans(shared, sandbox.view_plan([], [str(tmp_path / "lib" / "pkg")], [], [], root), root)
 
 
 _VIEW = """

@@ -157,7 +157,7 @@ def _walk(path: str, dirs: set, links: dict, kinds: dict, hops: int = 40) -> str
     return at
 
 
-def view_plan(readable, writable, listable, wanted, root: str | None) -> dict:
+def view_plan(readable, writable, listable, wanted, root: str) -> dict:
     """What the child's private view holds, as plain data: ``binds`` ([path, "ro" or "rw"], each folder before what
     it holds, none inside another), the mount points and folders to make on the empty root (``dirs``, ``files``),
     and the symbolic links on the way to ``wanted`` (the paths the child will name: its import path, its working
@@ -182,7 +182,7 @@ def view_plan(readable, writable, listable, wanted, root: str | None) -> dict:
             if binds[outer] == "ro" and modes[path] == "rw":
                 raise ValueError(f"the writable {path} lies inside the read-only {outer}")
             continue  # already seen through the folder around it
-        if root is not None and _beneath(root, path):
+        if _beneath(root, path):
             raise ValueError(f"the view's root {root} lies inside {path}, which it would hold")
         binds[path] = modes[path]
     for p in [*listable, *wanted]:
@@ -193,25 +193,6 @@ def view_plan(readable, writable, listable, wanted, root: str | None) -> dict:
         "links": sorted([p, t] for p, t in links.items() if _outer(p, binds) is None),
         "files": files,
         "binds": [[p, m] for p, m in binds.items()],
-    }
-
-
-def joined_plans(shared: dict, own: dict, root: str) -> dict:
-    """One plan from two made apart (``shared`` once for every child, ``own`` for this child's folders), as
-    ``view_plan`` of both would be; ValueError where one's binds would lie inside the other's, or ``root`` inside
-    ``shared``'s."""
-    outer = {p for p, _ in shared["binds"]}
-    for path, _ in own["binds"]:
-        if path in outer or _outer(path, outer) or any(_beneath(p, path) for p in outer):
-            raise ValueError(f"{path} and a folder every child reads lie one inside the other")
-    if root in outer or _outer(root, outer):
-        raise ValueError(f"the view's root {root} lies inside a folder the view holds")
-    links = dict(map(tuple, shared["links"])) | dict(map(tuple, own["links"]))
-    return {
-        "dirs": sorted({*shared["dirs"], *(d for d in own["dirs"] if _outer(d, outer) is None)}),
-        "links": sorted([p, t] for p, t in links.items() if _outer(p, outer) is None),
-        "files": [*shared["files"], *own["files"]],
-        "binds": sorted([*shared["binds"], *own["binds"]]),
     }
 
 

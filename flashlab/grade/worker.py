@@ -16,7 +16,6 @@ before the next block is sent.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import shutil
@@ -166,25 +165,15 @@ def _readable_tops(runtime: Path, site_dirs) -> list[str]:
     return tops + ["/dev/urandom", "/proc/self", "/sys/devices/system/cpu", "/etc/ld.so.cache", str(runtime)]
 
 
-@functools.lru_cache(maxsize=8)
-def _shared_view(readable: tuple[str, ...], listable: tuple[str, ...], wanted: tuple[str, ...]) -> dict:
-    """The part of every child's view that does not depend on its own folders, made once per set of paths."""
-    return sandbox.view_plan(readable, [], listable, wanted, None)
-
-
 def private_view(runtime: Path, work: Path, readable: list[str], listable: list[str]) -> dict:
     """The child's private view of the filesystem (``sandbox.view_plan``): what it may read and its working folder,
     bound where they are, and the links on the way to every path it names; ``{"problem": why}`` where none can be
     made. Its root is built in ``runtime``'s parent folder, ``root`` (empty)."""
-    folder = runtime.parent.resolve()
-    root = folder / "root"
-    mine = [str(runtime), str(work)]
-    wanted = [sys.executable, *child_path(runtime)[1:], *_readable_tops(runtime, _site_dirs())[:-1]]
-    shared_readable = tuple(p for p in readable if not _beneath(p, str(folder)))
+    root = runtime.parent.resolve() / "root"
+    wanted = [sys.executable, str(work), *child_path(runtime), *_readable_tops(runtime, _site_dirs())]
+    wanted = [p for p in wanted if p != sandbox.OWN_PROC]  # the child's own, bound as it is
     try:
-        shared = _shared_view(shared_readable, tuple(listable), tuple(p for p in wanted if p != sandbox.OWN_PROC))
-        own = sandbox.view_plan([str(runtime)], [str(work)], [], mine, str(root))
-        plan = sandbox.joined_plans(shared, own, str(root))
+        plan = sandbox.view_plan(readable, [str(work)], listable, wanted, str(root))
     except (OSError, ValueError) as e:
         return {"problem": f"no private view of the filesystem: {e}"}
     root.mkdir()
