@@ -313,6 +313,25 @@ def test_the_private_view_holds_only_what_the_child_may_read(tmp_path, user):
     assert seen["view"]["private_view"] == want
 
 
+def test_where_no_view_can_be_made_the_child_is_graded_and_says_why(monkeypatch):
+    import time
+
+    from flashlab import exercises
+    from flashlab.grade import worker
+
+    monkeypatch.setattr(worker, "private_view", lambda *a: {"problem": "no private view of the filesystem: planted"})
+    solutions = str(ROOT / "instructor" / "solutions")
+    code = f"import os\n\ndef kv_cache_bytes_per_token(*args, **kwargs):\n    return os.path.exists({solutions!r})\n"
+    ex = exercises.get("07.kv_cache_bytes_per_token")
+    s = worker.Worker(ex, code, code, ex.name, time.monotonic() + 30)
+    try:
+        assert s.start().get("ready") is True
+        assert worker.Answer(s)(1, 2, 3) is True  # stat() sees the grader's filesystem: the gap the view closes
+    finally:
+        s.kill()
+    assert s.walls["private_view"] is False and s.walls["view_problem"].endswith("planted"), s.walls
+
+
 def test_the_learners_process_runs_under_its_limits_in_a_session_of_its_own():
     import time
 

@@ -7,9 +7,10 @@ package ``gradechild`` in a temporary folder and starts ``python -I -S -c "...; 
 there, with a clean environment and an import path without flashlab; it reads requests from the pipe IN and writes
 replies to OUT.
 
-Start-up (trusted: no learner code has run yet): set the import path, import what the exercise needs, apply the
-sandbox (``sandbox.restrict_filesystem``, ``sandbox.forbid_new_processes``), say ``{"walled": ...}`` and wait while
-the grader takes its memory baseline, then run the cell. The grader then
+Start-up (trusted: no learner code has run yet): enter the private view of the filesystem while the process has one
+thread (``sandbox.enter_private_view``) and give up every capability, set the import path, import what the exercise
+needs, apply the rest of the sandbox (``sandbox.restrict_filesystem``, ``sandbox.forbid_new_processes``), say
+``{"walled": ...}`` and wait while the grader takes its memory baseline, then run the cell. The grader then
 sends requests, one at a time:
 
 - ``{"op": "call", "args": [...], "kwargs": {...}, "inputs_back": bool}`` -- call the function once; reply

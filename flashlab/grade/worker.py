@@ -3,8 +3,9 @@
 ``Worker(exercise, code, function, ...)`` starts ``flashlab.grade.child`` in a process group of its own (so one
 signal reaches everything it is), with resource limits, an empty temporary working folder, a clean environment and an
 import path that holds the standard library and the third-party packages but not flashlab, and no way to read
-outside them (``sandbox``). The timer runs here: when the exercise's time is up, or grading ends or is interrupted,
-the whole process group is killed (``kill_all`` kills every live one).
+outside them, nor (in its private view, ``private_view``) to see that anything else exists (``sandbox``). The timer
+runs here: when the exercise's time is up, or grading ends or is interrupted, the whole process group is killed
+(``kill_all`` kills every live one).
 
 ``Answer(worker)`` is what an exercise's tests receive as ``answer``: calling it sends the arguments and returns
 the plain value the function returned; ``answer.measure(...)`` also returns how far the process's resident memory
