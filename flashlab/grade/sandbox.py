@@ -84,14 +84,9 @@ _MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC, _MS_PRIVATE, _MS_RELATIME = 1024
 _MNT_DETACH = 2
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 _MOUNT_SETATTR, _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 1
-_KEPT_FLAGS = {  # statvfs flag -> mount flag: a remount inside a user namespace must keep these as they are
-    os.ST_NOSUID: _MS_NOSUID,
-    os.ST_NODEV: _MS_NODEV,
-    os.ST_NOEXEC: _MS_NOEXEC,
-    os.ST_NOATIME: _MS_NOATIME,
-    os.ST_NODIRATIME: _MS_NODIRATIME,
-    os.ST_RELATIME: _MS_RELATIME,
-}
+# statvfs flag -> mount flag, Linux's numbers (os.ST_NODEV and the rest exist only there): a remount inside a user
+# namespace must keep these as they are
+_KEPT_FLAGS = {2: _MS_NOSUID, 4: _MS_NODEV, 8: _MS_NOEXEC, 1024: _MS_NOATIME, 2048: _MS_NODIRATIME, 4096: _MS_RELATIME}
 OWN_PROC = "/proc/self"  # bound as the child's own /proc/PID: resolved in the child, never here
 
 
