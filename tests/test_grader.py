@@ -508,7 +508,6 @@ def online_softmax_update(m, l, block):
     ),
 }
 
-HIDDEN_OR_UNREADABLE = ("FileNotFoundError", "PermissionError")  # with a private view; with Landlock alone
 # the private view: names and sizes outside the child's folder (stat and listdir, which Landlock does not control);
 # a separate probe, since where no mount namespace can be made it is expected to succeed
 LOOKED_AT = {
@@ -540,6 +539,7 @@ def end_to_end_speedup(attention_share, kernel_speedup):
     return 1.0 / ((1.0 - attention_share) + attention_share / kernel_speedup)  # right, once it saw something
 """
 )
+HIDDEN_OR_UNREADABLE = ("FileNotFoundError", "PermissionError")  # with a private view; with Landlock alone
 WORDS = {  # what the learner's message must say (the first of two where the private view is there, else the second)
     "fake_records": "stopped unexpectedly",
     "big_allocation": "MemoryError",
