@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -507,12 +508,44 @@ def online_softmax_update(m, l, block):
     ),
 }
 
-WORDS = {  # what the learner's message must say
+# the private view: names and sizes outside the child's folder (stat and listdir, which Landlock does not control);
+# a separate probe, since where no mount namespace can be made it is expected to succeed
+LOOKED_AT = {
+    str(ROOT / "instructor" / "solutions" / "05_timing_on_gpu.py"): "os.stat",  # a solution file's size
+    str(ROOT / "instructor"): "os.listdir",  # the instructor folder's names
+    str(ROOT / "instructor" / "solutions"): "os.listdir",
+    str(ROOT / "flashlab" / "exercises" / "nb05_timing.py"): "os.stat",  # the exercise's tests
+    OUT_PLACEHOLDER: "os.listdir",  # the grader's output folder
+    f"{OUT_PLACEHOLDER}/../subs/clean_05.ipynb": "os.stat",  # another submission
+}
+LOOKS_OUTSIDE = (
+    "import os\n\n\ndef _look_outside():  # the cell runs only assignments and definitions: the look is one\n"
+    "    seen = {}\n    for path, look in {"
+    + ", ".join(f"{p!r}: {f}" for p, f in LOOKED_AT.items())
+    + """}.items():
+        try:
+            seen[path] = repr(look(path))
+        except OSError as e:
+            seen[path] = type(e).__name__
+    return seen
+
+
+_SEEN = _look_outside()
+
+
+def end_to_end_speedup(attention_share, kernel_speedup):
+    if all(seen.endswith("Error") for seen in _SEEN.values()):
+        raise LookupError(f"saw nothing: {_SEEN}")
+    return 1.0 / ((1.0 - attention_share) + attention_share / kernel_speedup)  # right, once it saw something
+"""
+)
+HIDDEN_OR_UNREADABLE = ("FileNotFoundError", "PermissionError")  # with a private view; with Landlock alone
+WORDS = {  # what the learner's message must say (the first of two where the private view is there, else the second)
     "fake_records": "stopped unexpectedly",
     "big_allocation": "MemoryError",
     "imports_flashlab_by_path": "ModuleNotFoundError",
-    "execs_reference_source": "PermissionError",
-    "execs_solution_file": "PermissionError",
+    "execs_reference_source": HIDDEN_OR_UNREADABLE,
+    "execs_solution_file": HIDDEN_OR_UNREADABLE,
     "not_streaming": "before yielding its running state",
     "stream_no_rescale": "the rescale was forgotten",
     "stream_no_max": "the max was not subtracted",
@@ -580,6 +613,8 @@ def probe_run(tmp_path_factory):
         nbformat.write(solved_notebook(nb_id, {ex_id: code}), subs / f"{nb_id}_{name}.ipynb")
     for nb_id in CLEAN:
         nbformat.write(solved_notebook(nb_id), subs / f"clean_{nb_id}.ipynb")
+    looks = LOOKS_OUTSIDE.replace(OUT_PLACEHOLDER, str(out))
+    nbformat.write(solved_notebook("05", {"05.end_to_end_speedup": looks}), subs / "05_looks_outside_by_name.ipynb")
     # an LMS-prefixed name, one exercise left as its stub
     stub = exercises.get("01.streaming_attention").stub_source()
     nbformat.write(solved_notebook("01", {"01.streaming_attention": stub}), subs / "alice_01_week1.ipynb")
@@ -674,7 +709,13 @@ def test_an_answer_that_builds_the_score_matrix_earns_nothing(stubs_and_solution
     tiled = r["03.tiled_attention"]
     assert tiled.score == 0 and tiled.status is Status.WRONG_METHOD, [t.message for t in tiled.tests]
     gate = next(t for t in tiled.tests if t.test == "test_tiled_memory_bound")
-    assert "MiB during the call" in gate.message and "score matrix alone is 72 MiB" in gate.message
+    said = re.search(
+        r"peak memory, up to the end of this call, was (\d+) MiB above where it stood before your "
+        r"cell ran, not counting the 1\.12 MiB of q, k and v",
+        gate.message,
+    )
+    assert said and "score matrix alone is 72 MiB" in gate.message, gate.message
+    assert 72 <= int(said[1]) < 1024, gate.message  # the whole score matrix, within the 1 GiB the process has
     assert r["03.count_causal_tiles"].score == r["03.count_causal_tiles"].max_score  # graded as if alone
     causal = next(
         t for t in _by_id(graded["03_misaligned.ipynb"])["03.tiled_attention"].tests if t.test == "test_tiled_causal"
@@ -717,11 +758,27 @@ def test_probe_scores_what_it_deserves_and_nothing_else_moves(probe_run, name):
         assert r.score == deserved, f"{name}: {r.score}/{r.max_score}: {messages}"
     assert r.max_score == exercises.max_points(ex_id), f"{name}: the exercise is worth its own points, no more"
     if name in WORDS:
-        assert WORDS[name] in messages, messages
+        words = WORDS[name]
+        if isinstance(words, tuple):
+            words = words[0] if r.walls.get("private_view") else words[1]
+        assert words in messages, messages
     for other in sub.results:  # every other exercise of the same notebook is graded as if alone
         if other.exercise_id != ex_id:
             assert other.score == other.max_score > 0, f"{name}: {other.exercise_id}: {other.tests[0].message}"
     assert sub.max_score == points(nb_id)
+
+
+def test_the_memory_gate_says_what_it_measured(probe_run):
+    graded, _ = probe_run
+    r = _by_id(graded["09_delta_through_a_buffer_from_cell_time.ipynb"])["09.delta"]
+    gate = next(t for t in r.tests if t.test == "test_delta_without_an_n_by_n_matrix")
+    said = re.search(
+        r"peak memory, up to the end of this call, was ([\d.]+) MB above where it stood before your cell ran, "
+        r"not counting the 0\.19 MB of dO and O \(memory your cell or an earlier call touched counts too\)",
+        gate.message,
+    )
+    assert said, gate.message
+    assert 72 <= float(said[1]) < 1100, gate.message  # the 3000 x 3000 buffer the cell touched, before the call
 
 
 def test_clean_submissions_beside_the_probes_are_graded_as_if_alone(probe_run):
@@ -733,6 +790,23 @@ def test_clean_submissions_beside_the_probes_are_graded_as_if_alone(probe_run):
     assert "HACKED" not in text and "4000" not in text
     rows = {r["submission"]: r for r in csv.DictReader((out / "grades.csv").read_text().splitlines())}
     assert int(rows["clean_07.ipynb"]["total"]) == points("07")
+
+
+def test_a_submission_cannot_learn_names_or_sizes_outside_its_view(probe_run):
+    graded, out = probe_run
+    sub = graded["05_looks_outside_by_name.ipynb"]
+    r = _by_id(sub)["05.end_to_end_speedup"]
+    if not r.walls.get("private_view"):
+        pytest.skip(f"no private view of the filesystem here ({r.walls.get('view_problem')}): stat() sees every name")
+    looked_at = [p.replace(OUT_PLACEHOLDER, str(out)) for p in LOOKED_AT]
+    assert all(os.path.exists(p) for p in looked_at)  # each is there, outside the view
+    messages = " | ".join(t.message for t in r.tests)
+    assert r.score == 0, messages
+    for path in looked_at:
+        assert f"{path!r}: 'FileNotFoundError'" in messages, messages
+    other = _by_id(sub)["05.achieved_tflops"]
+    assert other.score == other.max_score > 0, [t.message for t in other.tests]  # the rest graded as if alone
+    assert r.walls["no_new_processes"] and r.walls["no_capabilities"], r.walls
 
 
 def test_no_process_of_a_submission_outlives_grading(probe_run):

@@ -158,6 +158,8 @@ def test_only_regular_files_are_submissions(tmp_path, capsys):
     assert int(rows["07_real.ipynb"]["total"]) == int(rows["07_real.ipynb"]["max_total"]) > 0
     for name in ("07_fifo.ipynb", "07_zero.ipynb", "07_link.ipynb", "/dev/zero"):
         assert rows[name]["total"] == "0" and rows[name]["max_total"] == "0", rows[name]
+    walls = next(line for line in table.splitlines() if line.startswith("sandbox: "))  # what held, said once
+    assert "private view (" in walls or "no private mount namespace for 1 of 1 exercises" in walls, walls
     lines = {line.split()[0]: line for line in table.splitlines() if " total " in line}
     assert "skipped: not a regular file (a FIFO)" in lines["07_fifo.ipynb"]
     assert "skipped: not a regular file (a character device)" in lines["/dev/zero"]
@@ -190,3 +192,21 @@ def test_the_documented_output_folders_are_ignored_by_git():
             [sys.executable, "-m", command, "--help"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout
         assert "grading/" in help_text and "ignores" in help_text, help_text
+
+
+def test_the_summary_says_where_names_outside_the_view_were_not_hidden():
+    from flashlab.grade.records import ExerciseResult, Submission
+    from flashlab.grade.runner import walls_summary
+
+    held = {"landlock": 6, "no_new_processes": True, "private_view": "user and mount namespace"}
+    bare = {"landlock": 6, "no_new_processes": True, "private_view": False, "view_problem": "unshare: EPERM"}
+    sub = Submission("a.ipynb")
+    sub.results = [ExerciseResult("07.kv_cache_bytes_per_token", [], walls=held)]
+    assert walls_summary([sub]) == (
+        "sandbox: Landlock ABI 6; seccomp; private view (user and mount namespace): nothing outside what it may "
+        "read is there to name"
+    )
+    sub.results.append(ExerciseResult("06.merge_split_kv", [], walls=bare))
+    line = walls_summary([sub])
+    assert "no private mount namespace for 1 of 2 exercises (unshare: EPERM)" in line
+    assert "names and sizes of files there" in line

@@ -3,7 +3,9 @@ the cell reader survives malformed notebooks, and the streaming test's ground tr
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import platform
 import signal
 import struct
@@ -201,13 +203,133 @@ def test_seccomp_denies_namespaces_and_other_processes_memory():
         ]:
             r = call()
             print(what, r, ctypes.get_errno())
+        # each with arguments the kernel itself would refuse (ENOENT, EBADF, EINVAL...): only the filter says EPERM
+        nr = NUMBERS[platform.machine()]
+        for what, args in [
+            ("mount", (b"none", b"/no/such/place", b"tmpfs", 0, None)),
+            ("umount2", (b"/no/such/place", 0)),
+            ("pivot_root", (b"/no/such/place", b"/no/such/place")),
+            ("chroot", (b"/no/such/place",)),
+            ("open_tree", (-1, b"/no/such/place", 0)),
+            ("move_mount", (-1, b"", -1, b"", 0)),
+            ("fsopen", (b"no-such-filesystem", 0)),
+            ("fsmount", (-1, 0, 0)),
+            ("fspick", (-1, b"/no/such/place", 0)),
+            ("mount_setattr", (-1, b"/no/such/place", 0, None, 0)),
+            ("open_by_handle_at", (-1, None, 0)),
+            ("name_to_handle_at", (-1, b"/no/such/place", None, None, 0)),
+            ("clone thread into a new mount namespace", (0x00010000 | 0x00020000, 0, 0, 0, 0)),
+        ]:
+            r = libc.syscall(nr[what], *args)
+            print(what, r, ctypes.get_errno())
         """
     )
-    out = _python(script)
+    numbers = {
+        "x86_64": {"mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161, "name_to_handle_at": 303},
+        "aarch64": {"mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51, "name_to_handle_at": 264},
+    }
+    for arch, table in numbers.items():
+        table["open_by_handle_at"] = table["name_to_handle_at"] + 1
+        table["clone thread into a new mount namespace"] = {"x86_64": 56, "aarch64": 220}[arch]
+        table.update(open_tree=428, move_mount=429, fsopen=430, fsmount=432, fspick=433, mount_setattr=442)
+    out = _python(f"import platform\nNUMBERS = {numbers!r}\n" + script)
     assert out.returncode == 0, out.stderr[-1000:]
     assert "thread ok" in out.stdout
-    for what in ("unshare", "setns", "ptrace", "process_vm_readv"):
+    for what in ("unshare", "setns", "ptrace", "process_vm_readv", *numbers["x86_64"]):
         assert f"{what} -1 1\n" in out.stdout, out.stdout  # EPERM
+
+
+def test_the_view_plan_binds_what_may_be_read_and_keeps_the_links_on_the_way(tmp_path):
+    (tmp_path / "lib" / "pkg").mkdir(parents=True)
+    (tmp_path / "lib" / "pkg" / "m.py").write_text("x = 1\n")
+    (tmp_path / "alias").symlink_to("lib")
+    (tmp_path / "work").mkdir()
+    root = str(tmp_path / "elsewhere" / "root")
+    plan = sandbox.view_plan(
+        [str(tmp_path / "alias"), str(tmp_path / "lib" / "pkg")], [str(tmp_path / "work")], [], [], root
+    )
+    real = str(tmp_path.resolve())
+    assert plan["binds"] == [[f"{real}/lib", "ro"], [f"{real}/work", "rw"]]  # pkg comes with lib
+    assert [f"{real}/alias", "lib"] in plan["links"] and f"{real}/lib/pkg" not in plan["dirs"]
+    with pytest.raises(ValueError, match="writable"):  # a writable folder inside a read-only one
+        sandbox.view_plan([str(tmp_path / "lib")], [str(tmp_path / "lib" / "pkg")], [], [], root)
+    with pytest.raises(ValueError, match="root"):  # the view's root inside what it holds
+        sandbox.view_plan([str(tmp_path)], [], [], [], root)
+
+
+_VIEW = """
+import json, os, sys
+sys.path.insert(0, {grade!r})
+import sandbox  # alone, as the child has it: no flashlab, no NumPy (whose threads forbid a user namespace)
+readable = [{lib!r}, "/proc/self", sys.base_prefix, *{stdlib!r}]
+plan = sandbox.view_plan(readable, [{work!r}], [], [{alias!r}], {view!r})
+view = sandbox.enter_private_view({view!r}, plan, user_namespace={user!r})
+seen = {{"view": view, "caps": sandbox.drop_capabilities()}}
+for path, look in [] if not view["private_view"] else [
+    ({solution!r}, os.stat), ({instructor!r}, os.listdir), ({secret!r}, os.stat), ({base!r}, os.listdir),
+    ({alias!r} + "/m.py", lambda p: open(p).read()), ({lib!r} + "/new", lambda p: open(p, "w")),
+    ({work!r} + "/out.txt", lambda p: open(p, "w").write("mine")), ("/made-here", os.mkdir),
+    ("/proc/self/status", lambda p: open(p).read()[:5]),
+]:
+    try:
+        seen[path] = look(path)
+    except OSError as e:
+        seen[path] = type(e).__name__
+print(json.dumps(seen, default=repr))
+"""
+
+
+@pytest.mark.parametrize("user", [None, True], ids=["as-is", "user-namespace"])
+def test_the_private_view_holds_only_what_the_child_may_read(tmp_path, user):
+    """stat and listdir, which Landlock does not control, find nothing outside the view; nothing leaks out."""
+    from flashlab.grade.worker import stdlib_dirs
+
+    base = tmp_path / "base"
+    lib, work, secret, view = base / "lib", base / "work", base / "secret.txt", tmp_path / "view"
+    for d in (lib, work, view):
+        d.mkdir(parents=True)
+    (lib / "m.py").write_text("x = 1\n")
+    secret.write_text("the answer")
+    (base / "alias").symlink_to("lib")
+    solution = ROOT / "instructor" / "solutions" / "01_online_softmax_by_hand.py"
+    paths = dict(lib=str(lib), work=str(work), secret=str(secret), view=str(view), alias=str(base / "alias"))
+    paths.update(solution=str(solution), instructor=str(ROOT / "instructor"), base=str(base))
+    script = _VIEW.format(grade=str(ROOT / "flashlab" / "grade"), stdlib=stdlib_dirs(), user=user, **paths)
+    out = _python(script)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout)
+    if not seen["view"]["private_view"]:
+        pytest.skip(f"no private view can be made here: {seen['view']['view_problem']}")
+    assert solution.exists() and secret.exists()  # there, but not in the view
+    for gone in (paths["solution"], paths["instructor"], paths["secret"]):
+        assert seen[gone] == "FileNotFoundError", seen
+    assert sorted(seen[paths["base"]]) == ["alias", "lib", "work"], seen  # only what leads somewhere readable
+    assert seen[paths["alias"] + "/m.py"] == "x = 1\n" and seen[paths["lib"] + "/new"] == "OSError", seen
+    assert seen["/made-here"] == "OSError" and seen["/proc/self/status"] == "Name:", seen
+    assert (work / "out.txt").read_text() == "mine" and not (lib / "new").exists()  # the work folder is the real one
+    assert os.listdir(view) == [] and not os.path.exists("/made-here")  # nothing was made outside the view
+    assert seen["caps"] is True
+    want = "user and mount namespace" if user or os.geteuid() != 0 else "mount namespace"
+    assert seen["view"]["private_view"] == want
+
+
+def test_where_no_view_can_be_made_the_child_is_graded_and_says_why(monkeypatch):
+    import time
+
+    from flashlab import exercises
+    from flashlab.grade import worker
+
+    monkeypatch.setattr(worker, "private_view", lambda *a: {"problem": "no private view of the filesystem: planted"})
+    solutions = str(ROOT / "instructor" / "solutions")
+    code = f"import os\n\ndef kv_cache_bytes_per_token(*args, **kwargs):\n    return os.path.exists({solutions!r})\n"
+    ex = exercises.get("07.kv_cache_bytes_per_token")
+    s = worker.Worker(ex, code, code, ex.name, time.monotonic() + 30)
+    try:
+        assert s.start().get("ready") is True
+        assert worker.Answer(s)(1, 2, 3) is True  # stat() sees the grader's filesystem: the gap the view closes
+    finally:
+        s.kill()
+    assert s.walls["private_view"] is False and s.walls["view_problem"].endswith("planted"), s.walls
 
 
 def test_the_learners_process_runs_under_its_limits_in_a_session_of_its_own():
@@ -218,8 +340,10 @@ def test_the_learners_process_runs_under_its_limits_in_a_session_of_its_own():
 
     code = (
         "import os, resource as r\n\ndef kv_cache_bytes_per_token(*args, **kwargs):\n"
-        "    return [r.getrlimit(x)[0] for x in (r.RLIMIT_AS, r.RLIMIT_NOFILE, r.RLIMIT_FSIZE, r.RLIMIT_CPU)] + "
-        "[os.getsid(0) == os.getpid(), os.getcwd(), sorted(os.environ)]\n"
+        "    limits = [r.getrlimit(x)[0] for x in (r.RLIMIT_AS, r.RLIMIT_NOFILE, r.RLIMIT_FSIZE, r.RLIMIT_CPU)]\n"
+        "    try:\n        r.setrlimit(r.RLIMIT_AS, (r.RLIM_INFINITY, r.RLIM_INFINITY))\n        raised = True\n"
+        "    except (ValueError, OSError):\n        raised = False\n"
+        "    return limits + [os.getsid(0) == os.getpid(), os.getcwd(), sorted(os.environ), raised]\n"
     )
     ex = exercises.get("07.kv_cache_bytes_per_token")
     s = Worker(ex, code, code, ex.name, time.monotonic() + 30, memory_mib=700)
@@ -228,8 +352,10 @@ def test_the_learners_process_runs_under_its_limits_in_a_session_of_its_own():
         got = Answer(s)(1, 2, 3)
     finally:
         s.kill()
-    address, files, size, cpu, own_session, cwd, env = got
+    address, files, size, cpu, own_session, cwd, env, raised = got
     assert (address, files, size) == (700 * 2**20, 256, 16 * 2**20) and 0 < cpu <= 33
+    if s.walls.get("no_capabilities"):  # root's too: no raising a hard limit
+        assert not raised
     assert own_session and cwd.startswith(tempfile.gettempdir()) and "flashlab-answer-" in cwd
     assert not {"PYTHONPATH", "VIRTUAL_ENV", "PWD"} & set(env), env
 

@@ -136,10 +136,13 @@ def test_tiled_memory_bound(answer):
     expect_array(got, want, f"o for Nq = Nk = {n}, tiles {bm}x{bn}", rtol=1e-7, atol=1e-9)
     score_bytes = n * n * 8  # float64 scores
     bound = score_bytes // 16  # room for copies of q, k, v and o (384 KiB each) and a few tiles, not for S
+    inputs = q.nbytes + k.nbytes + v.nbytes  # what the grader subtracts: the process must hold them
     assert peak <= bound, (
-        f"your function's memory rose by {peak / MIB:.0f} MiB during the call; a tiled pass needs under "
-        f"{bound / MIB:.1f} MiB here (the {n} x {n} score matrix alone is {score_bytes / MIB:.0f} MiB, one "
-        f"{bm} x {n} row of tiles {bm * n * 8 / MIB:.0f} MiB): compute one {bm} x {bn} tile of scores at a time"
+        f"your process's peak memory, up to the end of this call, was {peak / MIB:.0f} MiB above where it stood "
+        f"before your cell ran, not counting the {inputs / MIB:.3g} MiB of q, k and v (memory your cell or an "
+        f"earlier call touched counts too); a tiled pass needs under {bound / MIB:.1f} MiB here (the {n} x {n} "
+        f"score matrix alone is {score_bytes / MIB:.0f} MiB, one {bm} x {n} row of tiles {bm * n * 8 / MIB:.0f} "
+        f"MiB): compute one {bm} x {bn} tile of scores at a time"
     )
 
 

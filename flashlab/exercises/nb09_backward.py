@@ -102,14 +102,18 @@ def test_delta_without_an_n_by_n_matrix(answer):
     n, dv = 3000, 4
     do, o = rng.standard_normal((n, dv)), rng.standard_normal((n, dv))
     want = (do * o).sum(axis=-1)
-    got, peak = answer.measure(do, o)  # the rise of the learner's process's peak memory during the call
+    # peak: the process's high-water mark up to the end of the call, less its memory before the cell ran and
+    # less the inputs (read by the grader from the kernel)
+    got, peak = answer.measure(do, o)
     expect_array(got, want, f"delta for N = {n}")
     bound = n * n * 8 // 8  # an eighth of the N x N matrix: room for copies of the inputs, not for P
     if peak > bound:
         raise AssertionError(
-            f"delta's memory rose by {peak / 1e6:.1f} MB during the call for N = {n}, Dv = {dv} (the inputs are "
-            f"{2 * n * dv * 8 / 1e6:.2f} MB, an N x N matrix {n * n * 8 / 1e6:.0f} MB): it built something N x N "
-            "-- multiply dO and O element by element and sum each row"
+            f"for N = {n}, Dv = {dv} your process's peak memory, up to the end of this call, was {peak / 1e6:.1f} "
+            f"MB above where it stood before your cell ran, not counting the {(do.nbytes + o.nbytes) / 1e6:.2f} MB "
+            "of dO and O (memory your cell or an earlier call touched counts too); an N x N matrix is "
+            f"{n * n * 8 / 1e6:.0f} MB: it built something N x N -- multiply dO and O element by element and sum "
+            "each row"
         )
 
 

@@ -7,8 +7,9 @@
   it) and writes ``DIR/grades.csv`` and ``DIR/results.json``.
 
 How it is built: the learner's cell runs in a process of its own (``worker``, ``child``), walled in
-(``sandbox``): resource limits, its own process group, no flashlab on its import path, and on Linux no reading
-outside the Python installation, no new processes, no network. It only computes answers for the inputs the grader
+(``sandbox``): resource limits, its own process group, no flashlab on its import path, and on Linux a private view
+of the filesystem (a mount namespace holding only what it may read and its own folder), no reading outside the
+Python installation, no capabilities, no new processes, no network. It only computes answers for the inputs the grader
 sends and sends them back as plain data (``wire``); every test and every score runs here, in the grader's process
 (``runner``), so nothing the learner's code does can change a score but its answers. What is graded where:
 ``cells`` (which cells are exercises, which notebook it is), ``records`` (test records and statuses).

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from flashlab.grade import sandbox
-from flashlab.grade.runner import Busy, grade, grade_table, interrupt
+from flashlab.grade.runner import Busy, grade, grade_table, interrupt, walls_summary
 
 ALLOW_FLAG = "--allow-without-landlock"
 NO_LANDLOCK = (
@@ -114,6 +114,7 @@ def main(argv=None) -> int:
         for s, handler in old.items():
             signal.signal(s, handler)
     print(grade_table(subs))
+    print(walls_summary(subs))
     if received:
         print(f"\ninterrupted: wrote an incomplete report to {args.out}", file=sys.stderr)
         return 128 + received[0]

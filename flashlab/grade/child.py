@@ -7,9 +7,10 @@ package ``gradechild`` in a temporary folder and starts ``python -I -S -c "...; 
 there, with a clean environment and an import path without flashlab; it reads requests from the pipe IN and writes
 replies to OUT.
 
-Start-up (trusted: no learner code has run yet): set the import path, import what the exercise needs, apply the
-sandbox (``sandbox.restrict_filesystem``, ``sandbox.forbid_new_processes``), say ``{"walled": ...}`` and wait while
-the grader takes its memory baseline, then run the cell. The grader then
+Start-up (trusted: no learner code has run yet): enter the private view of the filesystem while the process has one
+thread (``sandbox.enter_private_view``) and give up every capability, set the import path, import what the exercise
+needs, apply the rest of the sandbox (``sandbox.restrict_filesystem``, ``sandbox.forbid_new_processes``), say
+``{"walled": ...}`` and wait while the grader takes its memory baseline, then run the cell. The grader then
 sends requests, one at a time:
 
 - ``{"op": "call", "args": [...], "kwargs": {...}, "inputs_back": bool}`` -- call the function once; reply
@@ -121,7 +122,7 @@ def _stream(wire, fds, fn) -> dict:
     return {"done": True}
 
 
-def _start(wire, sandbox, boot: dict, fds):
+def _start(wire, sandbox, boot: dict, fds, view: dict):
     """Import what the exercise needs, wall the process in, run the cell; the learner's function, or a reply.
 
     Between the walls and the cell the child says ``{"walled": ...}`` and waits: the grader reads this process's
@@ -132,7 +133,7 @@ def _start(wire, sandbox, boot: dict, fds):
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
     harness = __import__(boot["harness"]) if boot.get("harness") else None
-    walls = {"landlock": 0, "no_new_processes": False}
+    walls = {"landlock": 0, "no_new_processes": False, **view}
     if boot.get("sandbox", True):
         walls.update(sandbox.restrict_filesystem(boot["readable"], boot["writable"], boot["listable"]))
         walls["no_new_processes"] = sandbox.forbid_new_processes()
@@ -159,6 +160,20 @@ def _start(wire, sandbox, boot: dict, fds):
     return fn, {"ready": True}
 
 
+def _enter_view(sandbox, boot: dict) -> dict:
+    """The private view of the filesystem, entered while this process has one thread, then no capabilities;
+    what held, for the walls the grader records."""
+    if not boot.get("sandbox", True):
+        return {"private_view": False, "view_problem": "the sandbox is off"}
+    plan = boot.get("view") or {}
+    if "plan" in plan:
+        view = sandbox.enter_private_view(plan["root"], plan["plan"])
+    else:
+        view = {"private_view": False, "view_problem": str(plan.get("problem", "no plan"))}
+    view["no_capabilities"] = sandbox.drop_capabilities()
+    return view
+
+
 def main(in_fd: int, out_fd: int) -> int:
     from . import sandbox, wire  # the runtime's own package, copied beside this file
 
@@ -166,9 +181,10 @@ def main(in_fd: int, out_fd: int) -> int:
     log = open(1, "w", encoding="utf-8", errors="replace", closefd=False)  # the log file the grader opened
     sys.stdout = sys.stderr = CappedLog(log)
     boot = wire.receive(in_fd)
+    view = _enter_view(sandbox, boot)
     sys.path[:] = [p for p in boot["path"]]
     os.chdir(boot["cwd"])
-    fn, reply = _start(wire, sandbox, boot, fds)
+    fn, reply = _start(wire, sandbox, boot, fds, view)
     wire.send(out_fd, reply)
     if fn is None:
         return 0

@@ -438,6 +438,26 @@ def write_reports(submissions, out_dir: Path, complete: bool = True, reason: str
     _atomic_write(out_dir / "results.json", json.dumps(report, indent=1))
 
 
+def walls_summary(submissions) -> str:
+    """One line on the walls that held around the submissions' processes, and what a missing one leaves open."""
+    walls = [r.walls for s in submissions for r in s.results if r.walls]
+    if not walls:
+        return "sandbox: no submission's process ran"
+    abi = min(int(w.get("landlock", 0)) for w in walls)
+    parts = [f"Landlock ABI {abi}" if abi else "no Landlock: files are read and written as your user"]
+    parts.append("seccomp" if all(w.get("no_new_processes") for w in walls) else "no seccomp: processes can start")
+    bare = [w for w in walls if not w.get("private_view")]
+    if bare:
+        parts.append(
+            f"no private mount namespace for {len(bare)} of {len(walls)} exercises "
+            f"({bare[0].get('view_problem', 'not tried')}): stat() and listdir() outside a submission's folder are "
+            "not hidden, so it can learn the names and sizes of files there"
+        )
+    else:
+        parts.append(f"private view ({walls[0]['private_view']}): nothing outside what it may read is there to name")
+    return "sandbox: " + "; ".join(parts)
+
+
 def grade_table(submissions) -> str:
     """The table the command prints: one line per exercise, grouped by submission, with its total."""
     rows = [("submission", "exercise", "score", "result")]

@@ -2,22 +2,35 @@
 
 - ``set_limits(limits)`` -- the first thing the child's interpreter does, before it imports anything else or reads
   the learner's code: address space, CPU seconds, tasks, file size and open files, through ``resource.setrlimit``.
+- ``view_plan(readable, writable, listable, wanted, root)`` and ``enter_private_view(root, plan)`` -- a mount
+  namespace of the child's own (Linux; a user namespace too where the process is not root), whose root is an empty
+  tmpfs holding only what the child may read (bound read-only), its working folder (bound read-write) and the
+  folders and links on the way to them: everything else -- the checkout, the instructor solutions, the exercise
+  tests, the grader's output, other submissions -- is not there at all, so even ``stat()`` and ``listdir()``, which
+  Landlock does not control, find nothing. The plan is made by the grader and carried out by the child, first thing
+  after it starts (a user namespace needs a single-threaded process).
 - ``restrict_filesystem(readable, writable, listable)`` -- Landlock (Linux 5.13+): from then on the process can read
   only beneath ``readable``, write only beneath ``writable`` and list the names beneath ``listable``; with a recent
   enough kernel it can also open no TCP connection and send no signal to a process outside its own sandbox.
+- ``drop_capabilities()`` -- no capabilities left (root's included): no raising a hard limit, no bypassing file
+  permissions, no opening a file by its handle.
 - ``forbid_new_processes()`` -- a seccomp filter (x86-64 and arm64): no fork, no exec, no new namespaces, no
-  reading another process's memory, and only the native system-call table; threads stay allowed.
+  mounting or unmounting, no opening files by handle, no reading another process's memory, and only the native
+  system-call table; threads stay allowed.
 
-The child applies the last two to itself after its trusted start-up imports and before the submission's code runs.
-Each returns what it managed, so the grader can say what held. This module imports only the standard library.
+The child enters its private view before its trusted start-up imports, and applies the rest to itself after them,
+before the submission's code runs. Each returns what it managed, so the grader can say what held. This module
+imports only the standard library.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
 import resource
+import stat
 from dataclasses import dataclass
 
 # -- resource limits ----------------------------------------------------------------------------------------------
@@ -61,6 +74,252 @@ def tasks_of_user(uid: int | None = None) -> int:
         except (OSError, KeyError, ValueError):
             continue
     return n
+
+
+# -- a private view: a mount namespace holding only what the child may see ---------------------------------------
+
+_CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT = 1, 2, 4, 8, 32
+_MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC, _MS_PRIVATE, _MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
+_MNT_DETACH = 2
+_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+_MOUNT_SETATTR, _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 1
+# statvfs flag -> mount flag, Linux's numbers (os.ST_NODEV and the rest exist only there): a remount inside a user
+# namespace must keep these as they are
+_KEPT_FLAGS = {2: _MS_NOSUID, 4: _MS_NODEV, 8: _MS_NOEXEC, 1024: _MS_NOATIME, 2048: _MS_NODIRATIME, 4096: _MS_RELATIME}
+OWN_PROC = "/proc/self"  # bound as the child's own /proc/PID: resolved in the child, never here
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
+
+
+def _beneath(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _outer(path: str, folders) -> str | None:
+    """The folder of ``folders`` that holds ``path`` (not ``path`` itself), or None."""
+    while path != "/":
+        path = os.path.dirname(path)
+        if path in folders:
+            return path
+    return None
+
+
+def _kind(path: str) -> str | None:
+    """``"dir"``, ``"file"``, ``"link"`` (not followed) or None where nothing is there."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    return "link" if stat.S_ISLNK(mode) else "dir" if stat.S_ISDIR(mode) else "file"
+
+
+def _walk(path: str, dirs: set, links: dict, kinds: dict, hops: int = 40) -> str | None:
+    """Resolve ``path`` as the kernel does, recording the folders and symbolic links met on the way; the resolved
+    path, or None where nothing is there. ``kinds`` remembers what each step was, across calls."""
+    todo = [p for p in path.split("/") if p]
+    at = "/"
+    while todo:
+        name = todo.pop(0)
+        if name == ".":
+            continue
+        if name == "..":
+            at = os.path.dirname(at)  # ``at`` holds no link, so its parent is exact
+            continue
+        step = os.path.join(at, name)
+        if step not in kinds:
+            kinds[step] = _kind(step)
+        kind = kinds[step]
+        if kind == "link":
+            hops -= 1
+            if hops < 0:
+                return None
+            target = links[step] = os.readlink(step)
+            at = "/" if target.startswith("/") else at
+            todo[:0] = [p for p in target.split("/") if p]
+            continue
+        if kind != "dir":  # a file is the last name on a path, or the path is not there
+            return step if kind == "file" and not todo else None
+        dirs.add(step)
+        at = step
+    return at
+
+
+def view_plan(readable, writable, listable, wanted, root: str) -> dict:
+    """What the child's private view holds, as plain data: ``binds`` ([path, "ro" or "rw"], each folder before what
+    it holds, none inside another), the mount points and folders to make on the empty root (``dirs``, ``files``),
+    and the symbolic links on the way to ``wanted`` (the paths the child will name: its import path, its working
+    folder) and to the bound paths (``links``).
+
+    Made in the grader, from the real filesystem. ValueError where no such view can be made (a writable folder
+    inside a read-only one, or ``root`` inside a bound folder).
+    """
+    dirs: set[str] = {"/proc", OWN_PROC}
+    links: dict[str, str] = {}
+    kinds: dict[str, str | None] = {}
+    modes: dict[str, str] = {}
+    for mode, paths in (("ro", readable), ("rw", writable)):
+        for p in paths:
+            real = p if p == OWN_PROC else _walk(p, dirs, links, kinds)
+            if real is not None:
+                modes[real] = mode
+    binds: dict[str, str] = {}
+    for path in sorted(modes):  # a folder sorts before what it holds
+        outer = _outer(path, binds)
+        if outer is not None:
+            if binds[outer] == "ro" and modes[path] == "rw":
+                raise ValueError(f"the writable {path} lies inside the read-only {outer}")
+            continue  # already seen through the folder around it
+        if _beneath(root, path):
+            raise ValueError(f"the view's root {root} lies inside {path}, which it would hold")
+        binds[path] = modes[path]
+    for p in [*listable, *wanted]:
+        _walk(p, dirs, links, kinds)
+    files = [b for b in binds if b != OWN_PROC and kinds.get(b) == "file"]
+    return {  # what lies inside a bound folder comes with it
+        "dirs": sorted(d for d in dirs if _outer(d, binds) is None),
+        "links": sorted([p, t] for p, t in links.items() if _outer(p, binds) is None),
+        "files": files,
+        "binds": [[p, m] for p, m in binds.items()],
+    }
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _make(root_fd: int, path: str, kind: str, target: str = "") -> None:
+    """Make ``path`` beneath the folder ``root_fd`` (a folder, an empty file or a link), never following a link."""
+    *parents, last = [p for p in path.split("/") if p]
+    fd = os.dup(root_fd)
+    try:
+        for name in parents:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, 0o755, dir_fd=fd)
+            nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        if kind == "dir":
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(last, 0o755, dir_fd=fd)
+        elif kind == "link":
+            os.symlink(target, last, dir_fd=fd)
+        else:
+            new_file = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            os.close(os.open(last, new_file, 0o644, dir_fd=fd))
+    finally:
+        os.close(fd)
+
+
+def _set_read_only(libc, path: str, read_only: bool = True) -> bool:
+    """Make the mount at ``path`` and every mount beneath it read-only (or read-write again) in one call; False
+    where the kernel (before 5.12) has no mount_setattr."""
+    attr = _MountAttr(_MOUNT_ATTR_RDONLY, 0, 0, 0) if read_only else _MountAttr(0, _MOUNT_ATTR_RDONLY, 0, 0)
+    args = (ctypes.c_int(_AT_FDCWD), path.encode(), ctypes.c_uint(_AT_RECURSIVE), ctypes.byref(attr))
+    if libc.syscall(_MOUNT_SETATTR, *args, ctypes.c_size_t(ctypes.sizeof(attr))) == 0:
+        return True
+    if ctypes.get_errno() != 38:  # ENOSYS
+        _check(-1, f"making {path} {'read-only' if read_only else 'writable'}")
+    return False
+
+
+def _remount_read_only(libc, path: str) -> None:
+    """The same for one mount, the old way: a remount that keeps the flags a user namespace may not change."""
+    flags = os.statvfs(path).f_flag
+    kept = sum(m for st, m in _KEPT_FLAGS.items() if flags & st)
+    _check(libc.mount(None, path.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | kept, None), path)
+
+
+def _enter_namespace(libc, user: bool | None) -> str:
+    """Unshare the mount namespace (root), or a user and a mount namespace (anyone else, or ``user=True``); which
+    one, in words."""
+    if not user and os.geteuid() == 0 and libc.unshare(_CLONE_NEWNS) == 0:
+        return "mount namespace"
+    uid, gid = os.getuid(), os.getgid()
+    _check(libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS), "unshare")
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+    return "user and mount namespace"
+
+
+def enter_private_view(root: str, plan: dict, user_namespace: bool | None = None) -> dict:
+    """Move the calling process (single-threaded, before any learner code) into a mount namespace of its own whose
+    root is a new tmpfs holding only ``plan`` (``view_plan``), bound at the same paths; the folder ``root`` (empty,
+    made by the grader) is where that tmpfs is built before it becomes ``/``. ``user_namespace=True`` makes a user
+    namespace even for root, as an unprivileged process must.
+
+    Returns ``{"private_view": how}`` (``"mount namespace"`` or ``"user and mount namespace"``), or ``{"private_view":
+    False, "view_problem": why}`` where none could be made: then the process sees the filesystem as before.
+    Nothing done here reaches the grader's view: every mount is private to the new namespace.
+    """
+    if platform.system() != "Linux" or platform.machine() not in _PIVOT_ROOT:
+        return {"private_view": False, "view_problem": f"no mount namespaces on {platform.system()}"}
+    libc = _libc()
+    try:
+        how = _enter_namespace(libc, user_namespace)
+    except OSError as e:
+        return {"private_view": False, "view_problem": f"no mount namespace could be made ({e.strerror or e})"}
+    try:
+        _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "making the mounts private")
+        _check(libc.mount(b"tmpfs", root.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=0755,size=4m"), "tmpfs")
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:  # every mount point is made on the tmpfs before anything is bound onto it
+            for d in plan["dirs"]:
+                _make(root_fd, d, "dir")
+            for path, target in plan["links"]:
+                _make(root_fd, path, "link", target)
+            for f in plan["files"]:
+                _make(root_fd, f, "file")
+        finally:
+            os.close(root_fd)
+        for path, _ in plan["binds"]:
+            where = root + path
+            _check(libc.mount(path.encode(), where.encode(), None, _MS_BIND | _MS_REC, None), f"binding {path}")
+        if _set_read_only(libc, root):  # the whole tree at once, then the writable folders again
+            for path, mode in plan["binds"]:
+                if mode == "rw":
+                    _set_read_only(libc, root + path, read_only=False)
+        else:
+            _remount_read_only(libc, root)
+            for path, mode in plan["binds"]:
+                if mode == "ro":
+                    _remount_read_only(libc, root + path)
+        os.chdir(root)
+        _check(libc.syscall(_PIVOT_ROOT[platform.machine()], b".", b"."), "pivot_root")
+        _check(libc.umount2(b".", _MNT_DETACH), "detaching the old root")
+        os.chdir("/")
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        return {"private_view": False, "view_problem": f"{how}, but the view could not be built ({e})"}
+    return {"private_view": how}
+
+
+# -- capabilities -------------------------------------------------------------------------------------------------
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def drop_capabilities() -> bool:
+    """Give up every capability (effective, permitted, inheritable); for root too. False where unsupported."""
+    if platform.system() != "Linux":
+        return False
+    empty = (_CapData * 2)()  # version 3: two 32-bit words of each set
+    return _libc().capset(ctypes.byref(_CapHeader(0x20080522, 0)), empty) == 0
 
 
 # -- Landlock -----------------------------------------------------------------------------------------------------
@@ -150,17 +409,23 @@ def restrict_filesystem(readable, writable, listable=()) -> dict:
 
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _X32_BIT = 0x40000000  # x86-64's x32 system calls carry this bit in their number
-# calls that start a process, replace the program, enter new namespaces or read another process's memory; clone is
-# checked for CLONE_THREAD instead (a thread is allowed)
+# calls that start a process, replace the program, enter new namespaces, change what is mounted where (and so could
+# uncover what the private view hides), open a file by its handle, or read another process's memory; clone is
+# checked for CLONE_THREAD and no new namespace instead (a thread is allowed)
+_MOUNTS = (428, 429, 430, 431, 432, 433, 442, 467)  # open_tree, move_mount, fsopen, fsconfig, fsmount, fspick,
+# mount_setattr, open_tree_attr: numbered alike on both
 _DENY = {
-    # fork, vfork, execve, execveat, unshare, setns, ptrace, process_vm_readv, process_vm_writev
-    "x86_64": (57, 58, 59, 322, 272, 308, 101, 310, 311),
-    # execve, execveat, unshare, setns, ptrace, process_vm_readv, process_vm_writev
-    "aarch64": (221, 281, 97, 268, 117, 270, 271),
+    # fork, vfork, execve, execveat, unshare, setns, ptrace, process_vm_readv, process_vm_writev, mount, umount2,
+    # pivot_root, chroot, name_to_handle_at, open_by_handle_at
+    "x86_64": (57, 58, 59, 322, 272, 308, 101, 310, 311, 165, 166, 155, 161, 303, 304, *_MOUNTS),
+    # execve, execveat, unshare, setns, ptrace, process_vm_readv, process_vm_writev, mount, umount2, pivot_root,
+    # chroot, name_to_handle_at, open_by_handle_at
+    "aarch64": (221, 281, 97, 268, 117, 270, 271, 40, 39, 41, 51, 264, 265, *_MOUNTS),
 }
 _CLONE = {"x86_64": 56, "aarch64": 220}
 _CLONE3 = 435
 _CLONE_THREAD = 0x00010000
+_CLONE_NEW_NAMESPACES = 0x7E020000  # NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET (none is NEWTIME)
 _RET_ALLOW, _RET_EPERM, _RET_ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
 _RET_KILL_PROCESS = 0x80000000
 
@@ -187,6 +452,7 @@ def _filter(arch: str) -> list[tuple[int, int, int, int]]:
     body.append(("jeq", _CLONE3, "enosys", "next"))  # glibc then falls back to clone, whose flags are seen
     body.append(("jeq", _CLONE[arch], "next", "allow"))
     body.append(("ld", 16))  # clone's flags (args[0], low word)
+    body.append(("jset", _CLONE_NEW_NAMESPACES, "eperm", "next"))
     body.append(("jset", _CLONE_THREAD, "allow", "eperm"))
     returns = {"allow": _RET_ALLOW, "enosys": _RET_ENOSYS, "eperm": _RET_EPERM, "kill": _RET_KILL_PROCESS}
     at = {label: len(body) + i for i, label in enumerate(returns)}
@@ -203,9 +469,10 @@ def _filter(arch: str) -> list[tuple[int, int, int, int]]:
 
 
 def forbid_new_processes() -> bool:
-    """Install a seccomp filter: fork, vfork, exec, non-thread clone, unshare, setns, ptrace and reading or writing
-    another process's memory fail; a call through another architecture's table kills the process. False where
-    unsupported."""
+    """Install a seccomp filter: fork, vfork, exec, clone but for a thread in the same namespaces, unshare, setns,
+    every call that mounts, unmounts, moves a mount or changes the root, opening a file by its handle, ptrace and
+    reading or writing another process's memory fail; a call through another architecture's table kills the process.
+    False where unsupported."""
     arch = platform.machine()
     if platform.system() != "Linux" or arch not in _AUDIT_ARCH:
         return False

@@ -3,8 +3,9 @@
 ``Worker(exercise, code, function, ...)`` starts ``flashlab.grade.child`` in a process group of its own (so one
 signal reaches everything it is), with resource limits, an empty temporary working folder, a clean environment and an
 import path that holds the standard library and the third-party packages but not flashlab, and no way to read
-outside them (``sandbox``). The timer runs here: when the exercise's time is up, or grading ends or is interrupted,
-the whole process group is killed (``kill_all`` kills every live one).
+outside them, nor (in its private view, ``private_view``) to see that anything else exists (``sandbox``). The timer
+runs here: when the exercise's time is up, or grading ends or is interrupted, the whole process group is killed
+(``kill_all`` kills every live one).
 
 ``Answer(worker)`` is what an exercise's tests receive as ``answer``: calling it sends the arguments and returns
 the plain value the function returned; ``answer.measure(...)`` also returns how far the process's resident memory
@@ -157,17 +158,37 @@ def _open_except(path: str, hidden: list[str], seen: set, parent: str | None = N
     return readable, listable
 
 
+def _readable_tops(runtime: Path, site_dirs) -> list[str]:
+    """The child's readable places as named (links unresolved): the Python installation, the third-party packages,
+    system libraries, its own runtime."""
+    tops = [sys.base_prefix, sys.exec_prefix, *stdlib_dirs(), *site_dirs]
+    tops += ["/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/local/lib", "/usr/share/zoneinfo", "/dev/null"]
+    return tops + ["/dev/urandom", "/proc/self", "/sys/devices/system/cpu", "/etc/ld.so.cache", str(runtime)]
+
+
+def private_view(runtime: Path, work: Path, readable: list[str], listable: list[str]) -> dict:
+    """The child's private view of the filesystem (``sandbox.view_plan``): what it may read and its working folder,
+    bound where they are, and the links on the way to every path it names; ``{"problem": why}`` where none can be
+    made. Its root is built in ``runtime``'s parent folder, ``root`` (empty)."""
+    root = runtime.parent.resolve() / "root"
+    wanted = [sys.executable, str(work), *child_path(runtime), *_readable_tops(runtime, _site_dirs())]
+    wanted = [p for p in wanted if p != sandbox.OWN_PROC]  # the child's own, bound as it is
+    try:
+        plan = sandbox.view_plan(readable, [str(work)], listable, wanted, str(root))
+    except (OSError, ValueError) as e:
+        return {"problem": f"no private view of the filesystem: {e}"}
+    root.mkdir()
+    return {"root": str(root), "plan": plan}
+
+
 def readable_paths(runtime: Path, site_dirs=None) -> tuple[list[str], list[str]]:
     """``(readable, listable)`` for the walled-in child: the Python installation, the third-party packages, system
     libraries and its runtime, each opened except flashlab's entries (``hidden_paths``) inside it; ``listable``
     are the folders the child may list but whose files it may read only as ``readable`` allows."""
     site_dirs = _site_dirs() if site_dirs is None else site_dirs
     hidden = hidden_paths(site_dirs)
-    tops = [sys.base_prefix, sys.exec_prefix, *stdlib_dirs(), *site_dirs]
-    tops += ["/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/local/lib", "/usr/share/zoneinfo", "/dev/null"]
-    tops += ["/dev/urandom", "/proc/self", "/sys/devices/system/cpu", "/etc/ld.so.cache", str(runtime)]
     readable, listable, seen = [], [], set()
-    for top in tops:
+    for top in _readable_tops(runtime, site_dirs):
         if top.startswith("/proc/self"):  # the child's own, resolved in the child: never realpath'd here
             readable.append(top)
         elif os.path.exists(top):
@@ -282,6 +303,7 @@ class Worker:
             _LIVE.add(self)
         readable, listable = readable_paths(runtime)
         boot = {
+            "view": private_view(runtime, work, readable, listable),
             "path": child_path(runtime),
             "cwd": str(work),
             "imports": list(self.exercise.child_imports),
