@@ -1,0 +1,111 @@
+"""The decode kernels compile for Hopper (sm_90) on a machine without a GPU.
+
+Triton's interpreter runs the kernels' Python on CPU tensors, but it never lowers them: a construct the compiler
+refuses (a compile-time branch inside a runtime one, an atomic on an unsupported type) would pass every CPU test
+and fail on the first GPU call. Here Triton's own compiler and the ptxas it ships build each kernel for sm_90 with
+the arguments the host engine passes, the tiles a GPU launch takes (``flashlab.kernels.configs``' defaults) and the
+constexprs of a GPU launch. Skipped where this Triton cannot compile ahead of time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashlab.kernels import configs
+from flashlab.kernels.decode import kvcache, split_kv
+from flashlab.kernels.device import dot_precision, dot_upcast, kernel_band
+
+
+def compile_sm90(kernel, args, constexprs, options):
+    """``kernel`` (a ``@triton.jit`` function) compiled for sm_90: ``args`` its non-constexpr arguments in order,
+    ``constexprs`` by name, ``options`` (num_warps, num_stages). Returns the compiled kernel's PTX."""
+    import triton
+
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from triton.runtime.jit import mangle_type
+    except ImportError as error:
+        pytest.skip(f"this Triton cannot compile ahead of time here: {error}")
+    signature, constants = {}, {}
+    values = iter(args)
+    for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params, strict=True)):
+        if param.is_constexpr:
+            signature[name], constants[(i,)] = "constexpr", constexprs[name]
+        else:
+            signature[name] = mangle_type(next(values))
+    assert next(values, None) is None, "more arguments than the kernel takes"
+    try:
+        compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                                  options=options)  # fmt: skip
+    except RuntimeError as error:
+        if "ptxas" in str(error) and "not found" in str(error).lower():
+            pytest.skip(f"no ptxas here: {error}")
+        raise
+    ptx = compiled.asm["ptx"]
+    assert ".target sm_90" in ptx and compiled.asm.get("cubin"), "not lowered to sm_90 machine code"
+    return ptx
+
+
+def gpu_meta(meta, dtype):
+    """A CPU-built argument object's constexprs as a GPU launch has them (no upcast, the GPU's dot precision)."""
+    return {**meta, "DOT_PRECISION": dot_precision(dtype, True), "DOT_UPCAST": dot_upcast(dtype, True)}
+
+
+def default_tiles(dtype):
+    """The tiles a GPU launch takes where no tuned table has the bucket: the decode kernels' first default."""
+    block_n, warps, stages = configs.DECODE_DEFAULTS["fp32" if dtype == torch.float32 else "16-bit"][0]
+    return {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+
+
+def split_config(meta, tiles):
+    config = dict(meta)
+    options = {"num_warps": config.pop("num_warps", tiles["num_warps"]),
+               "num_stages": config.pop("num_stages", tiles["num_stages"])}  # fmt: skip
+    config.setdefault("BLOCK_N", tiles["BLOCK_N"])
+    return config, options
+
+
+@pytest.mark.parametrize("page_size", [0, 16, 256])
+@pytest.mark.parametrize("window", [None, (64, 0)])
+def test_kvcache_kernel_compiles_for_hopper(page_size, window):
+    """The paged kernel, with its error record and its scan of the band's skipped entries."""
+    b, hq, hk, d, nq, capacity = 2, 8, 2, 128, 1, 1024
+    dtype = torch.bfloat16
+    q = torch.empty(b, hq, nq, d, dtype=dtype)
+    if page_size:
+        pool = b * capacity // page_size
+        cache = torch.empty(pool, page_size, hk, d, dtype=dtype)
+        table = torch.zeros(b, capacity // page_size, dtype=torch.int32)
+    else:
+        cache = torch.empty(b, capacity, hk, d, dtype=dtype)
+        table = torch.zeros(b, dtype=torch.int32)
+    _, win_left, win_right, qk_scale, _ = kernel_band(nq, capacity, d, True, window, None)
+    args = kvcache.KVCacheArguments(q, cache, cache, table, page_size, capacity, win_left, win_right, qk_scale)
+    seqlens = torch.zeros(b, dtype=torch.int32)
+    work = torch.empty(8, dtype=torch.float32)
+    errors = torch.zeros(kvcache.ERROR_RECORD_INTS, dtype=torch.int32)
+    counters = torch.zeros(4, dtype=torch.int32)
+    tensors = (q, cache, cache, table, seqlens, work, work, q, work, counters, errors)
+    tiles = default_tiles(dtype)
+    constexprs, options = split_config(gpu_meta(args.meta, dtype), tiles)
+    ptx = compile_sm90(kvcache.kvcache_partial, (*tensors, *args.scalars, *args.tune), constexprs, options)
+    assert "atom" in ptx  # the error record is claimed with an atomic (and the merge counters)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_split_kv_kernel_compiles_for_hopper(dtype):
+    """Split-KV with its lengths left unspecialised: one binary for every length of a bucket."""
+    b, hq, hk, d, nq, nk = 1, 32, 8, 128, 1, 4001
+    q = torch.empty(b, hq, nq, d, dtype=dtype)
+    k = torch.empty(b, hk, nk, d, dtype=dtype)
+    offset, win_left, win_right, qk_scale, _ = kernel_band(nq, nk, d, False, None, None)
+    args = split_kv.SplitArguments(q, k, k, q, offset, win_left, win_right, qk_scale, 8)
+    work = torch.empty(8, dtype=torch.float32)
+    counters = torch.zeros(4, dtype=torch.int32)
+    tensors = (q, k, k, work, work, q, work, counters)
+    tiles = default_tiles(dtype)
+    constexprs, options = split_config(gpu_meta(args.meta, dtype), tiles)
+    ptx = compile_sm90(split_kv.split_kv_partial, (*tensors, *args.scalars, *args.tune), constexprs, options)
+    assert "atom" in ptx  # the chunks' merge counters
