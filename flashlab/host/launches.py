@@ -19,9 +19,8 @@ import contextlib
 import torch
 
 from flashlab.core.integers import cdiv
-from flashlab.host import direct_launch
+from flashlab.host import direct_launch, kvcache_errors
 from flashlab.host import plan as plans
-from flashlab.host import kvcache_errors
 from flashlab.host.launcher import FastLaunch, current_stream, reproduces
 from flashlab.host.plan import BUILT, CHECKED, OFF, Call, Plan
 from flashlab.host.scratch import scratch, workspace
