@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import ROOT
+from flashlab import exercises
 from flashlab.core.masking import (
     FULL,
     PARTIAL,
@@ -21,6 +23,8 @@ from flashlab.core.masking import (
     tile_map,
     visible_mask,
 )
+from flashlab.exercises.nb03_tiling import test_packed_short_documents_share_a_tile as graded_short_documents
+from flashlab.grade.solutions import load_solutions
 
 
 def brute_force_packed_mask(lengths_q, lengths_k, causal=False, window=None):
@@ -166,3 +170,41 @@ def test_numpy_lengths_and_large_batches():
     c = packed_tile_counts(lengths, None, 128, 128, causal=True)
     assert all(isinstance(x, int) for x in (c.packed, c.per_document, c.padded, c.dense))
     assert c.per_document == sum(tile_map(n, n, 128, 128, causal=True).n_computed for n in (70_000, 1, 30_000))
+
+
+# -- the exercise: its graded tests pass the reference solution and catch the likely wrong counts ----------------
+
+
+def _solution(name="count_packed_tiles"):
+    scope = {}
+    exec(load_solutions(ROOT / "instructor" / "solutions")[f"03.{name}"], scope)
+    return scope[name]
+
+
+def test_the_exercise_tests_pass_the_reference_solution():
+    tests = exercises.tests_of("03.count_packed_tiles")
+    assert len(tests) >= 3
+    solve = _solution()
+    for test in tests:
+        test(solve)
+
+
+def test_the_exercise_tests_name_a_per_document_count():
+    def per_document(lengths, block_m, block_n, causal=False):
+        return packed_tile_counts(lengths, None, block_m, block_n, causal).per_document
+
+    with pytest.raises(AssertionError, match="each document tiled from its own first token"):
+        graded_short_documents(per_document)
+
+    def counted(way):
+        return lambda lengths, bm, bn, causal=False: getattr(packed_tile_counts(lengths, None, bm, bn, causal), way)
+
+    for way in ("per_document", "padded", "dense"):  # each wrong count fails every test, bar one document's
+        passed = []
+        for test in exercises.tests_of("03.count_packed_tiles"):
+            try:
+                test(counted(way))
+            except AssertionError:
+                continue
+            passed.append(test.__name__)
+        assert passed in ([], ["test_packed_one_document"]), (way, passed)

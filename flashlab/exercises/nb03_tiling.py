@@ -222,19 +222,19 @@ def _expect_packed(answer, lengths, bm, bn, causal):
     got = answer(list(lengths), bm, bn, causal)
     want = packed_tile_map(lengths, None, bm, bn, causal).n_computed
     c = packed_tile_counts(lengths, None, bm, bn, causal)
-    wrong = {
-        c.per_document: "each document tiled from its own first token; the tiles here sit at fixed places in the row",
-        c.padded: "every document padded to the longest one",
-        c.dense: "every tile of the row, as if documents could see each other",
-    }
+    wrong = [
+        (c.per_document, "each document tiled from its own first token (the tiles here sit at fixed places)"),
+        (c.padded, "every document padded to the longest one"),
+        (c.dense, "every tile of the row, as if documents could see each other"),
+    ]
     if causal:
-        wrong.setdefault(packed_tile_map(lengths, None, bm, bn, False).n_computed, "the count without the causal mask")
+        wrong.append((packed_tile_map(lengths, None, bm, bn, False).n_computed, "the count without the causal mask"))
     try:
         expect_int(got, want, what)
     except AssertionError as e:
-        mistake = wrong.get(got) if isinstance(got, int) and got != want else None
-        if mistake:
-            raise AssertionError(f"{e} -- {got} is what you get for {mistake}") from None
+        mistakes = [text for n, text in wrong if n == got and n != want] if isinstance(got, int) else []
+        if mistakes:
+            raise AssertionError(f"{e} -- {got} is what you get for {' or for '.join(mistakes)}") from None
         raise
 
 
