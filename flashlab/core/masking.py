@@ -144,3 +144,132 @@ def tile_map(nq: int, nk: int, block_m: int, block_n: int, causal: bool = False,
     c1 = np.minimum(c0 + block_n, nk)  # (1, n_n)
     state = tile_state(r0, r1, c0, c1, band)  # (n_m, n_n)
     return TileMap(state=state, block_m=block_m, block_n=block_n, nq=nq, nk=nk)
+
+
+# -- packed batches: documents laid end to end in one row of tokens ------------------------------------------------
+#
+# Training packs documents of different lengths into one row; serving batches prompts of every length the same way
+# (FlashAttention's "varlen" layout, ``cu_seqlens``). Document d owns queries [qs_d, qs_d + lq_d) and keys
+# [ks_d, ks_d + lk_d) of the packed row, and a query sees only keys of its own document: the mask is
+# block-diagonal, with the causal or window mask inside each block, aligned to that block's bottom-right corner.
+
+
+def as_lengths(what: str, lengths) -> np.ndarray:
+    """Document lengths as an int64 array: a non-empty 1-D sequence of ints >= 1 (Python or NumPy, not bools).
+
+    TypeError for a non-integer entry, ValueError for an empty or nested sequence or a length below 1.
+    """
+    seq = list(lengths) if np.ndim(lengths) == 1 else None
+    if not seq:
+        raise ValueError(f"{what} must be a non-empty 1-D sequence of document lengths; got {lengths!r}")
+    return np.array([as_positive_int(f"{what}[{i}]", n) for i, n in enumerate(seq)], dtype=np.int64)
+
+
+def _packed_lengths(lengths_q, lengths_k) -> tuple[np.ndarray, np.ndarray]:
+    """Both length lists checked; ``lengths_k=None`` means self-attention (the same lengths)."""
+    lq = as_lengths("lengths_q", lengths_q)
+    lk = lq if lengths_k is None else as_lengths("lengths_k", lengths_k)
+    if lq.size != lk.size:
+        raise ValueError(
+            f"lengths_q and lengths_k must list the same documents; got {lq.size} query lengths and {lk.size} key "
+            "lengths"
+        )
+    return lq, lk
+
+
+def packed_visible_mask(lengths_q, lengths_k=None, causal: bool = False, window=None) -> np.ndarray:
+    """Boolean ``(sum(lengths_q), sum(lengths_k))`` array: True where a query of the packed row may see a key.
+
+    Block-diagonal: document d's block is ``visible_mask(lengths_q[d], lengths_k[d], causal, window)`` and every
+    pair of tokens from two different documents is hidden. Built whole, so it is for small rows and for checks.
+    """
+    lq, lk = _packed_lengths(lengths_q, lengths_k)
+    mask = np.zeros((int(lq.sum()), int(lk.sum())), dtype=bool)  # (Nq_total, Nk_total)
+    qs, ks = np.cumsum(lq) - lq, np.cumsum(lk) - lk  # first query and first key of each document
+    for q0, k0, nq, nk in zip(qs, ks, lq, lk, strict=True):
+        mask[q0 : q0 + nq, k0 : k0 + nk] = visible_mask(int(nq), int(nk), causal, window)
+    return mask
+
+
+def packed_tile_map(lengths_q, lengths_k, block_m: int, block_n: int, causal: bool = False, window=None) -> TileMap:
+    """The plan for one tiled pass over a packed row: which (query tile, key tile) pairs it computes.
+
+    Tiles cut the packed row without regard to where documents end, so a tile may hold parts of several
+    documents. A tile is SKIPPED when no document has a visible (query, key) pair inside it -- two different
+    documents meet there, or the causal mask hides it -- FULL when one document covers the whole tile and sees
+    all of it, PARTIAL otherwise. ``lengths_k=None`` means the same lengths as the queries (a training row).
+
+    Each document is classified with ``tile_state`` over the tiles its block overlaps, in its own coordinates, so
+    the work grows with the tiles the documents touch, not with the whole grid times the number of documents.
+    """
+    lq, lk = _packed_lengths(lengths_q, lengths_k)
+    block_m, block_n = as_count("block_m", block_m), as_count("block_n", block_n)
+    nq, nk = int(lq.sum()), int(lk.sum())
+    state = np.full((cdiv(nq, block_m), cdiv(nk, block_n)), SKIPPED, dtype=np.int8)  # (n_m, n_n)
+    qs, ks = np.cumsum(lq) - lq, np.cumsum(lk) - lk
+    for q0, k0, n_q, n_k in zip(qs.tolist(), ks.tolist(), lq.tolist(), lk.tolist(), strict=True):
+        band = visible_band(n_q, n_k, causal, window)  # in the document's own coordinates
+        t0, t1 = q0 // block_m, cdiv(q0 + n_q, block_m)  # the query tiles this document overlaps
+        u0, u1 = k0 // block_n, cdiv(k0 + n_k, block_n)  # and its key tiles
+        rows = np.arange(t0, t1, dtype=np.int64)[:, None] * block_m  # (tiles, 1) first packed row of each tile
+        cols = np.arange(u0, u1, dtype=np.int64)[None, :] * block_n  # (1, tiles)
+        # the part of each tile inside this document, in document coordinates: rows [r0, r1), keys [c0, c1)
+        r0, r1 = np.maximum(rows, q0) - q0, np.minimum(rows + block_m, min(q0 + n_q, nq)) - q0
+        c0, c1 = np.maximum(cols, k0) - k0, np.minimum(cols + block_n, min(k0 + n_k, nk)) - k0
+        doc = tile_state(r0, r1, c0, c1, band)  # (tiles, tiles) this document's share of each tile
+        # a share is FULL only if the document also covers the tile's every row and key
+        whole = ((rows >= q0) & (np.minimum(rows + block_m, nq) <= q0 + n_q)) & (
+            (cols >= k0) & (np.minimum(cols + block_n, nk) <= k0 + n_k)
+        )
+        doc = np.where((doc == FULL) & ~whole, PARTIAL, doc).astype(np.int8)
+        sub = state[t0:t1, u0:u1]
+        sub[...] = np.maximum(sub, doc)  # SKIPPED < PARTIAL < FULL: any visible share makes the tile computed
+    return TileMap(state=state, block_m=block_m, block_n=block_n, nq=nq, nk=nk)
+
+
+@dataclass(frozen=True)
+class PackedTileCounts:
+    """Tiles computed for one batch of documents, three ways.
+
+    - ``packed``: one row holding every document end to end, cut into tiles at fixed places, tiles skipped where
+      no document sees anything (``packed_tile_map``; a block mask over the packed row works this way).
+    - ``per_document``: the same row, but each document tiled from its own first token, as FlashAttention's
+      variable-length kernels do (``cu_seqlens``): no tile holds two documents, so it is the sum of each
+      document's own ``tile_map``.
+    - ``padded``: each document in a row of its own, padded at the end to the longest query and key length;
+      every row computes the tiles that mask leaves in a ``max(lengths_q) x max(lengths_k)`` call.
+    - ``dense``: the packed row as one sequence with no mask at all: every tile of the square.
+    """
+
+    packed: int
+    per_document: int
+    padded: int
+    dense: int
+
+    @property
+    def saved_vs_padded(self) -> float:
+        """The fraction of the padded batch's tiles that packing does not compute."""
+        return 1 - self.packed / self.padded
+
+
+def packed_tile_counts(
+    lengths_q, lengths_k, block_m: int, block_n: int, causal: bool = False, window=None
+) -> PackedTileCounts:
+    """Computed tiles for a packed row against padding to the longest document and against a dense square.
+
+    Exact integers; the arguments mean what they mean in ``packed_tile_map``. Neither way of tiling the packed row
+    always wins: many short documents share one fixed tile (``packed`` is smaller), while documents whose ends fall
+    inside tiles pay for the straddling tiles twice over (``per_document`` is smaller). When every document is as
+    long as the longest, fixed tiles that straddle two documents can even make ``packed`` exceed ``padded``;
+    ``per_document`` never does for self-attention (``lengths_k`` None or equal to ``lengths_q``), since each
+    document's tiles are a corner of the longest one's.
+    """
+    lq, lk = _packed_lengths(lengths_q, lengths_k)
+    packed = packed_tile_map(lq, lk, block_m, block_n, causal, window).n_computed
+    per_row = tile_map(int(lq.max()), int(lk.max()), block_m, block_n, causal, window).n_computed
+    per_document = sum(
+        tile_map(n_q, n_k, block_m, block_n, causal, window).n_computed
+        for n_q, n_k in zip(lq.tolist(), lk.tolist(), strict=True)
+    )
+    dense = cdiv(int(lq.sum()), block_m) * cdiv(int(lk.sum()), block_n)
+    return PackedTileCounts(packed=packed, per_document=per_document, padded=int(lq.size) * per_row, dense=dense)

@@ -1,4 +1,5 @@
-"""Exercises for notebook 03 (tiling in NumPy): the tiled forward pass, and counting the tiles a causal mask skips.
+"""Exercises for notebook 03 (tiling in NumPy): the tiled forward pass, counting the tiles a causal mask skips, and
+counting the tiles a packed row of documents computes.
 
 Masks follow flashlab's convention (``flashlab.core.masking``): aligned to the bottom-right, so with Nq queries and
 Nk keys query i sees keys j <= i + (Nk - Nq).
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashlab.core.masking import tile_map
+from flashlab.core.masking import packed_tile_counts, packed_tile_map, tile_map
 from flashlab.exercises import Exercise, graded
 from flashlab.exercises.checks import MASK_MISALIGNED, expect_array, expect_int, unpack
 from flashlab.reference import attention
@@ -47,6 +48,25 @@ EXERCISES = [
         Returns (computed, skipped), two ints: a tile is skipped when the mask hides every element of it, and
         computed otherwise (even if only one element of it is visible). computed + skipped is the number of tiles.
         With nq = nk = 1024 and 128 x 128 tiles: (36, 28).
+        """,
+    ),
+    Exercise(
+        id="03.count_packed_tiles",
+        title="counting the tiles a packed row of documents computes",
+        signature="lengths, block_m, block_n, causal=False",
+        imports="",
+        doc="""
+        How many (query tile, key tile) pairs a tiled kernel computes over documents packed into one row.
+
+        lengths           the documents' lengths, in the order they lie end to end in one row of
+                          sum(lengths) tokens; the row's tokens are both the queries and the keys
+        block_m, block_n  tile sizes; tiles cut the row at fixed places (0, block_m, 2 * block_m, ...) whatever
+                          the documents, so one tile may hold parts of several documents
+        causal            if True, a token sees only itself and the tokens before it in its own document
+
+        A query sees only keys of its own document. Returns an int: the number of tiles holding at least one
+        (query, key) pair of the same document that the query may see. Every other tile is skipped.
+        With lengths [3, 5] and 4 x 4 tiles: 4 (all of them), and 3 with causal=True.
         """,
     ),
 ]
@@ -191,3 +211,76 @@ def test_tiles_long_sequence_half(answer):
     c, s = unpack(answer(8192, 8192, 128, 128), 2, "count_causal_tiles(8192, 8192, 128, 128)")
     expect_int(c, 2080, "computed tiles at 8,192 tokens")
     expect_int(s, 2016, "skipped tiles at 8,192 tokens")
+
+
+# the long-tailed batch notebook 03 draws (seed 2), and its count in 64 x 64 causal tiles
+NOTEBOOK_BATCH = [109, 54, 60, 8, 545, 283, 66, 196]
+
+
+def _expect_packed(answer, lengths, bm, bn, causal):
+    what = f"count_packed_tiles({lengths if len(lengths) <= 12 else '[...]'}, {bm}, {bn}, causal={causal})"
+    got = answer(list(lengths), bm, bn, causal)
+    want = packed_tile_map(lengths, None, bm, bn, causal).n_computed
+    c = packed_tile_counts(lengths, None, bm, bn, causal)
+    wrong = [
+        (c.per_document, "each document tiled from its own first token (the tiles here sit at fixed places)"),
+        (c.padded, "every document padded to the longest one"),
+        (c.dense, "every tile of the row, as if documents could see each other"),
+    ]
+    if causal:
+        wrong.append((packed_tile_map(lengths, None, bm, bn, False).n_computed, "the count without the causal mask"))
+    try:
+        expect_int(got, want, what)
+    except AssertionError as e:
+        mistakes = [text for n, text in wrong if n == got and n != want] if isinstance(got, int) else []
+        if mistakes:
+            raise AssertionError(f"{e} -- {got} is what you get for {' or for '.join(mistakes)}") from None
+        raise
+
+
+@graded("03.count_packed_tiles", 1)
+def test_packed_small_example(answer):
+    """the docstring's example: lengths [3, 5] in 4 x 4 tiles, with and without causal"""
+    _expect_packed(answer, [3, 5], 4, 4, False)
+    _expect_packed(answer, [3, 5], 4, 4, True)
+
+
+@graded("03.count_packed_tiles", 1)
+def test_packed_notebook_batch(answer):
+    """the notebook's long-tailed batch of 8 documents (1,321 tokens) in 64 x 64 tiles"""
+    _expect_packed(answer, NOTEBOOK_BATCH, 64, 64, True)
+    _expect_packed(answer, NOTEBOOK_BATCH, 64, 64, False)
+
+
+@graded("03.count_packed_tiles", 2)
+def test_packed_random_batches(answer):
+    """fresh long-tailed batches, tile sizes that do not divide the documents, causal or not"""
+    rng = np.random.default_rng()
+    for _ in range(6):
+        n = int(rng.integers(2, 13))
+        lengths = [int(x) for x in np.ceil(rng.lognormal(np.log(40), 1.0, n))]
+        bm, bn = int(rng.integers(4, 80)), int(rng.integers(4, 80))
+        _expect_packed(answer, lengths, bm, bn, bool(rng.integers(2)))
+
+
+@graded("03.count_packed_tiles", 1)
+def test_packed_short_documents_share_a_tile(answer):
+    """a hundred one-token documents fit in one 128 x 128 tile: the kernel computes that one tile"""
+    _expect_packed(answer, [1] * 100, 128, 128, True)
+    _expect_packed(answer, [1] * 300, 128, 128, False)
+
+
+@graded("03.count_packed_tiles", 1)
+def test_packed_straddling_tiles(answer):
+    """eight 200-token documents in 128 x 128 tiles: tiles that hold two documents' ends are computed"""
+    _expect_packed(answer, [200] * 8, 128, 128, True)
+    _expect_packed(answer, [200] * 8, 128, 96, False)
+
+
+@graded("03.count_packed_tiles", 1)
+def test_packed_one_document(answer):
+    """one document is an ordinary attention call: the count of tile_map for its length"""
+    rng = np.random.default_rng()
+    n, bm, bn = int(rng.integers(100, 1500)), int(rng.integers(8, 130)), int(rng.integers(8, 130))
+    _expect_packed(answer, [n], bm, bn, True)
+    _expect_packed(answer, [n], bm, bn, False)

@@ -53,3 +53,24 @@ def count_causal_tiles(nq, nk, block_m, block_n):
             if c0 <= last_row + offset:  # the tile's last row reaches its first key
                 computed += 1
     return computed, total - computed
+
+
+# %% exercise 03.count_packed_tiles
+def count_packed_tiles(lengths, block_m, block_n, causal=False):
+    ends = []  # one past each document's last token
+    for n in lengths:
+        ends.append((ends[-1] if ends else 0) + n)
+    total = ends[-1]
+    computed = 0
+    for r0 in range(0, total, block_m):
+        r1 = min(r0 + block_m, total)
+        key_tiles = set()  # the key tiles some query row of this tile sees
+        start = 0
+        for end in ends:
+            if start < r1 and end > r0:  # this document has query rows in the tile
+                last_row = min(end, r1) - 1
+                last_key = last_row if causal else end - 1  # its rows see keys start .. last_key
+                key_tiles.update(range(start // block_n, last_key // block_n + 1))
+            start = end
+        computed += len(key_tiles)
+    return computed
