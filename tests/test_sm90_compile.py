@@ -87,7 +87,7 @@ def test_kvcache_kernel_compiles_for_hopper(page_size, window):
     work = torch.empty(8, dtype=torch.float32)
     errors = torch.zeros(kvcache.ERROR_RECORD_INTS, dtype=torch.int32)
     counters = torch.zeros(4, dtype=torch.int32)
-    tensors = (q, cache, cache, table, seqlens, work, work, q, work, counters, errors)
+    tensors = (q, cache, cache, table, seqlens, seqlens, work, work, q, work, counters, errors)
     tiles = default_tiles(dtype)
     constexprs, options = split_config(gpu_meta(args.meta, dtype), tiles)
     ptx = compile_sm90(kvcache.kvcache_partial, (*tensors, *args.scalars, *args.tune), constexprs, options)

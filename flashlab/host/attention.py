@@ -292,7 +292,8 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal, w
     plan = PLANS.get(key)  # a plan exists only for a signature whose shapes passed
     if plan is None:
         if ragged is None:
-            checked = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+            checked, _ = check_kvcache_shapes(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale,
+                                              None, max_seqlen_q)  # fmt: skip
         plan = remember(key, kvcache_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale,
                                           checked, ragged))  # fmt: skip
     capacity, pages, page_size, record, unreported = plan.extra

@@ -212,8 +212,8 @@ def check_ragged_queries(q, cu_seqlens_q, max_seqlen_q) -> int:
 def check_ragged_values(cu_seqlens_q, cache_seqlens, total_q: int, max_seqlen_q) -> int:
     """Read ``cu_seqlens_q`` and ``cache_seqlens`` on the host (one synchronisation on a GPU) and raise a
     ValueError unless the offsets start at 0, never decrease, end at ``total_q``, give no sequence more query rows
-    than its cache holds keys, and none more than ``max_seqlen_q`` (if given). Returns the most query rows a
-    sequence has (at least 1)."""
+    than its cache holds keys, and none more than ``max_seqlen_q`` (if given). Returns ``max_seqlen_q``, or where
+    it is None the most query rows a sequence has (at least 1)."""
     b = cache_seqlens.shape[0]
     values = torch.cat([cu_seqlens_q, cache_seqlens]).tolist()  # one transfer
     cu, lengths = values[: b + 1], values[b + 1 :]
@@ -233,7 +233,7 @@ def check_ragged_values(cu_seqlens_q, cache_seqlens, total_q: int, max_seqlen_q)
     longest = max(max(rows), 1)
     if max_seqlen_q is not None and max_seqlen_q < longest:
         raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is less than the longest sequence's query rows ({longest})")
-    return longest
+    return longest if max_seqlen_q is None else max_seqlen_q
 
 
 def check_kvcache_values(cache_seqlens, block_table, capacity: int, pages: int, page_size: int) -> None:
