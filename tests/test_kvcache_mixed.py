@@ -138,7 +138,8 @@ def test_the_operator_takes_the_packed_layout():
     q, kc, vc, seqlens, table, cu = mixed_case(6, True, rows=[2, 0, 1], lengths=[5, 3, 20])
     args = (q, kc, vc, seqlens, table, True, -1, -1, None, True, False, cu, 2)
     o, lse = torch.ops.flashlab.attention_with_kvcache(*(x.to("meta") if torch.is_tensor(x) else x for x in args))
-    assert o.device.type == "meta" and o.shape == q.shape and lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+    assert o.device.type == "meta" and o.shape == q.shape
+    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
     o, lse = torch.ops.flashlab.attention_with_kvcache(*args)
     eager = flash_attention_with_kvcache(q, kc, vc, seqlens, table, True, return_lse=True, cu_seqlens_q=cu)
     assert torch.equal(o, eager[0]) and torch.equal(lse, eager[1])
@@ -153,12 +154,24 @@ def bad_calls():
         ("one entry", dict(cu_seqlens_q=cu[:1]), ValueError, r"cu_seqlens_q must be \(B \+ 1,\)"),
         ("wrong batch", dict(cu_seqlens_q=cu[:-1]), ValueError, "cache_seqlens must have one length per sequence"),
         ("not at 0", dict(cu_seqlens_q=cu + 1), ValueError, "must start at 0"),
-        ("decreasing", dict(cu_seqlens_q=torch.tensor([0, 7, 6, 9, 9, 30, 31], dtype=torch.int32)), ValueError,
-         r"must not decrease; got cu_seqlens_q\[1\] = 7 > cu_seqlens_q\[2\] = 6"),
-        ("short end", dict(cu_seqlens_q=torch.tensor([0, 7, 8, 9, 9, 29, 30], dtype=torch.int32)), ValueError,
-         r"last entry \(30\) must equal q's rows, total_q = 31"),
-        ("rows past the cache", dict(cache_seqlens=torch.tensor([40, 17, 33, 9, 20, 1], dtype=torch.int32)),
-         ValueError, r"sequence 4 has 21 query rows but cache_seqlens\[4\] = 20"),
+        (
+            "decreasing",
+            dict(cu_seqlens_q=torch.tensor([0, 7, 6, 9, 9, 30, 31], dtype=torch.int32)),
+            ValueError,
+            r"must not decrease; got cu_seqlens_q\[1\] = 7 > cu_seqlens_q\[2\] = 6",
+        ),
+        (
+            "short end",
+            dict(cu_seqlens_q=torch.tensor([0, 7, 8, 9, 9, 29, 30], dtype=torch.int32)),
+            ValueError,
+            r"last entry \(30\) must equal q's rows, total_q = 31",
+        ),
+        (
+            "rows past the cache",
+            dict(cache_seqlens=torch.tensor([40, 17, 33, 9, 20, 1], dtype=torch.int32)),
+            ValueError,
+            r"sequence 4 has 21 query rows but cache_seqlens\[4\] = 20",
+        ),
         ("small max", dict(max_seqlen_q=20), ValueError, r"max_seqlen_q \(20\) is less than .* \(21\)"),
         ("bad max", dict(max_seqlen_q=0), ValueError, "max_seqlen_q must be None or an int >= 1"),
         ("float max", dict(max_seqlen_q=21.0), ValueError, "max_seqlen_q must be None or an int >= 1"),

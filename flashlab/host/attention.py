@@ -310,5 +310,5 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal, w
     return o, lse
 
 
-__all__ = ["check_kvcache_shapes", "flash_attention", "flash_attention_with_kvcache", "forward", "ints_to_window", "kvcache_attention",
-           "window_to_ints"]  # fmt: skip
+__all__ = ["check_kvcache_shapes", "flash_attention", "flash_attention_with_kvcache", "forward", "ints_to_window",
+           "kvcache_attention", "window_to_ints"]  # fmt: skip

@@ -21,6 +21,13 @@ normalises and writes the output itself.
 Without a block table the cache is
 ``(B, Nk_max, Hk, D)``, one slab per sequence, read the same way.
 
+A mixed batch (prefill chunks and single decode rows together) packs q as ``(total_q, Hq, D)``, sequence b's rows
+being ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` (``RAGGED_Q``, a compile-time branch: the uniform kernel is
+unchanged). Each program reads its sequence's row offset and count from ``cu_seqlens_q``, so one grid, cut for the
+longest sequence's rows (``max_seqlen_q``), serves every split of the rows: a block of packed rows past its
+sequence's ``GROUP * rows`` exits at once, and the masks align to the sequence's end with its own row count. o is
+``(total_q, Hq, D)`` and lse ``(Hq, total_q)``, as FlashAttention's variable-length calls return them.
+
 A bad block table or length never makes the kernel read outside the pool, and never gives a quiet wrong answer.
 A length outside ``[0, capacity]`` is clamped to it, and a table entry outside ``[0, num_blocks)`` is never
 followed; either way the program that meets it writes NaN into its partial output, so every output row of that
@@ -368,7 +375,8 @@ class KVCacheArguments:
 # the modules whose device functions the kernel calls: what a CPU launch lets the interpreter call
 DEVICE_MODULES = (softmax_step, sys.modules[__name__])
 # the kernel's tensor parameters, in order
-PARTIAL_TENSORS = ("Q", "K", "V", "BLOCK_TABLE", "SEQLENS", "CU_SEQLENS_Q", "O_PART", "LSE_PART", "O", "LSE", "COUNTERS", "ERRORS")
+PARTIAL_TENSORS = ("Q", "K", "V", "BLOCK_TABLE", "SEQLENS", "CU_SEQLENS_Q", "O_PART", "LSE_PART", "O", "LSE",
+                   "COUNTERS", "ERRORS")  # fmt: skip
 
 
 def bucket_query(q, nq: int):
