@@ -30,11 +30,11 @@ def offsets(rows) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int32)
 
 
-def mixed_case(seed, paged, rows=ROWS, lengths=LENGTHS, hq=4, hk=2, d=16, dtype=torch.float32, capacity=64):
+def mixed_case(seed, paged, rows=ROWS, lengths=LENGTHS, hq=4, hk=2, d=16, dtype=torch.float32, capacity=64, bs=16):
     """``(q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q)``: q packed ``(total_q, Hq, D)``; a pool
-    of 16-token blocks in shuffled order (one block shared), or with ``paged`` False one slab per sequence."""
+    of ``bs``-token blocks in shuffled order (one block shared), or with ``paged`` False one slab per sequence."""
     b = len(rows)
-    _, kc, vc, seqlens, table = paged_case(seed, b, hq, hk, 1, d, 16, dtype, capacity, lengths=lengths)
+    _, kc, vc, seqlens, table = paged_case(seed, b, hq, hk, 1, d, bs, dtype, capacity, lengths=lengths)
     if not paged:  # the same keys, one (capacity, Hk, D) slab per sequence
         slabs = torch.zeros(2, b, capacity, hk, d, dtype=dtype)
         for i, n in enumerate(lengths):
