@@ -132,16 +132,21 @@ def test_a_bad_length_in_a_mixed_batch_is_reported():
         flash_attention_with_kvcache(q, kc, vc, seqlens, table, cu_seqlens_q=cu)
 
 
-def test_the_operator_takes_the_packed_layout():
-    """The compiled operator's new arguments: its fake (what torch.compile traces, and what meta tensors run)
-    gives the packed shapes, its run the eager call's bits."""
+def test_a_mixed_step_compiles_into_one_operator_node():
+    """torch.compile traces the packed call into the registered operator (its fake gives the packed shapes, as
+    meta tensors show), which runs the eager call's plan: the same bits."""
     q, kc, vc, seqlens, table, cu = mixed_case(6, True, rows=[2, 0, 1], lengths=[5, 3, 20])
     args = (q, kc, vc, seqlens, table, True, -1, -1, None, True, False, cu, 2)
     o, lse = torch.ops.flashlab.attention_with_kvcache(*(x.to("meta") if torch.is_tensor(x) else x for x in args))
     assert o.device.type == "meta" and o.shape == q.shape
     assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
-    o, lse = torch.ops.flashlab.attention_with_kvcache(*args)
-    eager = flash_attention_with_kvcache(q, kc, vc, seqlens, table, True, return_lse=True, cu_seqlens_q=cu)
+
+    def step(q, kc, vc, seqlens, table, cu):
+        return flash_attention_with_kvcache(q, kc, vc, seqlens, table, causal=True, return_lse=True, cu_seqlens_q=cu)
+
+    torch._dynamo.reset()
+    o, lse = torch.compile(step, backend="aot_eager", fullgraph=True)(q, kc, vc, seqlens, table, cu)
+    eager = step(q, kc, vc, seqlens, table, cu)
     assert torch.equal(o, eager[0]) and torch.equal(lse, eager[1])
 
 
