@@ -87,7 +87,7 @@ def test_kvcache_kernel_compiles_for_hopper(page_size, window):
     work = torch.empty(8, dtype=torch.float32)
     errors = torch.zeros(kvcache.ERROR_RECORD_INTS, dtype=torch.int32)
     counters = torch.zeros(4, dtype=torch.int32)
-    tensors = (q, cache, cache, table, seqlens, work, work, q, work, counters, errors)
+    tensors = (q, cache, cache, table, seqlens, seqlens, work, work, q, work, counters, errors)
     tiles = default_tiles(dtype)
     constexprs, options = split_config(gpu_meta(args.meta, dtype), tiles)
     ptx = compile_sm90(kvcache.kvcache_partial, (*tensors, *args.scalars, *args.tune), constexprs, options)
@@ -109,3 +109,30 @@ def test_split_kv_kernel_compiles_for_hopper(dtype):
     constexprs, options = split_config(gpu_meta(args.meta, dtype), tiles)
     ptx = compile_sm90(split_kv.split_kv_partial, (*tensors, *args.scalars, *args.tune), constexprs, options)
     assert "atom" in ptx  # the chunks' merge counters
+
+
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_ragged_kvcache_kernel_compiles_for_hopper(page_size):
+    """The paged kernel with packed query rows (``RAGGED_Q``): offsets read on the device, an early exit for row
+    blocks past a sequence's rows."""
+    b, hq, hk, d, max_seqlen_q, total_q, capacity = 3, 8, 2, 128, 64, 70, 1024
+    dtype = torch.bfloat16
+    q = torch.empty(total_q, hq, d, dtype=dtype)
+    if page_size:
+        cache = torch.empty(b * capacity // page_size, page_size, hk, d, dtype=dtype)
+        table = torch.zeros(b, capacity // page_size, dtype=torch.int32)
+    else:
+        cache = torch.empty(b, capacity, hk, d, dtype=dtype)
+        table = torch.zeros(b, dtype=torch.int32)
+    _, win_left, win_right, qk_scale, _ = kernel_band(max_seqlen_q, capacity, d, True, None, None)
+    args = kvcache.KVCacheArguments(q, cache, cache, table, page_size, capacity, win_left, win_right, qk_scale,
+                                    ragged=(b, max_seqlen_q))  # fmt: skip
+    assert args.meta["RAGGED_Q"] and args.grid[2] > 1  # several blocks of rows: some exit in a short sequence
+    seqlens, cu_seqlens_q = torch.zeros(b, dtype=torch.int32), torch.zeros(b + 1, dtype=torch.int32)
+    work = torch.empty(8, dtype=torch.float32)
+    errors = torch.zeros(kvcache.ERROR_RECORD_INTS, dtype=torch.int32)
+    counters = torch.zeros(4, dtype=torch.int32)
+    tensors = (q, cache, cache, table, seqlens, cu_seqlens_q, work, work, q, work, counters, errors)
+    constexprs, options = split_config(gpu_meta(args.meta, dtype), default_tiles(dtype))
+    ptx = compile_sm90(kvcache.kvcache_partial, (*tensors, *args.scalars, *args.tune), constexprs, options)
+    assert "atom" in ptx

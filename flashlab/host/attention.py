@@ -28,6 +28,8 @@ from flashlab.host.checks import (
     check_kvcache_inputs,
     check_kvcache_values,
     check_num_splits,
+    check_ragged_queries,
+    check_ragged_values,
     check_rung,
     check_values_flag,
 )
@@ -188,6 +190,8 @@ def flash_attention_with_kvcache(
     return_lse=False,
     *,
     check_values=True,
+    cu_seqlens_q=None,
+    max_seqlen_q=None,
 ):
     """Attention of new queries against a KV cache with per-sequence lengths, paged or not.
 
@@ -219,34 +223,79 @@ def flash_attention_with_kvcache(
       GPU that costs one synchronisation per call, which stalls a decode loop.
     - ``False``: nothing is reported (the NaN rows stay the only sign; an error recorded earlier waits for the
       next call that checks).
+
+    Mixed batches (some sequences' prefill chunks, others' single decode rows, in one launch): with
+    ``cu_seqlens_q`` (int32 ``(B + 1,)`` on q's device) q is packed ``(total_q, Hq, D)``, sequence b's rows being
+    ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]``, its newest positions (a sequence may have none); o comes back
+    ``(total_q, Hq, D)`` and lse ``(Hq, total_q)``, and the masks align to each sequence's own end as above, with
+    its own row count for Nq. ``max_seqlen_q``, the most rows a sequence has, sizes the launch. The offsets are
+    read on the host (one synchronisation on a GPU) unless ``check_values`` is False and ``max_seqlen_q`` is
+    given, and a ValueError names any that do not start at 0, decrease, end at total_q, or give a sequence more
+    rows than its cache holds keys. Inside CUDA-graph capture the host cannot read them: pass ``max_seqlen_q``.
     """
     if torch.compiler.is_compiling():  # the values are checked inside the operator, when it runs
         mode = check_values_flag(check_values)
-        check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+        check_kvcache_shapes(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, cu_seqlens_q,
+                             max_seqlen_q)  # fmt: skip
         left, right = window_to_ints(window)
         o, lse = torch.ops.flashlab.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
                                                            left, right, scale, mode != NO_CHECK,
-                                                           mode == SYNC_CHECK)  # fmt: skip
+                                                           mode == SYNC_CHECK, cu_seqlens_q,
+                                                           max_seqlen_q)  # fmt: skip
         return (o, lse) if return_lse else o
     o, lse = kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, check_values,
-                               return_lse)  # fmt: skip
+                               return_lse, cu_seqlens_q, max_seqlen_q)  # fmt: skip
     return (o, lse) if return_lse else o
 
 
+def check_kvcache_shapes(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, cu_seqlens_q,
+                         max_seqlen_q):  # fmt: skip
+    """``check_kvcache_inputs`` for q as it comes: ``(B, Hq, Nq, D)``, or packed ``(total_q, Hq, D)`` with
+    ``cu_seqlens_q`` (its shapes checked by ``check_ragged_queries``). Returns ``(checked, b)``: what
+    ``check_kvcache_inputs`` returns, and B for a packed q (else None)."""
+    if cu_seqlens_q is None:
+        if max_seqlen_q is not None:
+            raise ValueError("max_seqlen_q sizes a packed q: pass it with cu_seqlens_q")
+        return check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale), None
+    b = check_ragged_queries(q, cu_seqlens_q, max_seqlen_q)
+    per_sequence = q[:1].unsqueeze(2).expand(b, -1, max_seqlen_q or 1, -1)  # (B, Hq, Nq, D): a view, for the checks
+    checked = check_kvcache_inputs(per_sequence, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+    return checked, b
+
+
 def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, check_values,
-                      need_lse=True):  # fmt: skip
+                      need_lse=True, cu_seqlens_q=None, max_seqlen_q=None):  # fmt: skip
     """``flash_attention_with_kvcache`` in eager mode: ``(o, lse)`` (lse None unless ``need_lse``). The shapes are
     checked when the signature is planned. The values, as ``check_values`` asks: the device's error record is read
     first (a plain memory read) and raises what an earlier launch met; with "sync" the host reads the lengths and
     the table (except while a CUDA graph is being captured, where the host cannot read device memory); on the CPU
-    the record is read again after the launch, which the interpreter has run to its end."""
+    the record is read again after the launch, which the interpreter has run to its end.
+
+    A packed q (``cu_seqlens_q``) has its shapes checked on every call and its offsets read on the host
+    (``check_ragged_values``) unless ``check_values`` is False and ``max_seqlen_q`` is given; its plan is keyed by
+    total_q and max_seqlen_q (what the grid and the scratch are cut for)."""
     mode = DEVICE_CHECK if check_values is True else check_values_flag(check_values)
-    key = kvcache_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+    ragged = None
+    if cu_seqlens_q is not None:
+        checked, b = check_kvcache_shapes(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale,
+                                          cu_seqlens_q, max_seqlen_q)  # fmt: skip
+        if mode is not NO_CHECK or max_seqlen_q is None:
+            if q.is_cuda and stream_capturing():
+                if max_seqlen_q is None:
+                    raise ValueError("the host cannot read cu_seqlens_q while a CUDA graph is captured: pass "
+                                     "max_seqlen_q")  # fmt: skip
+            else:
+                max_seqlen_q = check_ragged_values(cu_seqlens_q, cache_seqlens, q.shape[0], max_seqlen_q)
+        ragged = (b, max_seqlen_q)
+    key = kvcache_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, cu_seqlens_q,
+                            max_seqlen_q)  # fmt: skip
     plan = PLANS.get(key)  # a plan exists only for a signature whose shapes passed
     if plan is None:
-        checked = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+        if ragged is None:
+            checked, _ = check_kvcache_shapes(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale,
+                                              None, max_seqlen_q)  # fmt: skip
         plan = remember(key, kvcache_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale,
-                                          checked))  # fmt: skip
+                                          checked, ragged))  # fmt: skip
     capacity, pages, page_size, record, unreported = plan.extra
     if mode is NO_CHECK:
         record = unreported
@@ -255,11 +304,11 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal, w
             raise_recorded(record, earlier=True)
         if mode is SYNC_CHECK and not (q.is_cuda and stream_capturing()):
             check_kvcache_values(cache_seqlens, block_table, capacity, pages, page_size)
-    o, lse = run_kvcache(plan, q, k_cache, v_cache, cache_seqlens, block_table, need_lse, record.tensor)
+    o, lse = run_kvcache(plan, q, k_cache, v_cache, cache_seqlens, block_table, need_lse, record.tensor, cu_seqlens_q)
     if not q.is_cuda and mode is not NO_CHECK:  # the interpreter has finished: this call's own error
         raise_recorded(record, earlier=False)
     return o, lse
 
 
-__all__ = ["flash_attention", "flash_attention_with_kvcache", "forward", "ints_to_window", "kvcache_attention",
-           "window_to_ints"]  # fmt: skip
+__all__ = ["check_kvcache_shapes", "flash_attention", "flash_attention_with_kvcache", "forward", "ints_to_window",
+           "kvcache_attention", "window_to_ints"]  # fmt: skip

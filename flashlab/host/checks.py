@@ -187,6 +187,55 @@ def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal
     return capacity, pages, (page_size if block_table is not None else 0)
 
 
+def check_ragged_queries(q, cu_seqlens_q, max_seqlen_q) -> int:
+    """Validate a ragged ``flash_attention_with_kvcache`` call's packed q ``(total_q, Hq, D)``, its ``cu_seqlens_q``
+    (int32 ``(B + 1,)`` on q's device) and ``max_seqlen_q`` (None or an int >= 1), as far as their shapes go;
+    returns B. The offsets' values are ``check_ragged_values``'."""
+    check_dense("q", q)
+    check_dense("cu_seqlens_q", cu_seqlens_q)
+    if q.ndim != 3:
+        raise ValueError(f"with cu_seqlens_q, q is packed as (total_q, Hq, D) and must have 3 dims; got shape "
+                         f"{tuple(q.shape)}")  # fmt: skip
+    if cu_seqlens_q.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens_q must be int32; got {cu_seqlens_q.dtype}")
+    if cu_seqlens_q.ndim != 1 or cu_seqlens_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q must be (B + 1,) with B >= 1; got shape {tuple(cu_seqlens_q.shape)}")
+    if cu_seqlens_q.device != q.device:
+        raise ValueError(f"cu_seqlens_q must be on q's device ({q.device}); got {cu_seqlens_q.device}")
+    if q.shape[0] == 0:
+        raise ValueError(f"q has no query rows (shape {tuple(q.shape)}); a packed q needs at least one")
+    if max_seqlen_q is not None and (type(max_seqlen_q) is not int or max_seqlen_q < 1):
+        raise ValueError(f"max_seqlen_q must be None or an int >= 1; got {max_seqlen_q!r}")
+    return cu_seqlens_q.shape[0] - 1
+
+
+def check_ragged_values(cu_seqlens_q, cache_seqlens, total_q: int, max_seqlen_q) -> int:
+    """Read ``cu_seqlens_q`` and ``cache_seqlens`` on the host (one synchronisation on a GPU) and raise a
+    ValueError unless the offsets start at 0, never decrease, end at ``total_q``, give no sequence more query rows
+    than its cache holds keys, and none more than ``max_seqlen_q`` (if given). Returns ``max_seqlen_q``, or where
+    it is None the most query rows a sequence has (at least 1)."""
+    b = cache_seqlens.shape[0]
+    values = torch.cat([cu_seqlens_q, cache_seqlens]).tolist()  # one transfer
+    cu, lengths = values[: b + 1], values[b + 1 :]
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens_q must start at 0; got cu_seqlens_q[0] = {cu[0]}")
+    rows = [cu[i + 1] - cu[i] for i in range(b)]
+    for i, n in enumerate(rows):
+        if n < 0:
+            raise ValueError(f"cu_seqlens_q must not decrease; got cu_seqlens_q[{i}] = {cu[i]} > "
+                             f"cu_seqlens_q[{i + 1}] = {cu[i + 1]}")  # fmt: skip
+    if cu[-1] != total_q:
+        raise ValueError(f"cu_seqlens_q's last entry ({cu[-1]}) must equal q's rows, total_q = {total_q}")
+    for i, (n, length) in enumerate(zip(rows, lengths, strict=True)):
+        if n > length:
+            raise ValueError(f"sequence {i} has {n} query rows but cache_seqlens[{i}] = {length}: its query rows are "
+                             "its newest positions, so its cache must hold at least as many keys")  # fmt: skip
+    longest = max(max(rows), 1)
+    if max_seqlen_q is not None and max_seqlen_q < longest:
+        raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is less than the longest sequence's query rows ({longest})")
+    return longest if max_seqlen_q is None else max_seqlen_q
+
+
 def check_kvcache_values(cache_seqlens, block_table, capacity: int, pages: int, page_size: int) -> None:
     """A ValueError for a length outside ``[0, capacity]`` or a used block-table entry outside the pool, read on
     the host: one synchronisation on a GPU (``check_values="sync"``)."""
@@ -239,6 +288,8 @@ __all__ = [
     "check_kvcache_inputs",
     "check_kvcache_values",
     "check_num_splits",
+    "check_ragged_queries",
+    "check_ragged_values",
     "check_rung",
     "check_scale",
     "check_values_flag",

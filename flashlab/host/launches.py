@@ -216,11 +216,16 @@ def _advance(plan, kernel, jit_function, grid, args, kwargs, tensor_names, runti
     plan.advance(build, check)
 
 
-def kvcache_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, checked) -> Plan:
+def kvcache_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, checked,
+                 ragged=None) -> Plan:  # fmt: skip
     """The plan of a ``flash_attention_with_kvcache`` signature whose shapes passed (``checked``: capacity, pool
-    blocks and block size from ``flashlab.host.checks.check_kvcache_inputs``)."""
+    blocks and block size from ``flashlab.host.checks.check_kvcache_inputs``). ``ragged`` ``(B, max_seqlen_q)``:
+    q is packed ``(total_q, Hq, D)`` (``cu_seqlens_q``), o is returned so and lse as ``(Hq, total_q)``."""
     capacity, _, page_size = checked
-    b, hq, nq, d = q.shape
+    if ragged is None:
+        b, hq, nq, d = q.shape
+    else:
+        (b, nq), (total, hq, d) = ragged, q.shape
     _, win_left, win_right, qk_scale, negate = kernel_band(nq, capacity, d, causal, window, scale)
     plan = Plan(KVCACHE, None)
     plan.copy, plan.negate = (q.stride(-1) != 1, False, False), negate
@@ -235,18 +240,21 @@ def kvcache_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, window
     if plan.copy_table:
         table = table.contiguous()
     plan.args = kvcache.KVCacheArguments(q, k_cache, v_cache, table, page_size, capacity, win_left, win_right,
-                                         qk_scale)  # fmt: skip
+                                         qk_scale, ragged)  # fmt: skip
     # the values of later calls' lengths and tables are checked against these; the device's error records
     plan.extra = (*checked, kvcache_errors.error_record(q.device), kvcache_errors.unreported_record(q.device))
     plan.o_like_q = q.is_contiguous()  # o is allocated contiguous: then like q, which is quicker
-    plan.o_shape, plan.lse_shape = (b, hq, nq, d), (b, hq, nq)
+    if ragged is None:
+        plan.o_shape, plan.lse_shape = (b, hq, nq, d), (b, hq, nq)
+    else:
+        plan.o_shape, plan.lse_shape = (total, hq, d), (hq, total)
     return plan
 
 
-def run_kvcache(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, need_lse, errors):
+def run_kvcache(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, need_lse, errors, cu_seqlens_q=None):
     """A KV-cache plan's launch on tensors of its signature: ``(o, lse)`` (lse None unless ``need_lse``).
     ``errors`` is the error record the kernel writes a bad length or table entry into
-    (``flashlab.host.kvcache_errors``)."""
+    (``flashlab.host.kvcache_errors``); ``cu_seqlens_q`` the packed query rows' offsets of a ragged plan."""
     if plan.copy[0]:
         q = q.contiguous()
     if plan.negate:
@@ -256,11 +264,16 @@ def run_kvcache(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, nee
     table = cache_seqlens if block_table is None else block_table  # never read without a block table
     if plan.copy_table:
         table = table.contiguous()
+    if cu_seqlens_q is None:
+        cu_seqlens_q = cache_seqlens  # never read by a uniform plan
+    elif not cu_seqlens_q.is_contiguous():
+        cu_seqlens_q = cu_seqlens_q.contiguous()
     o = torch.empty_like(q) if plan.o_like_q else torch.empty(plan.o_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if need_lse else None
     if not q.is_cuda:
         o_part, lse_part, spare, counters = workspace(plan, q.device, 0)
-        tensors = (q, k_cache, v_cache, table, cache_seqlens, o_part, lse_part, o, spare if lse is None else lse)
+        tensors = (q, k_cache, v_cache, table, cache_seqlens, cu_seqlens_q, o_part, lse_part, o,
+                   spare if lse is None else lse)  # fmt: skip
         args = plan.args
         with interpreted_language(*kvcache.DEVICE_MODULES):
             interpreted(kvcache.kvcache_partial)[args.grid](*tensors, counters, errors, *args.scalars, *args.tune,
@@ -269,7 +282,8 @@ def run_kvcache(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, nee
     with torch.cuda.device(q.device) if q.get_device() != current_device_index() else _NO_CONTEXT:
         stream = current_stream(q.get_device())
         o_part, lse_part, spare, counters = workspace(plan, q.device, stream)
-        tensors = (q, k_cache, v_cache, table, cache_seqlens, o_part, lse_part, o, spare if lse is None else lse)
+        tensors = (q, k_cache, v_cache, table, cache_seqlens, cu_seqlens_q, o_part, lse_part, o,
+                   spare if lse is None else lse)  # fmt: skip
         tensors += (counters, errors)
         if plan.state is CHECKED:  # the launcher directly
             plan.fast[0](stream, *tensors)
@@ -298,10 +312,11 @@ def _decode_jit(plan, jit_function, tuned, tensors, stream, names):
         tuned[grid](*args, **meta)
         plan.args.meta = {**meta, **tuned.best_config.all_kwargs()}
     else:
-        q, k_cache = tensors[0], tensors[1]  # q (B, Hq, Nq, D), the cache (num_blocks or B, page or Nk, Hk, D)
-        capacity, _, page_size = plan.extra  # check_kvcache_inputs' (capacity, pages, page size)
+        q, k_cache = tensors[0], tensors[1]  # q (B, Hq, Nq, D) or packed, the cache (num_blocks or B, page, Hk, D)
+        capacity, _, page_size = plan.extra[:3]  # check_kvcache_inputs' (capacity, pages, page size)
         win_left, win_right = plan.args.scalars[19:21]  # KVCacheArguments.scalars: the band
-        band = (capacity - q.shape[2], win_left, win_right)
+        q = kvcache.bucket_query(q, plan.args.nq)  # (B, Hq, Nq, D) as the tuned table's buckets read it
+        band = (capacity - plan.args.nq, win_left, win_right)
         best = kernel_config(plan.path, q, k_cache.shape[2], capacity, band, page_size=page_size)
         plan.args.meta = meta = {**meta, **best}
         kernel = jit_function[grid](*args, **meta)

@@ -204,9 +204,11 @@ def signature(q, k, v, causal, window, scale, num_splits, rung):
             type(scale), num_splits, k.dtype, v.dtype, k.device, v.device, aligned, rung)  # fmt: skip
 
 
-def kvcache_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale):
+def kvcache_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, cu_seqlens_q=None,
+                      max_seqlen_q=None):  # fmt: skip
     """A ``flash_attention_with_kvcache`` call's signature (its tensors' shapes, strides, dtypes and devices, the
-    mask and scale), or None where it cannot be hashed exactly."""
+    mask and scale), or None where it cannot be hashed exactly. A packed q's (``cu_seqlens_q``) adds the offsets'
+    tensor and ``max_seqlen_q``: with q's shape (total_q), what its grid and scratch are cut for."""
     if type(causal) is not bool or not (scale is None or type(scale) is float or type(scale) is int):
         return None
     window = _window_key(window)
@@ -218,6 +220,15 @@ def kvcache_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, w
            k_cache.stride(), k_cache.dtype, k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype,
            v_cache.device, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype,
            cache_seqlens.device)  # fmt: skip
+    if cu_seqlens_q is not None:
+        if type(cu_seqlens_q) is not torch.Tensor or cu_seqlens_q.layout is not torch.strided:
+            return None
+        if type(max_seqlen_q) is not int:
+            return None
+        key = (*key, "ragged", cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_q.dtype, cu_seqlens_q.device,
+               max_seqlen_q)  # fmt: skip
+    elif max_seqlen_q is not None:
+        return None
     if block_table is None:
         return key
     if type(block_table) is not torch.Tensor or block_table.layout is not torch.strided:

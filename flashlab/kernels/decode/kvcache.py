@@ -21,6 +21,13 @@ normalises and writes the output itself.
 Without a block table the cache is
 ``(B, Nk_max, Hk, D)``, one slab per sequence, read the same way.
 
+A mixed batch (prefill chunks and single decode rows together) packs q as ``(total_q, Hq, D)``, sequence b's rows
+being ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` (``RAGGED_Q``, a compile-time branch: the uniform kernel is
+unchanged). Each program reads its sequence's row offset and count from ``cu_seqlens_q``, so one grid, cut for the
+longest sequence's rows (``max_seqlen_q``), serves every split of the rows: a block of packed rows past its
+sequence's ``GROUP * rows`` exits at once, and the masks align to the sequence's end with its own row count. o is
+``(total_q, Hq, D)`` and lse ``(Hq, total_q)``, as FlashAttention's variable-length calls return them.
+
 A bad block table or length never makes the kernel read outside the pool, and never gives a quiet wrong answer.
 A length outside ``[0, capacity]`` is clamped to it, and a table entry outside ``[0, num_blocks)`` is never
 followed; either way the program that meets it writes NaN into its partial output, so every output row of that
@@ -107,19 +114,22 @@ def report_error(ERRORS, kind, batch, column, value, limit):
 @triton.jit
 def _kvcache_partial(
     Q, K, V, BLOCK_TABLE, SEQLENS,  # q; the K/V cache; the block table (unused when PAGE_SIZE == 0); lengths
+    CU_SEQLENS_Q,  # with RAGGED_Q: (B + 1,) int32, sequence b's query rows are q[cu[b]:cu[b + 1]]; else unused
     O_PART, LSE_PART, O, LSE,  # partial outputs (fp32) and lse (log2) per chunk; the output and its lse
     COUNTERS,  # int32, one per (sequence, K/V head, row block): chunks finished; zero between launches
     ERRORS,  # int32 error record (ERROR_FIELDS): the first bad length or table entry a program meets
-    stride_qb, stride_qh, stride_qm,  # strides (elements) of q over batch, head, row; D has stride 1
+    stride_qb, stride_qh, stride_qm,  # strides (elements) of q over batch, head, row; D has stride 1 (RAGGED_Q:
+                                      # q is (total_q, Hq, D), its batch stride unused)
     stride_kp, stride_ks, stride_kh,  # K over (page, slot in page, head): a block, or a sequence without a table
     stride_vp, stride_vs, stride_vh,
     stride_tb,  # block table row stride
     stride_ob, stride_oh, stride_om,  # the output, written only with DIRECT
-    HQ, HK, GROUP, NQ,  # query heads, K/V heads, query heads per K/V head, query length
+    HQ, HK, GROUP, NQ,  # query heads, K/V heads, query heads per K/V head, query length (RAGGED_Q: the longest)
     NUM_PAGES, CAPACITY,  # blocks in the pool, keys a sequence can hold: a bad entry or length is reported
     win_left, win_right,  # the band: query i sees keys [i + offset - win_left, i + offset + win_right]
     keys_per_split, NUM_SPLITS,  # each chunk's keys: [split * keys_per_split, (split + 1) * keys_per_split)
     qk_scale,  # softmax scale * log2(e)
+    TOTAL_Q,  # with RAGGED_Q: q's rows, all sequences together (lse is (Hq, total_q)); else unused
     TUNE_KEY_N, TUNE_KEY_UNITS,  # only read by the autotuner (its cache key)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -131,6 +141,7 @@ def _kvcache_partial(
     DIRECT: tl.constexpr,  # one chunk: normalise and write o and lse here, no partials, no counter
     MERGE_HERE: tl.constexpr,  # several chunks: the last to finish merges them (else split_kv_merge does)
     MERGE_GROUP: tl.constexpr,  # chunks per group of the merge's tree; 0: one level (softmax_step.finish_chunk)
+    RAGGED_Q: tl.constexpr = False,  # q packed (total_q, Hq, D), each sequence's rows found through CU_SEQLENS_Q
 ):
     # fmt: on
     pid_s = tl.program_id(0)  # which chunk of keys
@@ -138,21 +149,34 @@ def _kvcache_partial(
     pid_m = tl.program_id(2)  # which block of packed rows
     off_b = pid_bk // HK
     off_hk = pid_bk % HK
+    if RAGGED_Q:  # this sequence's own query rows: q[q_start : q_start + nq]
+        q_start = tl.load(CU_SEQLENS_Q + off_b)
+        nq = tl.load(CU_SEQLENS_Q + off_b + 1) - q_start
+        if pid_m * BLOCK_M >= GROUP * nq:  # a block of rows past this sequence's rows (all of them for nq = 0)
+            return
+    else:
+        q_start = 0
+        nq = NQ
     seqlen = tl.load(SEQLENS + off_b)  # this sequence's length, as given
     length_bad = (seqlen < 0) | (seqlen > CAPACITY)
     nk = tl.minimum(tl.maximum(seqlen, 0), CAPACITY)  # clamped: the keys read never leave the sequence's blocks
-    offset = nk - NQ  # masks are aligned to the sequence's own end
+    offset = nk - nq  # masks are aligned to the sequence's own end
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < GROUP * NQ
-    qi = rows % NQ  # (BLOCK_M,) query position
-    off_h = off_hk * GROUP + rows // NQ  # (BLOCK_M,) query head
+    row_ok = rows < GROUP * nq
+    qi = rows % nq  # (BLOCK_M,) query position
+    off_h = off_hk * GROUP + rows // nq  # (BLOCK_M,) query head
+    if RAGGED_Q:  # rows outside q are never read nor written, whatever cu_seqlens_q holds
+        row_ok = row_ok & (q_start + qi >= 0) & (q_start + qi < TOTAL_Q)
+        q_base = Q + q_start.to(tl.int64) * stride_qm  # the sequence's first query row
+    else:
+        q_base = Q + off_b.to(tl.int64) * stride_qb
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
 
     # -- the packed Q tile, loaded once: every query row that shares this K/V head
-    q_ptrs = Q + off_b.to(tl.int64) * stride_qb + off_h[:, None].to(tl.int64) * stride_qh
+    q_ptrs = q_base + off_h[:, None].to(tl.int64) * stride_qh
     q = tl.load(q_ptrs + qi[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_UPCAST:
         q = q.to(tl.float32)
@@ -166,10 +190,10 @@ def _kvcache_partial(
 
     # -- this chunk's keys, cut to the band of the query positions in this block
     r_lo = pid_m * BLOCK_M
-    r_hi = tl.minimum(r_lo + BLOCK_M, GROUP * NQ) - 1
-    one_head = r_lo // NQ == r_hi // NQ
-    qi_lo = tl.where(one_head, r_lo % NQ, 0)
-    qi_hi = tl.where(one_head, r_hi % NQ, NQ - 1)
+    r_hi = tl.minimum(r_lo + BLOCK_M, GROUP * nq) - 1
+    one_head = r_lo // nq == r_hi // nq
+    qi_lo = tl.where(one_head, r_lo % nq, 0)
+    qi_hi = tl.where(one_head, r_hi % nq, nq - 1)
     split_lo = pid_s * keys_per_split
     lo = tl.maximum(split_lo, qi_lo + offset - win_left)
     hi = tl.minimum(tl.minimum(split_lo + keys_per_split, nk), qi_hi + offset + win_right + 1)
@@ -239,10 +263,15 @@ def _kvcache_partial(
             report_error(ERRORS, _ENTRY, off_b, column, entry, NUM_PAGES)
 
     # -- a sequence of length 0, or a chunk past its end, gives zeros and lse = -inf
-    out = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + qi.to(tl.int64) * stride_om
-    first = ((off_b * HQ + off_h) * NQ + qi).to(tl.int64) * NUM_SPLITS  # (BLOCK_M,) each row's chunk 0
+    if RAGGED_Q:  # o (total_q, Hq, D), lse (Hq, total_q)
+        out = O + (q_start + qi).to(tl.int64) * stride_om + off_h.to(tl.int64) * stride_oh
+        lse_row = off_h * TOTAL_Q + q_start + qi  # (BLOCK_M,)
+    else:  # o (B, Hq, Nq, D), lse (B, Hq, Nq)
+        out = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + qi.to(tl.int64) * stride_om
+        lse_row = (off_b * HQ + off_h) * NQ + qi
+    first = lse_row.to(tl.int64) * NUM_SPLITS  # (BLOCK_M,) each row's chunk 0
     block = pid_bk * tl.num_programs(2) + pid_m  # this block of rows' merge counters
-    softmax_step.finish_chunk(acc, m_i, l_i, out, LSE + (off_b * HQ + off_h) * NQ + qi, row_ok, offs_d, d_ok, O_PART,
+    softmax_step.finish_chunk(acc, m_i, l_i, out, LSE + lse_row, row_ok, offs_d, d_ok, O_PART,
                               LSE_PART, first, COUNTERS, block, pid_s, NUM_SPLITS, HEAD_DIM, BLOCK_M, BLOCK_D, DIRECT,
                               MERGE_HERE, MERGE_GROUP)
 
@@ -268,7 +297,7 @@ kvcache_partial_tuned = triton.autotune(
         for bn, w, st in TUNING_SPACE + split_kv.FP32_TUNING_SPACE + [(32, 4, 1)]
     ],
     key=["TUNE_KEY_N", "TUNE_KEY_UNITS", "HEAD_DIM", "BLOCK_M", "PAGE_SIZE", "DOT_PRECISION", "DIRECT", "MERGE_HERE",
-         "MERGE_GROUP"],
+         "MERGE_GROUP", "RAGGED_Q"],
     prune_configs_by={"early_config_prune": split_kv.prune_configs},
 )(_kvcache_partial)
 
@@ -283,12 +312,25 @@ class KVCacheArguments:
     ``win_right``, ``qk_scale`` are the band as ``flashlab.kernels.device.kernel_band`` gives them for ``capacity``
     keys. Blocks smaller than ``SMALL_BLOCK_TOKENS`` tokens (16-bit inputs on a GPU) take ``SMALL_BLOCK_CONFIG``
     and fold their chunks in one level, or the tree at ``SMALL_BLOCK_TREE_PROGRAMS_PER_SM`` programs an SM past
-    ``split_kv.MAX_FOLD_SPLITS`` chunks."""
+    ``split_kv.MAX_FOLD_SPLITS`` chunks.
 
-    __slots__ = ("num_splits", "direct", "parts", "d", "rows", "counters", "grid", "scalars", "tune", "meta")
+    ``ragged`` ``(B, max_seqlen_q)`` says q is packed ``(total_q, Hq, D)``, sequence b's rows found on the device
+    through ``cu_seqlens_q`` (``RAGGED_Q``): the row blocks and chunks are cut for ``max_seqlen_q`` rows a sequence,
+    and o is ``(total_q, Hq, D)``, lse ``(Hq, total_q)``. ``nq`` is the query rows a sequence (the most, ragged)."""
 
-    def __init__(self, q, k_cache, v_cache, table, page_size, capacity, win_left, win_right, qk_scale):
-        b, hq, nq, d = q.shape
+    __slots__ = ("num_splits", "direct", "parts", "d", "rows", "counters", "grid", "scalars", "tune", "meta", "nq")
+
+    def __init__(self, q, k_cache, v_cache, table, page_size, capacity, win_left, win_right, qk_scale, ragged=None):
+        if ragged is None:
+            b, hq, nq, d = q.shape
+            total = b * nq
+            strides_q = (q.stride(0), q.stride(1), q.stride(2))
+            strides_o = (hq * nq * d, nq * d, d)  # o is allocated contiguous
+        else:
+            (b, nq), (total, hq, d) = ragged, q.shape
+            strides_q = (0, q.stride(1), q.stride(0))  # (batch: unused, head, row)
+            strides_o = (0, d, hq * d)  # o (total_q, Hq, D), allocated contiguous
+        self.nq = nq
         hk = k_cache.shape[2]
         group = hq // hk
         rows = group * nq
@@ -304,14 +346,13 @@ class KVCacheArguments:
         keys_per_split, num_splits = split_kv.split_keys(capacity, num_splits)
         self.d, self.direct, self.num_splits = d, num_splits == 1, num_splits
         # scratch: partial outputs and lse, an lse nobody asked for, the merge's counters
-        self.parts, self.rows = b * hq * nq * num_splits, b * hq * nq
-        strides_o = (hq * nq * d, nq * d, d)  # o is allocated contiguous
-        self.scalars = (q.stride(0), q.stride(1), q.stride(2))
+        self.parts, self.rows = total * hq * num_splits, total * hq
+        self.scalars = strides_q
         self.scalars += (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         self.scalars += (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
         self.scalars += (table.stride(0), *strides_o)
         self.scalars += (hq, hk, group, nq, k_cache.shape[0], capacity, win_left, win_right, keys_per_split)
-        self.scalars += (num_splits, qk_scale)
+        self.scalars += (num_splits, qk_scale, total)
         self.tune = (next_power_of_2(capacity), next_power_of_2(b * hk * row_blocks * num_splits))
         merge = split_kv.merge_arguments(num_splits, b * hk * row_blocks, tree=tree)
         self.counters = merge.counters
@@ -322,6 +363,7 @@ class KVCacheArguments:
             PAGE_SIZE=page_size,
             DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
             DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
+            RAGGED_Q=ragged is not None,
         )
         if small_blocks:
             bn, warps, stages = SMALL_BLOCK_CONFIG
@@ -333,21 +375,32 @@ class KVCacheArguments:
 # the modules whose device functions the kernel calls: what a CPU launch lets the interpreter call
 DEVICE_MODULES = (softmax_step, sys.modules[__name__])
 # the kernel's tensor parameters, in order
-PARTIAL_TENSORS = ("Q", "K", "V", "BLOCK_TABLE", "SEQLENS", "O_PART", "LSE_PART", "O", "LSE", "COUNTERS", "ERRORS")
+PARTIAL_TENSORS = ("Q", "K", "V", "BLOCK_TABLE", "SEQLENS", "CU_SEQLENS_Q", "O_PART", "LSE_PART", "O", "LSE",
+                   "COUNTERS", "ERRORS")  # fmt: skip
+
+
+def bucket_query(q, nq: int):
+    """q as ``flashlab.kernels.configs.launch_fields`` reads it, ``(B, Hq, Nq, D)``: a packed q ``(total_q, Hq, D)``
+    as one sequence of ``nq`` rows (a view of its first row: only the shape, dtype and device count)."""
+    return q if q.ndim == 4 else q[:1].unsqueeze(2).expand(-1, -1, nq, -1)
 
 
 def launch(q, k_cache, v_cache, table, cache_seqlens, o, lse, page_size, capacity, win_left, win_right, qk_scale,
-           errors=None):  # fmt: skip
-    """Run the kernel once on prepared inputs (``KVCacheArguments`` says which), writing ``o`` and ``lse``; returns
+           errors=None, cu_seqlens_q=None, max_seqlen_q=None):  # fmt: skip
+    """Run the kernel once on prepared inputs (``KVCacheArguments`` says which), writing ``o`` and ``lse``; with
+    ``cu_seqlens_q`` (and ``max_seqlen_q``, the most rows a sequence has) q, o are packed ``(total_q, Hq, D)`` and
+    lse is ``(Hq, total_q)``. Returns
     the error record it wrote into (``errors``, ``ERROR_RECORD_INTS`` int32 zeros, or a fresh one): its "kind"
     field (``ERROR_FIELDS``) is nonzero once the launch has met a bad length or table entry. On a GPU the
     tiles are ``SMALL_BLOCK_CONFIG`` or ``flashlab.kernels.configs.pick``'s (``FLASHLAB_AUTOTUNE=1``: the
     autotuner's pick)."""
-    args = KVCacheArguments(q, k_cache, v_cache, table, page_size, capacity, win_left, win_right, qk_scale)
+    ragged = None if cu_seqlens_q is None else (cu_seqlens_q.shape[0] - 1, max_seqlen_q)
+    args = KVCacheArguments(q, k_cache, v_cache, table, page_size, capacity, win_left, win_right, qk_scale, ragged)
     o_part, lse_part, _, counters = split_kv.fresh_workspace(args, q.device)
     if errors is None:
         errors = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=q.device)
-    tensors = (q, k_cache, v_cache, table, cache_seqlens, o_part, lse_part, o, lse, counters, errors)
+    cu = cache_seqlens if cu_seqlens_q is None else cu_seqlens_q  # never read without RAGGED_Q
+    tensors = (q, k_cache, v_cache, table, cache_seqlens, cu, o_part, lse_part, o, lse, counters, errors)
     if not q.is_cuda:
         with interpreted_language(*DEVICE_MODULES):
             interpreted(_kvcache_partial)[args.grid](*tensors, *args.scalars, *args.tune, **args.meta,
@@ -359,7 +412,8 @@ def launch(q, k_cache, v_cache, table, cache_seqlens, o, lse, page_size, capacit
         elif configs.autotune_enabled():
             kvcache_partial_tuned[args.grid](*tensors, *args.scalars, *args.tune, **args.meta)
         else:  # the tuned table's config for this bucket (flashlab.kernels.configs)
-            fields = configs.launch_fields(q, k_cache.shape[2], capacity, capacity - q.shape[2], win_left, win_right)
+            fields = configs.launch_fields(bucket_query(q, args.nq), k_cache.shape[2], capacity, capacity - args.nq,
+                                           win_left, win_right)  # fmt: skip
             config = configs.pick("kvcache", **fields, page_size=page_size)
             _kvcache_partial[args.grid](*tensors, *args.scalars, *args.tune, **args.meta, **config)
     return errors
@@ -404,6 +458,7 @@ __all__ = [
     "SMALL_BLOCK_TREE_PROGRAMS_PER_SM",
     "NO_COLUMN",
     "TUNING_SPACE",
+    "bucket_query",
     "first_bad_column",
     "kvcache_partial",
     "kvcache_partial_tuned",
