@@ -34,6 +34,10 @@ def __getattr__(name):
         from flashlab.host import flash_attention_with_kvcache
 
         return flash_attention_with_kvcache
+    if name == "flash_attention_varlen":
+        from flashlab.host import flash_attention_varlen
+
+        return flash_attention_varlen
     if name == "check_kvcache_errors":
         from flashlab.host import check_kvcache_errors
 
