@@ -149,8 +149,9 @@ def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal, win
         qa, qb, ka, kb = bounds[0][b], bounds[0][b + 1], bounds[1][b], bounds[1][b + 1]
         if qb == qa or kb == ka:
             continue  # nothing to differentiate: the gradients stay zero
+        lse_b = lse[:, qa:qb].unsqueeze(0)  # (1, Hq, Nq_b), a view
         dq_b, dk_b, dv_b = attention_backward(seq(do, qa, qb), seq(q, qa, qb), seq(k, ka, kb), seq(v, ka, kb),
-                                              seq(o, qa, qb), lse[:, qa:qb].unsqueeze(0), causal, window, scale)  # fmt: skip
+                                              seq(o, qa, qb), lse_b, causal, window, scale)  # fmt: skip
         seq(dq, qa, qb).copy_(dq_b)
         seq(dk, ka, kb).copy_(dk_b)
         seq(dv, ka, kb).copy_(dv_b)
