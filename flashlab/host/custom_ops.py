@@ -24,8 +24,8 @@ interpreter inside the node, so the same compiled model runs in CI.
 - ``torch.ops.flashlab.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
   window_left, window_right, scale) -> (o, lse)``: ``flash_attention_varlen`` (packed sequences,
   ``flashlab.host.varlen``), with its boundary checks inside the node (they read the values); its gradient is
-  ``attention_varlen_backward(do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal, window_left,
-  window_right, scale) -> (dq, dk, dv)``.
+  ``attention_varlen_backward(do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+  causal, window_left, window_right, scale) -> (dq, dk, dv)``.
 
 Why ``custom_op`` and not ``torch.library.triton_op`` + ``wrap_triton`` (which let the compiler see the Triton
 kernels themselves): the launches here go through an autotuner with a config-pruning hook and a TMA pre-hook,
@@ -167,10 +167,10 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, w
 
 
 def _setup_varlen_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, _, _, causal, window_left, window_right, scale = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, window_left, window_right, scale = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
-    ctx.causal, ctx.window_left, ctx.window_right, ctx.scale = causal, window_left, window_right, scale
+    ctx.flags = (max_q, max_k, causal, window_left, window_right, scale)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::attention_varlen_backward", mutates_args=())
@@ -184,6 +184,8 @@ def attention_varlen_backward_op(
     lse: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
     causal: bool,
     window_left: int,
     window_right: int,
@@ -192,19 +194,19 @@ def attention_varlen_backward_op(
     """The gradients ``(dq, dk, dv)`` of ``attention_varlen``; a RuntimeError when ``dlse`` is not all zeros."""
     check_no_lse_gradient(dlse)
     window = ints_to_window(window_left, window_right)
-    return varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal, window, scale)
+    return varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                           window, scale)  # fmt: skip
 
 
 @attention_varlen_backward_op.register_fake
-def _(do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal, window_left, window_right, scale):
+def _(do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left,
+      window_right, scale):  # fmt: skip
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
 def _attention_varlen_backward(ctx, do, dlse):
     q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flashlab.attention_varlen_backward(
-        do, dlse, q, k, v, o, lse, cu_q, cu_k, ctx.causal, ctx.window_left, ctx.window_right, ctx.scale
-    )
+    dq, dk, dv = torch.ops.flashlab.attention_varlen_backward(do, dlse, q, k, v, o, lse, cu_q, cu_k, *ctx.flags)
     return dq, dk, dv, None, None, None, None, None, None, None, None  # no gradient for the boundaries and flags
 
 

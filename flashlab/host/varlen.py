@@ -10,9 +10,9 @@ int32 running sums of the lengths. flashlab's other entry points take ``(B, H, N
   ``check_cu_seqlens_values``: the boundaries themselves, read on the host (one synchronisation on a GPU).
 - ``varlen_forward`` and ``varlen_backward``: the forward kernel (``flashlab.kernels.varlen``) and the gradients.
 
-The backward runs ``flashlab.kernels.flash_backward`` once per sequence on views of the packed tensors (no padding
-and no copy of the inputs; each sequence's gradients are written into the packed gradient tensors), so it costs
-one set of launches per sequence: a single varlen backward launch is still to come.
+The backward is FlashAttention-2's (``flashlab.kernels.flash_backward``'s three kernels, in the varlen variants of
+``flashlab.kernels.varlen``): one launch each for the whole batch, every program reading its sequence from
+cu_seqlens, the probabilities recomputed from the saved lse.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from flashlab.host.autograd import check_no_lse_gradient
 from flashlab.host.checks import check_causal, check_dense, check_head_dim, check_scale
 from flashlab.kernels import varlen
 from flashlab.kernels.device import DTYPES, kernel_band
-from flashlab.kernels.flash_backward import attention_backward
 
 MAX_ROW_OFFSET = 2**31  # the kernel's offsets inside one sequence are 32-bit
 
@@ -132,30 +131,12 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     return o, lse
 
 
-def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal, window, scale):
-    """Gradients ``(dq, dk, dv)`` shaped like q, k, v: ``flashlab.kernels.flash_backward`` once per sequence, on
-    ``(1, H, N, D)`` views of the packed tensors (no copy of the inputs). A sequence with no queries or no keys
-    gets zero gradients. Deterministic."""
-    bounds = torch.stack([cu_seqlens_q, cu_seqlens_k]).tolist()  # one synchronisation on a GPU
-    do = _unit_stride(do)
-    dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
-    dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
-
-    def seq(x, a, b):  # rows a:b of a packed (total, H, D) tensor as (1, H, b - a, D), a view
-        return x[a:b].unsqueeze(0).transpose(1, 2)
-
-    for b in range(len(bounds[0]) - 1):
-        qa, qb, ka, kb = bounds[0][b], bounds[0][b + 1], bounds[1][b], bounds[1][b + 1]
-        if qb == qa or kb == ka:
-            continue  # nothing to differentiate: the gradients stay zero
-        lse_b = lse[:, qa:qb].unsqueeze(0)  # (1, Hq, Nq_b), a view
-        dq_b, dk_b, dv_b = attention_backward(seq(do, qa, qb), seq(q, qa, qb), seq(k, ka, kb), seq(v, ka, kb),
-                                              seq(o, qa, qb), lse_b, causal, window, scale)  # fmt: skip
-        seq(dq, qa, qb).copy_(dq_b)
-        seq(dk, ka, kb).copy_(dk_b)
-        seq(dv, ka, kb).copy_(dv_b)
-    return dq, dk, dv
+def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
+                    scale):  # fmt: skip
+    """Gradients ``(dq, dk, dv)`` shaped like q, k, v (``flashlab.kernels.varlen.backward``: three launches for
+    the whole batch). A sequence with no queries or no keys gets zero gradients. Deterministic."""
+    return varlen.backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                           window, scale)  # fmt: skip
 
 
 class VarlenAttentionFunction(torch.autograd.Function):
@@ -166,7 +147,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
         o, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
-        ctx.band = (causal, window, scale)
+        ctx.band = (max_seqlen_q, max_seqlen_k, causal, window, scale)
         ctx.set_materialize_grads(False)
         return o, lse
 
@@ -202,9 +183,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     The boundaries are checked on the host (a first entry of 0, no decrease, a last entry equal to the packed
     rows, no sequence longer than its ``max_seqlen``): one synchronisation per call on a GPU.
 
-    Differentiable in q, k and v (not lse). The backward recomputes from the saved lse with
-    ``flashlab.kernels.flash_backward``'s kernels, launched once per sequence on views of the packed tensors
-    (deterministic; one set of launches per sequence, no padding). Must equal ``flashlab.reference.attention`` on
+    Differentiable in q, k and v (not lse). The backward recomputes the probabilities from the saved lse with the
+    FlashAttention-2 kernels in varlen form (``flashlab.kernels.varlen.backward``: preprocess, dK/dV, dQ, one
+    launch each for the batch; deterministic, no atomics). Must equal ``flashlab.reference.attention`` on
     each sequence's slice to within the input dtype's rounding. CUDA tensors run the compiled kernel
     (``flashlab.kernels.varlen``), CPU tensors the same kernel through Triton's interpreter.
     """
