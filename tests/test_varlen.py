@@ -127,19 +127,19 @@ def test_larger_max_seqlen_and_a_custom_scale():
 
 
 @pytest.mark.parametrize(
-    "lq, lk, hq, hk, causal, window, dtype",
+    "lq, lk, hq, hk, causal, window, scale, dtype",
     [
-        ([6, 0, 11, 1], [6, 4, 9, 0], 2, 1, True, None, torch.float32),
-        ([3, 1, 9], [8, 1, 9], 2, 1, False, (3, 2), torch.bfloat16),
-        ([5, 2], [3, 7], 2, 2, True, None, torch.float16),
+        ([6, 0, 11, 1], [6, 4, 9, 0], 2, 1, True, None, None, torch.float32),
+        ([3, 1, 9], [8, 1, 9], 2, 1, False, (3, 2), None, torch.bfloat16),
+        ([5, 2], [3, 7], 2, 2, True, None, -0.3, torch.float16),
     ],
 )
-def test_gradients_equal_float64_per_sequence(lq, lk, hq, hk, causal, window, dtype):
+def test_gradients_equal_float64_per_sequence(lq, lk, hq, hk, causal, window, scale, dtype):
     q, k, v, do, cu_q, cu_k = packed_case(lq, lk, hq, hk, 16, dtype, seed=7)
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-    o = flash_attention_varlen(qg, kg, vg, cu_q, cu_k, max(lq), max(lk), causal=causal, window=window)
+    o = flash_attention_varlen(qg, kg, vg, cu_q, cu_k, max(lq), max(lk), causal=causal, window=window, scale=scale)
     o.backward(do)
-    refs = varlen_grads_float64(q, k, v, do, cu_q, cu_k, causal, window)
+    refs = varlen_grads_float64(q, k, v, do, cu_q, cu_k, causal, window, scale)
     tol = grad_tolerance(dtype)
     for name, x, ref, like in zip("qkv", (qg.grad, kg.grad, vg.grad), refs, (q, k, v), strict=True):
         assert x.shape == like.shape and x.dtype == dtype
@@ -199,6 +199,30 @@ def test_no_tile_crosses_a_sequence_boundary():
     others[int(cu_q[2]) : int(cu_q[3])] = False
     assert torch.equal(dirty[others], clean[others])
     assert torch.isnan(dirty[~others]).all()  # the poisoned sequence itself does see its keys
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # NumPy's max, inside the interpreter
+def test_nan_in_one_sequence_leaves_the_others_gradients():
+    """The backward kernels stay inside each sequence too: NaN in one sequence's keys and values reaches that
+    sequence's gradients only."""
+    lq, lk = [17, 5, 9], [20, 17, 3]
+    q, k, v, do, cu_q, cu_k = packed_case(lq, lk, 2, 1, 16, seed=9)
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[int(cu_k[1]) : int(cu_k[2])] = float("nan")
+    v_bad[int(cu_k[1]) : int(cu_k[2])] = float("nan")
+    grads = []
+    for keys, values in ((k, v), (k_bad, v_bad)):
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, keys, values))
+        flash_attention_varlen(qg, kg, vg, cu_q, cu_k, max(lq), max(lk), causal=True).backward(do)
+        grads.append((qg.grad, kg.grad, vg.grad))
+    (dq, dk, dv), (dq_bad, dk_bad, dv_bad) = grads
+    q_rows = torch.ones(q.shape[0], dtype=torch.bool)
+    q_rows[int(cu_q[1]) : int(cu_q[2])] = False
+    k_rows = torch.ones(k.shape[0], dtype=torch.bool)
+    k_rows[int(cu_k[1]) : int(cu_k[2])] = False
+    assert torch.equal(dq_bad[q_rows], dq[q_rows])
+    assert torch.equal(dk_bad[k_rows], dk[k_rows]) and torch.equal(dv_bad[k_rows], dv[k_rows])
+    assert torch.isnan(dq_bad[~q_rows]).all()
 
 
 # ----------------------------------------------------------------------------------------------------------------

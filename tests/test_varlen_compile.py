@@ -55,7 +55,8 @@ def test_boundary_checks_run_inside_the_compiled_operator():
         compiled(q, k, v, bad, cu_k)
 
 
-@pytest.mark.parametrize("dtype, d, causal, window", [(torch.bfloat16, 128, True, None), (torch.float32, 64, False,
+# 16-bit only: an fp32 build (exact dots as FMAs over the whole tile) takes several times as long to compile
+@pytest.mark.parametrize("dtype, d, causal, window", [(torch.bfloat16, 128, True, None), (torch.float16, 64, False,
                          (256, 0))])  # fmt: skip
 def test_varlen_kernel_compiles_for_hopper(dtype, d, causal, window):
     """The kernel with the tiles a GPU launch takes where no tuned table has the bucket."""
@@ -74,5 +75,36 @@ def test_varlen_kernel_compiles_for_hopper(dtype, d, causal, window):
     constexprs = {**gpu_meta(meta, dtype), "BLOCK_M": bm, "BLOCK_N": bn}
     ptx = compile_sm90(varlen.attn_fwd_varlen, (*tensors, *scalars), constexprs,
                        {"num_warps": warps, "num_stages": stages})  # fmt: skip
-    if dtype != torch.float32:  # fp32 takes exact dots, FMAs rather than the tensor cores
-        assert "mma" in ptx
+    assert "mma" in ptx  # the two dots run on the tensor cores
+
+
+@pytest.mark.parametrize("dtype, d", [(torch.bfloat16, 64)])
+def test_varlen_backward_kernels_compile_for_hopper(dtype, d):
+    """Preprocess, dK/dV and dQ with the tiles ``varlen.backward_config`` gives an H200 (its shared memory)."""
+    b, hq, hk, max_q, max_k = 3, 8, 2, 1000, 3000
+    q = torch.empty(b * max_q, hq, d, dtype=dtype)
+    k = torch.empty(b * max_k, hk, d, dtype=dtype)
+    stats = torch.empty(hq, b * max_q, dtype=torch.float32)
+    cu = torch.zeros(b + 1, dtype=torch.int32)
+    _, win_left, win_right, qk_scale, _ = kernel_band(max_q, max_k, d, True, None, None)
+    meta = gpu_meta(dict(HEAD_DIM=d, BLOCK_D=block_d(d), DOT_PRECISION="ieee", DOT_UPCAST=False), dtype)
+    h200_smem = 232448  # bytes of shared memory one block may opt into on an H200 (sm_90)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(0), k.stride(1), q.stride(0), q.stride(1))
+
+    pre = (q, q, stats, stats, stats, cu, q.stride(0), q.stride(1), q.stride(0), q.stride(1), hq, b * max_q)
+    compile_sm90(varlen.bwd_preprocess_varlen, pre, {"HEAD_DIM": d, "BLOCK_D": block_d(d), "BLOCK_M": 64},
+                 {"num_warps": 4, "num_stages": 1})  # fmt: skip
+    launches = {
+        "dkdv": (varlen.bwd_dkdv_varlen, (q, k, k, q, k, k, stats, stats, cu, cu, *strides, k.stride(0), k.stride(1),
+                                          hq, hk, hq // hk, b * max_q, win_left, win_right, qk_scale, 0.1)),
+        "dq": (varlen.bwd_dq_varlen, (q, k, k, q, q, stats, stats, cu, cu, *strides, q.stride(0), q.stride(1), hq,
+                                      hq // hk, b * max_q, win_left, win_right, qk_scale, 0.1)),
+    }  # fmt: skip
+    for kernel, (fn, args) in launches.items():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(varlen, "smem_limit", lambda index: h200_smem)
+            patch.setattr(varlen, "device_index", lambda x: 0)
+            config = varlen.backward_config(kernel, q)
+        options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
+        ptx = compile_sm90(fn, args, {**meta, **config}, options)
+        assert "mma" in ptx, kernel  # the tensor cores
