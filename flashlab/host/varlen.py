@@ -123,8 +123,9 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     # Nk_b - Nq_b is each sequence's own, computed in the kernel
     _, win_left, win_right, qk_scale, negate = kernel_band(max(max_seqlen_q, 1), max(max_seqlen_k, 1), d, causal,
                                                            window, scale)  # fmt: skip
-    o = torch.zeros_like(q, memory_format=torch.contiguous_format)  # rows of empty sequences stay untouched
-    lse = torch.full((hq, total_q), float("-inf"), dtype=torch.float32, device=q.device)
+    # every packed row belongs to a sequence with queries, whose programs write it (zeros and -inf without keys)
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
     q_run = -q if negate else q  # the running max needs a positive scale: (-q) . k * |scale| is exact
     band = (win_left, win_right, qk_scale)
     varlen.launch(q_run, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, band)

@@ -507,13 +507,15 @@ def backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     _, win_left, win_right, qk_scale, negate = kernel_band(max(max_seqlen_q, 1), max(max_seqlen_k, 1), d, causal,
                                                            window, scale)  # fmt: skip
     q_run = -q if negate else q  # as the forward: dK = |scale| dS^T (-q), dQ = scale dS K
-    delta = torch.zeros((hq, total_q), dtype=torch.float32, device=q.device)
-    lse2 = torch.zeros_like(delta)
-    dq = torch.zeros((total_q, hq, d), dtype=q.dtype, device=q.device)
-    dk = torch.zeros((total_k, hk, d), dtype=q.dtype, device=q.device)
-    dv = torch.zeros_like(dk)
-    if b == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
-        return dq, dk, dv
+    if b == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:  # no query sees a key: every gradient is zero
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    # every packed row is written: by its query tile (dq, even without keys) or its key tile (dk, dv, even without
+    # queries)
+    delta = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
+    dq = torch.empty((total_q, hq, d), dtype=q.dtype, device=q.device)
+    dk = torch.empty((total_k, hk, d), dtype=q.dtype, device=q.device)
+    dv = torch.empty_like(dk)
     bd = block_d(d)
     common = dict(HEAD_DIM=d, BLOCK_D=bd, DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
                   DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda))  # fmt: skip
