@@ -15,6 +15,7 @@ from test_sm90_compile import compile_sm90, gpu_meta
 from test_varlen import packed_case
 
 from flashlab import flash_attention_varlen
+from flashlab.host import varlen as host_varlen
 from flashlab.kernels import configs, varlen
 from flashlab.kernels.device import block_d, dot_precision, dot_upcast, kernel_band
 
@@ -80,7 +81,8 @@ def test_varlen_kernel_compiles_for_hopper(dtype, d, causal, window):
 
 @pytest.mark.parametrize("dtype, d", [(torch.bfloat16, 64)])
 def test_varlen_backward_kernels_compile_for_hopper(dtype, d):
-    """Preprocess, dK/dV and dQ with the tiles ``varlen.backward_config`` gives an H200 (its shared memory)."""
+    """Preprocess, dK/dV and dQ with the tiles ``flashlab.host.varlen.backward_config`` gives an H200 (its shared
+    memory)."""
     b, hq, hk, max_q, max_k = 3, 8, 2, 1000, 3000
     q = torch.empty(b * max_q, hq, d, dtype=dtype)
     k = torch.empty(b * max_k, hk, d, dtype=dtype)
@@ -92,8 +94,8 @@ def test_varlen_backward_kernels_compile_for_hopper(dtype, d):
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(0), k.stride(1), q.stride(0), q.stride(1))
 
     pre = (q, q, stats, stats, stats, cu, q.stride(0), q.stride(1), q.stride(0), q.stride(1), hq, b * max_q)
-    compile_sm90(varlen.bwd_preprocess_varlen, pre, {"HEAD_DIM": d, "BLOCK_D": block_d(d), "BLOCK_M": 64},
-                 {"num_warps": 4, "num_stages": 1})  # fmt: skip
+    pre_meta = {"HEAD_DIM": d, "BLOCK_D": block_d(d), "BLOCK_M": varlen.PREPROCESS_BLOCK_M}
+    compile_sm90(varlen.bwd_preprocess_varlen, pre, pre_meta, {"num_warps": 4, "num_stages": 1})
     launches = {
         "dkdv": (varlen.bwd_dkdv_varlen, (q, k, k, q, k, k, stats, stats, cu, cu, *strides, k.stride(0), k.stride(1),
                                           hq, hk, hq // hk, b * max_q, win_left, win_right, qk_scale, 0.1)),
@@ -102,9 +104,9 @@ def test_varlen_backward_kernels_compile_for_hopper(dtype, d):
     }  # fmt: skip
     for kernel, (fn, args) in launches.items():
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(varlen, "smem_limit", lambda index: h200_smem)
-            patch.setattr(varlen, "device_index", lambda x: 0)
-            config = varlen.backward_config(kernel, q)
+            patch.setattr(host_varlen, "smem_limit", lambda index: h200_smem)
+            patch.setattr(host_varlen, "device_index", lambda x: 0)
+            config = host_varlen.backward_config(kernel, q)
         options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
         ptx = compile_sm90(fn, args, {**meta, **config}, options)
         assert "mma" in ptx, kernel  # the tensor cores

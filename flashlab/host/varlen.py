@@ -26,8 +26,8 @@ from flashlab.core.masking import visible_band
 from flashlab.host.attention import window_to_ints
 from flashlab.host.autograd import check_no_lse_gradient
 from flashlab.host.checks import check_causal, check_dense, check_head_dim, check_scale
-from flashlab.kernels import varlen
-from flashlab.kernels.device import DTYPES, kernel_band
+from flashlab.kernels import flash_backward, varlen
+from flashlab.kernels.device import DTYPES, block_d, device_index, fits_smem, kernel_band, smem_limit
 
 MAX_ROW_OFFSET = 2**31  # the kernel's offsets inside one sequence are 32-bit
 
@@ -132,12 +132,31 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     return o, lse
 
 
+def backward_config(kernel: str, q) -> dict:
+    """The tiles of a GPU launch of the varlen dK/dV (``kernel`` "dkdv") or dQ ("dq") kernel: the first of the
+    dense backward's configs for the head-dim class (``flash_backward.TUNING_SPACE``) that fits the GPU's shared
+    memory, else of its fallbacks, else the smallest fallback."""
+    bd = block_d(q.shape[-1])
+    limit = smem_limit(device_index(q))
+    candidates = flash_backward.TUNING_SPACE[kernel][flash_backward.tuning_class(bd, q.dtype)]
+    options = (*candidates, *flash_backward.FALLBACK_SPACE)
+    chosen = options[-1]
+    for bm, bn, warps, stages in options:
+        resident, streamed = (2 * bn, 2 * bm) if kernel == "dkdv" else (2 * bm, 2 * bn)
+        if fits_smem(resident, streamed, stages, bd, q.element_size(), limit):
+            chosen = (bm, bn, warps, stages)
+            break
+    bm, bn, warps, stages = chosen
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+
+
 def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
                     scale):  # fmt: skip
     """Gradients ``(dq, dk, dv)`` shaped like q, k, v (``flashlab.kernels.varlen.backward``: three launches for
     the whole batch). A sequence with no queries or no keys gets zero gradients. Deterministic."""
+    config = {name: backward_config(name, q) for name in ("dkdv", "dq")} if q.is_cuda else None
     return varlen.backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                           window, scale)  # fmt: skip
+                           window, scale, config)  # fmt: skip
 
 
 class VarlenAttentionFunction(torch.autograd.Function):
@@ -204,6 +223,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 __all__ = [
     "VarlenAttentionFunction",
+    "backward_config",
     "check_cu_seqlens_values",
     "check_varlen_inputs",
     "flash_attention_varlen",

@@ -32,18 +32,8 @@ import triton
 import triton.language as tl
 
 from flashlab.core.integers import cdiv
-from flashlab.kernels import configs, flash_backward, softmax_step
-from flashlab.kernels.device import (
-    CPU_CONFIG,
-    LOG2_E,
-    block_d,
-    device_index,
-    dot_precision,
-    dot_upcast,
-    fits_smem,
-    kernel_band,
-    smem_limit,
-)
+from flashlab.kernels import configs, softmax_step
+from flashlab.kernels.device import CPU_CONFIG, LOG2_E, block_d, dot_precision, dot_upcast, kernel_band
 from flashlab.kernels.interpreter import interpreted, interpreted_language
 
 # Lengths, the band and the row counts are runtime values: a new batch of lengths never compiles another binary.
@@ -236,6 +226,7 @@ def launch(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 # ----------------------------------------------------------------------------------------------------------------
 
 _LOG2_E = tl.constexpr(LOG2_E)
+PREPROCESS_BLOCK_M = 64  # query rows per program of the preprocess on a GPU
 
 
 # fmt: off
@@ -477,28 +468,14 @@ def _bwd_dq_varlen(
              mask=q_mask)  # fmt: skip
 
 
-def backward_config(kernel: str, q) -> dict:
-    """The tiles of a GPU launch of the dK/dV (``kernel`` "dkdv") or dQ ("dq") kernel: the first of
-    ``flash_backward.TUNING_SPACE``'s configs for the head-dim class that fits the GPU's shared memory, else its
-    smallest fallback."""
-    bd = block_d(q.shape[-1])
-    limit = smem_limit(device_index(q))
-    candidates = flash_backward.TUNING_SPACE[kernel][flash_backward.tuning_class(bd, q.dtype)]
-    options = (*candidates, *flash_backward.FALLBACK_SPACE)
-    chosen = options[-1]
-    for bm, bn, warps, stages in options:
-        resident, streamed = (2 * bn, 2 * bm) if kernel == "dkdv" else (2 * bm, 2 * bn)
-        if fits_smem(resident, streamed, stages, bd, q.element_size(), limit):
-            chosen = (bm, bn, warps, stages)
-            break
-    bm, bn, warps, stages = chosen
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-
-
-def backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
+def backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale,
+             config=None):  # fmt: skip
     """Gradients ``(dq, dk, dv)`` shaped like the packed q, k, v, of the forward's ``o`` and ``lse (Hq, total_q)``
     given ``do``: three launches for the whole batch (preprocess, dK/dV, dQ), each program reading its sequence
-    from cu_seqlens. A sequence with no queries or no keys gets zero gradients. Deterministic (no atomics)."""
+    from cu_seqlens. A sequence with no queries or no keys gets zero gradients. Deterministic (no atomics).
+
+    ``config`` is required on a GPU: ``{"dkdv": {...}, "dq": {...}}``, each a dict of BLOCK_M, BLOCK_N, num_warps,
+    num_stages (the host engine picks them); the interpreter uses ``CPU_CONFIG``."""
     total_q, hq, d = q.shape
     total_k, hk, _ = k.shape
     b = cu_seqlens_q.shape[0] - 1
@@ -536,8 +513,8 @@ def backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
             interpreted(_bwd_dkdv_varlen)[(cdiv(max_seqlen_k, bn), b * hk)](*dkdv_args, **common, **CPU_CONFIG)
             interpreted(_bwd_dq_varlen)[(cdiv(max_seqlen_q, bm), b * hq)](*dq_args, **common, **CPU_CONFIG)
         return dq, dk, dv
-    dkdv_config, dq_config = backward_config("dkdv", q), backward_config("dq", q)
-    pre_m = flash_backward.PREPROCESS_BLOCK_M
+    dkdv_config, dq_config = config["dkdv"], config["dq"]
+    pre_m = PREPROCESS_BLOCK_M
     with torch.cuda.device(q.device):
         _bwd_preprocess_varlen[(cdiv(max_seqlen_q, pre_m), b * hq)](*pre_args, HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=pre_m)
         _bwd_dkdv_varlen[(cdiv(max_seqlen_k, dkdv_config["BLOCK_N"]), b * hk)](*dkdv_args, **common, **dkdv_config)
@@ -557,8 +534,8 @@ __all__ = [
     "BWD_RUNTIME",
     "RUNTIME_LENGTHS",
     "attn_fwd_varlen",
+    "PREPROCESS_BLOCK_M",
     "backward",
-    "backward_config",
     "bwd_dkdv_varlen",
     "bwd_dq_varlen",
     "bwd_preprocess_varlen",
