@@ -201,7 +201,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     no key (e.g. a query sequence with no keys) gives zeros and lse = -inf.
 
     The boundaries are checked on the host (a first entry of 0, no decrease, a last entry equal to the packed
-    rows, no sequence longer than its ``max_seqlen``): one synchronisation per call on a GPU.
+    rows, no sequence longer than its ``max_seqlen``): one synchronisation per call on a GPU, which also keeps a
+    call out of CUDA-graph capture (``torch.compile(mode="reduce-overhead")``) in this version.
 
     Differentiable in q, k and v (not lse). The backward recomputes the probabilities from the saved lse with the
     FlashAttention-2 kernels in varlen form (``flashlab.kernels.varlen.backward``: preprocess, dK/dV, dQ, one
