@@ -47,6 +47,20 @@ def test_compiled_gradients_equal_eager():
         torch.testing.assert_close(traced, eager, rtol=0, atol=0)
 
 
+def test_new_lengths_run_through_the_compiled_function():
+    """Batches of other lengths and max_seqlen values (symbolic ints once dynamo sees them change) equal eager."""
+
+    def packed_block(q, k, v, cu_q, cu_k, max_q, max_k):
+        return flash_attention_varlen(q * 1.0, k, v, cu_q, cu_k, max_q, max_k, causal=True) + q
+
+    torch._dynamo.reset()
+    compiled = torch.compile(packed_block, backend=CPU_BACKEND, fullgraph=True)
+    for lq, lk in (([7, 0, 3], [9, 2, 3]), ([5, 4], [6, 8]), ([2, 9, 1], [3, 9, 4])):
+        q, k, v, _, cu_q, cu_k = packed_case(lq, lk, 2, 1, 16)
+        args = (q, k, v, cu_q, cu_k, max(lq), max(lk))
+        torch.testing.assert_close(compiled(*args), packed_block(*args), rtol=0, atol=0)
+
+
 def test_boundary_checks_run_inside_the_compiled_operator():
     q, k, v, _, cu_q, cu_k = packed_case([7, 3], [9, 3], 2, 1, 16)
     torch._dynamo.reset()
