@@ -10,8 +10,9 @@ The package in layers; every import points down the list, never up (``tests/test
 3. ``flashlab.kernels`` -- the Triton kernels, device code and one plain launch each (compiled on a GPU, Triton's
    interpreter on a CPU), each checked against the reference: the forward kernel as a ladder of runnable rungs
    (``flashlab.kernels.ladder``), the decode kernels (``flashlab.kernels.decode``), the backward kernels.
-4. ``flashlab.host`` -- the host engine: ``flashlab.flash_attention`` and ``flashlab.flash_attention_with_kvcache``
-   (attention against a serving engine's paged KV cache), their checks, one plan per call signature, the direct
+4. ``flashlab.host`` -- the host engine: ``flashlab.flash_attention``, ``flashlab.flash_attention_with_kvcache``
+   (attention against a serving engine's paged KV cache) and ``flashlab.flash_attention_varlen`` (sequences of
+   different lengths packed without padding), their checks, one plan per call signature, the direct
    launches, autograd and the ``torch.ops.flashlab`` operators.
 5. The tools: ``flashlab.bench`` (``python -m flashlab.bench``, the checked benchmark), ``flashlab.sdpa`` (which
    PyTorch SDPA backend runs, and why the others refuse), ``flashlab.exercises`` and ``flashlab.grade`` (the
@@ -34,6 +35,10 @@ def __getattr__(name):
         from flashlab.host import flash_attention_with_kvcache
 
         return flash_attention_with_kvcache
+    if name == "flash_attention_varlen":
+        from flashlab.host import flash_attention_varlen
+
+        return flash_attention_varlen
     if name == "check_kvcache_errors":
         from flashlab.host import check_kvcache_errors
 

@@ -1,6 +1,7 @@
 """The host engine: what the CPU does to launch flashlab's kernels, written once.
 
-- ``attention`` -- the entry points, ``flash_attention`` and ``flash_attention_with_kvcache``.
+- ``attention`` -- the entry points, ``flash_attention`` and ``flash_attention_with_kvcache``; ``varlen`` --
+  ``flash_attention_varlen``, packed sequences of different lengths.
 - ``checks`` -- every argument check (a TypeError or ValueError naming the argument); ``kvcache_errors`` -- the
   paged cache's values checked on the device, reported without a synchronisation (``check_kvcache_errors``).
 - ``plan`` -- the call signature and its ``Call`` (``CALLS``), the bounded plan cache keyed by bucket (``PLANS``)
@@ -20,5 +21,6 @@ them, never the other way.
 from flashlab.host import custom_ops  # noqa: F401  (registers torch.ops.flashlab.*)
 from flashlab.host.attention import flash_attention, flash_attention_with_kvcache
 from flashlab.host.kvcache_errors import check_kvcache_errors
+from flashlab.host.varlen import flash_attention_varlen
 
-__all__ = ["check_kvcache_errors", "flash_attention", "flash_attention_with_kvcache"]
+__all__ = ["check_kvcache_errors", "flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache"]

@@ -22,6 +22,12 @@ interpreter inside the node, so the same compiled model runs in CI.
   ``sync_check`` its ``"sync"``, True alone its default (the check on the device); ``cu_seqlens_q`` its packed
   q's offsets (o ``(total_q, Hq, D)``, lse ``(Hq, total_q)``).
 
+- ``torch.ops.flashlab.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+  window_left, window_right, scale) -> (o, lse)``: ``flash_attention_varlen`` (packed sequences,
+  ``flashlab.host.varlen``), with its boundary checks inside the node (they read the values); its gradient is
+  ``attention_varlen_backward(do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+  causal, window_left, window_right, scale) -> (dq, dk, dv)``.
+
 Why ``custom_op`` and not ``torch.library.triton_op`` + ``wrap_triton`` (which let the compiler see the Triton
 kernels themselves): the launches here go through an autotuner with a config-pruning hook and a TMA pre-hook,
 take TMA descriptors as arguments, and run Triton's interpreter on CPU tensors; none of that is what
@@ -36,6 +42,7 @@ from flashlab.host import attention
 from flashlab.host.attention import ints_to_window, window_to_ints
 from flashlab.host.autograd import check_no_lse_gradient
 from flashlab.host.scratch import fresh_scratch
+from flashlab.host.varlen import varlen_backward, varlen_forward
 from flashlab.kernels.flash_backward import attention_backward
 
 NAMESPACE = "flashlab"
@@ -141,10 +148,85 @@ def _(q, k_cache, v_cache, cache_seqlens, block_table, causal, window_left, wind
     return q.new_empty((b, hq, nq, d)), q.new_empty((b, hq, nq), dtype=torch.float32)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::attention_varlen", mutates_args=())
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    scale: Optional[float],  # noqa: UP045
+) -> tuple[torch.Tensor, torch.Tensor]:
+    window = ints_to_window(window_left, window_right)
+    return varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale)
+
+
+@attention_varlen.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale):
+    total_q, hq, d = q.shape
+    return q.new_empty((total_q, hq, d)), q.new_empty((hq, total_q), dtype=torch.float32)
+
+
+def _setup_varlen_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, window_left, window_right, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+    ctx.flags = (max_q, max_k, causal, window_left, window_right, scale)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention_varlen_backward", mutates_args=())
+def attention_varlen_backward_op(
+    do: torch.Tensor,
+    dlse: Optional[torch.Tensor],  # noqa: UP045
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    scale: Optional[float],  # noqa: UP045
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients ``(dq, dk, dv)`` of ``attention_varlen``; a RuntimeError when ``dlse`` is not all zeros."""
+    check_no_lse_gradient(dlse)
+    window = ints_to_window(window_left, window_right)
+    return varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                           window, scale)  # fmt: skip
+
+
+@attention_varlen_backward_op.register_fake
+def _(do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left,
+      window_right, scale):  # fmt: skip
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+
+
+def _attention_varlen_backward(ctx, do, dlse):
+    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashlab.attention_varlen_backward(do, dlse, q, k, v, o, lse, cu_q, cu_k, *ctx.flags)
+    return dq, dk, dv, None, None, None, None, None, None, None, None  # no gradient for the boundaries and flags
+
+
+torch.library.register_autograd(
+    f"{NAMESPACE}::attention_varlen", _attention_varlen_backward, setup_context=_setup_varlen_context
+)
+
+
 __all__ = [
     "NAMESPACE",
     "attention_backward_op",
     "attention_forward",
+    "attention_varlen",
+    "attention_varlen_backward_op",
     "attention_with_kvcache",
     "ints_to_window",
     "window_to_ints",

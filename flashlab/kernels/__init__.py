@@ -7,6 +7,8 @@
   overlap rung's ``tile_schedule``.
 - ``decode`` -- ``split_kv`` (Flash-Decoding: key chunks in parallel, merged by their log-sum-exps) and
   ``kvcache`` (the same against a serving engine's paged KV cache).
+- ``varlen`` -- the skip-and-split forward over a batch of sequences of different lengths packed without padding
+  (each program reads its sequence's bounds from ``cu_seqlens``).
 - ``flash_backward`` -- the FlashAttention-2 backward kernels.
 - ``softmax_step`` -- the ``@triton.jit`` steps they share: the band's element mask, one online-softmax step, the
   chunks' merge.

@@ -1,0 +1,94 @@
+"""``flash_attention_varlen`` compiled on a CUDA GPU, at training and serving sizes, against float64 per sequence
+(skipped without CUDA).
+
+Run on the H200 with: ``python -m pytest tests/test_varlen_gpu.py -q``. Ragged batches of a few thousand tokens
+with empty and one-token sequences among them, 32 query / 8 KV heads at D = 64 and 128, causal and sliding-window
+masks; the gradients; the packed call against ``flash_attention`` run sequence by sequence; bit-identical reruns;
+and ``torch.compile`` with inductor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_varlen import check_forward, packed_case, sequence, varlen_attention_float64, varlen_grads_float64
+
+from flashlab import flash_attention, flash_attention_varlen
+from flashlab.core.numerics import grad_tolerance, relative_error, tolerance
+
+pytestmark = pytest.mark.gpu
+
+
+def ragged_lengths(seed, b, most):
+    rng = np.random.default_rng(seed)
+    lq = rng.integers(1, most, size=b).tolist()
+    lk = [n + int(rng.integers(0, most // 4)) for n in lq]  # keys: a cached prefix before the new queries
+    lq[1], lk[2], lq[3], lk[3] = 0, 0, 1, 1
+    return lq, lk
+
+
+def on_gpu(*xs):
+    return [x.cuda() for x in xs]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (512, None))])
+def test_forward_equals_float64_per_sequence(dtype, d, causal, window):
+    lq, lk = ragged_lengths(d, 8, 1500)
+    q, k, v, _, cu_q, cu_k = on_gpu(*packed_case(lq, lk, 32, 8, d, dtype, seed=1))
+    o, lse = flash_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, window=window,
+                                    return_lse=True)  # fmt: skip
+    ref = varlen_attention_float64(*(x.cpu() for x in (q, k, v, cu_q, cu_k)), causal, window)
+    check_forward(o.cpu(), lse.cpu(), *ref, cu_q.cpu(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gradients_equal_float64_per_sequence(dtype):
+    lq, lk = ragged_lengths(3, 5, 700)
+    q, k, v, do, cu_q, cu_k = packed_case(lq, lk, 8, 2, 128, dtype, seed=2)
+    qg, kg, vg = (x.cuda().requires_grad_() for x in (q, k, v))
+    o = flash_attention_varlen(qg, kg, vg, cu_q.cuda(), cu_k.cuda(), max(lq), max(lk), causal=True)
+    o.backward(do.cuda())
+    refs = varlen_grads_float64(q, k, v, do, cu_q, cu_k, True)
+    for name, x, ref in zip("qkv", (qg.grad, kg.grad, vg.grad), refs, strict=True):
+        err = relative_error(x.cpu(), ref)
+        assert err <= grad_tolerance(dtype), f"d{name}: relative error {err:.2e} for {dtype}"
+
+
+def test_packed_equals_flash_attention_per_sequence():
+    lq, lk = ragged_lengths(5, 16, 2048)
+    q, k, v, _, cu_q, cu_k = on_gpu(*packed_case(lq, lk, 32, 8, 128, torch.bfloat16, seed=3))
+    o = flash_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True)
+    for b in range(len(lq)):
+        if lq[b] == 0 or lk[b] == 0:
+            continue
+        ref = flash_attention(sequence(q, cu_q, b), sequence(k, cu_k, b), sequence(v, cu_k, b), causal=True)
+        err = relative_error(sequence(o, cu_q, b).float(), ref.float())
+        assert err <= tolerance(torch.bfloat16), f"sequence {b}: {err:.2e}"
+
+
+def test_two_runs_are_bit_identical():
+    lq, lk = ragged_lengths(7, 6, 1000)
+    q, k, v, do, cu_q, cu_k = on_gpu(*packed_case(lq, lk, 16, 4, 128, torch.bfloat16, seed=4))
+    runs = []
+    for _ in range(2):
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        o = flash_attention_varlen(qg, kg, vg, cu_q, cu_k, max(lq), max(lk), causal=True)
+        o.backward(do)
+        runs.append((o, qg.grad, kg.grad, vg.grad))
+    for first, second in zip(*runs, strict=True):
+        assert torch.equal(first, second)
+
+
+def test_inductor_compile_equals_eager():
+    lq, lk = ragged_lengths(9, 4, 600)
+    q, k, v, _, cu_q, cu_k = on_gpu(*packed_case(lq, lk, 8, 2, 64, torch.bfloat16, seed=5))
+
+    def block(q, k, v):
+        return torch.nn.functional.gelu(flash_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), True)) + q
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), block(q, k, v), rtol=0, atol=0)
