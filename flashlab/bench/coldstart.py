@@ -42,7 +42,7 @@ from pathlib import Path
 
 from flashlab.bench.args import output_prefix, whole_number
 from flashlab.bench.grid import STAMP_COLUMNS
-from flashlab.bench.results import default_folder, folder_problem, output_problem, save_tables
+from flashlab.bench.results import default_folder, folder_problem, output_problem, recording_prefix, save_tables
 
 CHECK_ROWS = 16  # query rows per call checked against float64
 
@@ -356,11 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_prefix(meta: dict) -> Path:
-    date = meta["date"][:10]
-    if meta["is_cuda_gpu"]:
-        slug = meta["device_name"].lower().replace("nvidia", "").strip().replace(" ", "-")
-        return default_folder(True) / f"{slug}-coldstart-{date}"
-    return default_folder(False) / f"cpu-coldstart-{date}"
+    return recording_prefix(meta, "coldstart")
 
 
 def main(argv: Sequence[str] | None = None) -> dict | None:

@@ -57,7 +57,14 @@ import torch.nn.functional as F
 
 from flashlab.bench.args import output_prefix, whole_number
 from flashlab.bench.grid import DTYPES, STAMP_COLUMNS
-from flashlab.bench.results import default_folder, folder_problem, output_problem, ratio_text, save_tables
+from flashlab.bench.results import (
+    default_folder,
+    folder_problem,
+    output_problem,
+    ratio_text,
+    recording_prefix,
+    save_tables,
+)
 from flashlab.bench.stamp import environment_stamp
 from flashlab.core.numerics import relative_error, tolerance
 from flashlab.host import flash_attention, flash_attention_with_kvcache
@@ -510,11 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def default_prefix(meta: dict) -> Path:
     """``data/results/<gpu>-loops-<date>`` on a GPU, ``test-artifacts/bench/cpu-loops-<date>`` on the CPU."""
-    date = meta["date"][:10]
-    if meta["is_cuda_gpu"]:
-        slug = meta["device_name"].lower().replace("nvidia", "").strip().replace(" ", "-")
-        return default_folder(True) / f"{slug}-loops-{date}"
-    return default_folder(False) / f"cpu-loops-{date}"
+    return recording_prefix(meta, "loops")
 
 
 def main(argv: Sequence[str] | None = None) -> dict | None:

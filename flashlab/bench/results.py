@@ -241,11 +241,21 @@ def default_prefix(meta: dict) -> Path:
     dtypes = "-".join(meta["config"]["dtypes"])
     if meta["config"].get("mode") in ("decode", "backward"):
         dtypes = meta["config"]["mode"] + "-" + dtypes
+    return recording_prefix(meta, dtypes)
+
+
+def gpu_slug(meta: dict) -> str:
+    """The GPU's name as recordings are named after it: ``NVIDIA H200`` -> ``h200``."""
+    return meta["device_name"].lower().replace("nvidia", "").strip().replace(" ", "-")
+
+
+def recording_prefix(meta: dict, kind: str) -> Path:
+    """``data/results/<gpu>-<kind>-<date>`` for a GPU run, ``test-artifacts/bench/cpu-<kind>-<date>`` on the CPU:
+    the default name of every benchmark mode's files."""
     date = meta["date"][:10]
     if meta["is_cuda_gpu"]:
-        slug = meta["device_name"].lower().replace("nvidia", "").strip().replace(" ", "-")
-        return default_folder(True) / f"{slug}-{dtypes}-{date}"
-    return default_folder(False) / f"cpu-{dtypes}-{date}"
+        return default_folder(True) / f"{gpu_slug(meta)}-{kind}-{date}"
+    return default_folder(False) / f"cpu-{kind}-{date}"
 
 
 def default_folder(is_cuda_gpu: bool) -> Path:

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from flashlab.bench.args import name_list, size_list
-from flashlab.bench.results import json_row, save_tables
+from flashlab.bench.results import gpu_slug, json_row, save_tables
 from flashlab.calculators import roofline
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -632,8 +632,7 @@ class TrafficResults:
 
 def default_prefix(meta: dict) -> Path:
     """``data/results/<gpu>-traffic-<dtype>-<date>``."""
-    slug = meta["device_name"].lower().replace("nvidia", "").strip().replace(" ", "-")
-    return Path("data/results") / f"{slug}-traffic-{meta['config']['dtype']}-{meta['date'][:10]}"
+    return Path("data/results") / f"{gpu_slug(meta)}-traffic-{meta['config']['dtype']}-{meta['date'][:10]}"
 
 
 def newest_traffic_results(directory="data/results") -> Path | None:
