@@ -252,10 +252,6 @@ def launch(q, k, v, o, lse, causal, window, band, config=None):
             _lesson_loop_fwd[grid](*args, **meta, **config)
 
 
-def best_config() -> str:
-    """The autotuner's last pick for this kernel (for the benchmark's records)."""
-    return str(lesson_loop_fwd_tuned.best_config)
-
 
 # The kernel under a public name, for readers outside this module (notebook 04 prints its source).
 lesson_loop_fwd = _lesson_loop_fwd
@@ -264,7 +260,6 @@ __all__ = [
     "FALLBACK_SPACE",
     "NAME",
     "TUNING_SPACE",
-    "best_config",
     "launch",
     "lesson_loop_fwd",
     "lesson_loop_fwd_tuned",

@@ -381,10 +381,6 @@ def launch(q, k, v, o, lse, causal, window, band, config=None, reverse_m=None, u
             _attn_fwd[grid](*args, **meta, **config)
 
 
-def best_config() -> str:
-    """The autotuner's last pick for this kernel (for the benchmark's records)."""
-    return str(attn_fwd_tuned.best_config)
-
 
 # The kernel under a public name, for the modules that launch it (``flashlab.host.launches``); the @triton.jit
 # function keeps the name ``_attn_fwd``, which is what profilers and the recorded Nsight traffic files show.
@@ -403,7 +399,6 @@ __all__ = [
     "TUNING_SPACE",
     "attn_fwd",
     "attn_fwd_tuned",
-    "best_config",
     "kernel_meta",
     "launch",
     "prune_configs",

@@ -489,10 +489,6 @@ def repair_parts(q, k, v, strides_o, causal, window, band):
     return _repair_flagged, grid, (*scalars, *tiles), rmeta
 
 
-def best_config() -> str:
-    """The autotuner's last pick for this kernel (for the benchmark's records)."""
-    return str(hopper_fwd_tuned.best_config)
-
 
 hopper_fwd = _attn_fwd_hopper
 repair_flagged = _repair_flagged
@@ -504,7 +500,6 @@ __all__ = [
     "REPAIR_RUNTIME_LENGTHS",
     "RUNTIME_LENGTHS",
     "TUNING_SPACE",
-    "best_config",
     "hopper_fwd",
     "hopper_fwd_tuned",
     "aligned",
