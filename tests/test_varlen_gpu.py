@@ -87,8 +87,13 @@ def test_inductor_compile_equals_eager():
     q, k, v, _, cu_q, cu_k = on_gpu(*packed_case(lq, lk, 8, 2, 64, torch.bfloat16, seed=5))
 
     def block(q, k, v):
-        return torch.nn.functional.gelu(flash_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), True)) + q
+        o = flash_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), True)
+        return o, torch.nn.functional.gelu(o) + q
 
     torch._dynamo.reset()
     compiled = torch.compile(block, fullgraph=True)
-    torch.testing.assert_close(compiled(q, k, v), block(q, k, v), rtol=0, atol=0)
+    (o_compiled, y_compiled), (o_eager, y_eager) = compiled(q, k, v), block(q, k, v)
+    # the attention operator itself gives the same bits; inductor fuses gelu and the add around it into one
+    # kernel that rounds to bf16 once, where eager rounds after each, so the block agrees to bf16's rounding
+    torch.testing.assert_close(o_compiled, o_eager, rtol=0, atol=0)
+    torch.testing.assert_close(y_compiled, y_eager, rtol=1.6e-2, atol=1.6e-2)
