@@ -35,9 +35,9 @@ sequence is NaN, and records what it met in a small int32 error record (``ERROR_
 ``ERROR_FIELDS`` says): the first program to fail claims the record with a compare-and-swap and fills it, and the
 others leave it alone. The host engine hands the kernel a record in page-locked host memory, which the device writes
 through, so the host reads it with a plain memory load, without waiting for the GPU (``flashlab.host.kvcache_errors``).
-Each program checks the entries of its own chunk of keys that the sequence uses (those before its length): the ones
-its band reads as it reads them, the rest of the chunk in a short scan after its loop. Entries past a sequence's
-last block are never read and may hold anything.
+Each program checks the entries of its own chunk of keys that the sequence uses (those before its length), in a
+short scan after its loop; inside the loop a bad entry's keys are only masked. Entries past a sequence's last block
+are never read and may hold anything.
 
 The float64 reference it must equal is ``flashlab.reference.torch_float64.attention_float64`` applied to each
 sequence's keys and values, gathered into contiguous tensors (the tests do exactly that).
@@ -199,7 +199,6 @@ def _kvcache_partial(
     hi = tl.minimum(tl.minimum(split_lo + keys_per_split, nk), qi_hi + offset + win_right + 1)
     lo = tl.maximum(lo, 0) // BLOCK_N * BLOCK_N
     diag = qi + offset
-    bad_keys = tl.zeros([BLOCK_N], dtype=tl.int32)  # 1 where a key of some tile sat in a block outside the pool
 
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n  # (BLOCK_N,) logical key positions in the sequence
@@ -213,15 +212,13 @@ def _kvcache_partial(
         else:  # the tile spans several blocks: one table entry per key
             page = tl.load(table + cols // PAGE_SIZE, mask=cols < hi, other=0).to(tl.int64)
             slot = cols % PAGE_SIZE
-        # a table entry outside the pool is never followed: its keys are masked, and remembered as bad
+        # a table entry outside the pool is never followed: its keys are masked (and found by the scan below)
         if PAGE_SIZE == 0:
             key_ok = cols < hi
         elif PAGE_SIZE % BLOCK_N == 0:  # one entry for the tile: a bad one hides the whole tile
             key_ok = cols < tl.where((page >= 0) & (page < NUM_PAGES), hi, 0)
         else:
             key_ok = (cols < hi) & (page >= 0) & (page < NUM_PAGES)
-        if PAGE_SIZE != 0:
-            bad_keys = tl.where((cols < hi) & (key_ok == 0), 1, bad_keys)
         k_off = page * stride_kp + slot * stride_ks  # (BLOCK_N,) or broadcast scalar page
         v_off = page * stride_vp + slot * stride_vs
         # -- K tile: BLOCK_N * D * bytes(dtype), read once for all GROUP query heads
@@ -241,15 +238,15 @@ def _kvcache_partial(
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # -- the values' check: a bad length, or a bad entry among the chunk's used keys [split_lo, used_end) --
-    # those the loop read, then those its band left out (a window; a block of rows before a causal diagonal)
-    failed = length_bad | (tl.max(bad_keys, 0) > 0)
+    # -- the values' check: a bad length, or a bad entry among the chunk's used keys [split_lo, used_end), read
+    # or not by its band (a window; a block of rows before a causal diagonal). One scan of the chunk's entries
+    # after the loop, not a flag carried through it: a flag vector held across the loop cost registers, and with
+    # them occupancy, in the small-block kernel (docs/kernel-notes.md)
+    failed = length_bad
     used_end = tl.minimum(split_lo + keys_per_split, nk)
     if PAGE_SIZE != 0:
-        band_lo = tl.minimum(tl.maximum(lo, split_lo), used_end)
-        before = first_bad_column(table, split_lo, band_lo, NUM_PAGES, PAGE_SIZE, _SCAN)
-        after = first_bad_column(table, tl.maximum(hi, band_lo), used_end, NUM_PAGES, PAGE_SIZE, _SCAN)
-        failed = failed | (tl.minimum(before, after) < _NO_COLUMN)
+        column = first_bad_column(table, split_lo, used_end, NUM_PAGES, PAGE_SIZE, _SCAN)
+        failed = failed | (column < _NO_COLUMN)
     # a failed program's partial is NaN (lse included): the merge, and so every row of the sequence, gives NaN
     acc = tl.where(failed, float("nan"), acc)
     m_i = tl.where(failed, float("nan"), m_i)
@@ -258,7 +255,6 @@ def _kvcache_partial(
         if length_bad:
             report_error(ERRORS, _LENGTH, off_b, -1, seqlen, CAPACITY)
         elif PAGE_SIZE != 0:
-            column = first_bad_column(table, split_lo, used_end, NUM_PAGES, PAGE_SIZE, _SCAN)
             entry = tl.load(table + column, mask=column < _NO_COLUMN, other=0)
             report_error(ERRORS, _ENTRY, off_b, column, entry, NUM_PAGES)
 
