@@ -315,3 +315,84 @@ def test_chunked_prefill_on_the_overlap_rung_compiles_once_per_bucket_on_gpu():
             assert plan.state == CHECKED, (nq, nk, plan.state)
         counts.append(binaries(overlap.attn_fwd_overlap, dev))
     assert len(set(counts)) == 1, counts
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Families: a new length of a known signature, made from integers alone, equals the full path's call
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def full_call(q, k, v, causal=False, window=None, scale=None, num_splits=None):
+    """The call the full path (every check, every decision) makes for these arguments, kept nowhere."""
+    return forward.checked_call(q, k, v, causal, window, scale, num_splits, None)
+
+
+def assert_same_call(derived, full):
+    assert derived.plan is full.plan  # the same bucket, so the same compiled kernel and direct launch
+    assert derived.values == full.values and derived.grid == full.grid
+    assert (derived.o_shape, derived.lse_shape, derived.o_like_q) == (full.o_shape, full.lse_shape, full.o_like_q)
+    a, b = derived.args, full.args
+    assert (a.num_splits, a.parts, a.rows, a.counters, a.meta) == (b.num_splits, b.parts, b.rows, b.counters, b.meta)
+
+
+@pytest.mark.parametrize(
+    "causal, window, hq, hk, num_splits",
+    [(False, None, 8, 2, None), (True, None, 4, 4, None), (False, (37, 0), 6, 2, None), (True, (5, None), 4, 1, None),
+     (False, None, 4, 2, 3)],
+)  # fmt: skip
+def test_a_family_makes_each_new_length_as_the_full_path_would(causal, window, hq, hk, num_splits):
+    """Lengths from 1 key (one chunk) past several length buckets, through the family and through the full path:
+    the same plan, scalars, grid and scratch every time. The calls are only planned here, never launched."""
+    forward.FAMILIES.clear()
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, hq, 1, 64, generator=g)
+    kb, vb = torch.randn(2, 1, hk, 5000, 64, generator=g).unbind(0)
+    lengths = [4, 5, 127, 128, 129, 1000, 1023, 1024, 1025, 2047, 4999] if num_splits else [
+        1, 2, 17, 127, 128, 129, 255, 256, 257, 1000, 1023, 1024, 1025, 2047, 2048, 2049, 4999]  # fmt: skip
+    first = True
+    for n in lengths:
+        k, v = kb[:, :, :n], vb[:, :, :n]
+        key = forward.signature(q, k, v, causal, window, None, num_splits, None)
+        derived = forward.new_call(key, q, k, v, causal, window, None, num_splits, None)
+        family = forward.FAMILIES.get(forward.plan_family_key(key, k, v))
+        assert family is not None, "a split-KV call starts a family"
+        assert first or family.last is derived, "every length after the first came from the family"
+        first = False
+        assert_same_call(derived, full_call(q, k, v, causal, window, None, num_splits))
+
+
+def test_a_cache_grown_by_concatenation_keeps_one_family():
+    """A contiguous cache of a new length has new strides: its family key keeps "contiguous" instead of them."""
+    forward.FAMILIES.clear()
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 4, 1, 32, generator=g)
+    k = torch.randn(2, 2, 300, 32, generator=g)
+    for _ in range(3):
+        k = torch.cat([k, torch.randn(2, 2, 1, 32, generator=g)], dim=2)
+        key = forward.signature(q, k, k, False, None, None, None, None)
+        derived = forward.new_call(key, q, k, k, False, None, None, None, None)
+        assert_same_call(derived, full_call(q, k, k))
+    assert len(forward.FAMILIES) == 1
+
+
+def test_a_bad_length_in_a_family_still_gets_the_full_paths_error():
+    """The family covers only what it can make from integers; the rest goes through the checks, which name it."""
+    forward.FAMILIES.clear()
+    q, k, v = decode_step(200, 9)
+    flash_attention(q, k, v, num_splits=4)
+    q2, k2, v2 = decode_step(203, 9)
+    with pytest.raises(ValueError, match="num_splits"):
+        flash_attention(q2, k2[:, :, :3], v2[:, :, :3], num_splits=4)  # fewer keys than chunks
+    with pytest.raises(ValueError):
+        flash_attention(q2, k2, v2[:, :, :100], num_splits=4)  # k and v of different lengths
+
+
+def test_a_growing_cache_through_its_family_matches_the_reference():
+    """The launched answers, step after step, from calls the family made."""
+    forward.FAMILIES.clear()
+    cache = make_qkv(1, 4, 2, 1, 330, 16, torch.float32, seed=10)[1:]
+    for n in (300, 301, 302, 329):
+        q, k, v = decode_step(n, 11, cache=cache)
+        check_against_reference(q, k, v)
+    key = forward.signature(q, k, v, False, None, None, None, None)
+    assert forward.FAMILIES[forward.plan_family_key(key, k, v)].last is call_of(q, k, v)

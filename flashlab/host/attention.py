@@ -34,8 +34,9 @@ from flashlab.host.checks import (
     check_values_flag,
 )
 from flashlab.host.kvcache_errors import raise_recorded
-from flashlab.host.launches import attention_call, kvcache_plan, run_attention, run_kvcache, unit_stride_d
-from flashlab.host.plan import CALLS, PLANS, kvcache_signature, remember, remember_call, signature
+from flashlab.host.launches import SplitFamily, attention_call, kvcache_plan, run_attention, run_kvcache, unit_stride_d
+from flashlab.host.plan import CALLS, FAMILIES, PLANS, kvcache_signature, remember, remember_call, remember_family, signature
+from flashlab.host.plan import family_key as plan_family_key
 from flashlab.kernels import ladder
 from flashlab.kernels.decode import split_kv
 from flashlab.kernels.device import kernel_band, stream_capturing
@@ -103,7 +104,7 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
     key = signature(q, k, v, causal, window, scale, num_splits, rung)
     call = CALLS.get(key)  # a call exists only for a signature that was checked
     if call is None:
-        call = remember_call(key, checked_call(q, k, v, causal, window, scale, num_splits, rung))
+        call = remember_call(key, new_call(key, q, k, v, causal, window, scale, num_splits, rung))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         # differentiable: the prefill kernel (split-KV has no backward), then flashlab.kernels.flash_backward
         if call.backward is None:
@@ -116,6 +117,22 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
             warnings.warn(call.note, RuntimeWarning, stacklevel=2)
         o, lse = run_attention(call, q, k, v, return_lse)
     return (o, lse) if return_lse else o
+
+
+def new_call(key, q, k, v, causal, window, scale, num_splits, rung):
+    """The ``Call`` of a signature met for the first time (``key``): from its family's (``flashlab.host.plan``'s
+    ``family_key``: a decode step against a cache one token longer is a new signature of a known family) where one
+    covers it, else ``checked_call``'s, which may start a family."""
+    family_key = plan_family_key(key, k, v)
+    family = FAMILIES.get(family_key)
+    if family is not None:
+        call = family.call(q, k, v)
+        if call is not None:
+            return call
+    call = checked_call(q, k, v, causal, window, scale, num_splits, rung)
+    if family is None and family_key is not None:
+        remember_family(family_key, SplitFamily.of(call, q, k, v, causal, window, scale, num_splits))
+    return call
 
 
 def checked_call(q, k, v, causal, window, scale, num_splits, rung):

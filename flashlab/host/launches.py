@@ -134,7 +134,6 @@ def split_call(q, k, v, causal, window, band, num_splits) -> Call:
     hk, nk = k.shape[1], k.shape[2]
     o = torch.empty((b, hq, nq, d), dtype=q.dtype, device="meta")  # for its strides only
     args = split_kv.SplitArguments(q, k, v, o, *band, num_splits)
-    strides, lengths = args.scalars[:12], args.scalars[12:-1]
     aligned = not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
     if not q.is_cuda:
         config, tune = {"BLOCK_N": CPU_CONFIG["BLOCK_N"]}, None
@@ -142,9 +141,18 @@ def split_call(q, k, v, causal, window, band, num_splits) -> Call:
         config, tune = None, args.tune  # the autotuner's pick, made on the plan's first launch
     else:
         config, tune = kernel_config(SPLIT_KV, q, hk, nk, band), None
-    key = (SPLIT_KV, q.device, q.dtype, d, plans.mask_kind(causal, window), hq // hk, tuple(args.meta.items()),
-           None if config is None else tuple(sorted(config.items())), tune, plans.int_classes(strides),
-           plans.wide(lengths + args.tune), aligned)  # fmt: skip
+    head = (SPLIT_KV, q.device, q.dtype, d, plans.mask_kind(causal, window), hq // hk)
+    config_key = None if config is None else tuple(sorted(config.items()))
+    return _split_call_of(head, args, config, config_key, tune, aligned, plans.int_classes(args.scalars[:12]))
+
+
+def _split_call_of(head, args, config, config_key, tune, aligned, classes) -> Call:
+    """The ``Call`` of split-KV arguments ``args`` with the plan of their bucket: ``head`` the key's first fields
+    (path, device, dtype, head dim, mask kind, group), ``config`` the tiles (``config_key`` as a sorted tuple; None
+    where the autotuner picks, ``tune`` then its key), ``aligned`` the tensors' 16-byte alignment, ``classes`` the
+    int classes of the twelve strides that open ``args.scalars``."""
+    key = (*head, tuple(args.meta.items()), config_key, tune, classes, plans.wide(args.scalars[12:-1] + args.tune),
+           aligned)  # fmt: skip
 
     def make():
         plan = Plan(SPLIT_KV, run_split)
@@ -157,6 +165,87 @@ def split_call(q, k, v, causal, window, band, num_splits) -> Call:
     call.args, call.grid = args, args.grid
     call.values = (*args.scalars, *args.tune)  # split_kv.SCALAR_PARAMETERS
     return call
+
+
+class SplitFamily:
+    """The split-KV calls of one family (``flashlab.host.plan.family_key``: one signature but for its keys'
+    count), made from integers alone. A decode loop over a growing cache would otherwise check and plan every
+    step from scratch (about 100 us of Python on a GPU server's host, five times the launch); here only what a
+    new length changes is worked out: the band, the chunks, the scalars, the grid, the bucket's plan (and its tile
+    config, once per length bucket).
+
+    ``call(q, k, v)`` gives the ``Call`` of a new length, or None where that length leaves what the family covers
+    (too many keys for 32-bit row offsets, fewer keys than ``num_splits``): then the full path checks it and names
+    the problem. Made from a checked call that needed no copies, ran q as given, and picks its tiles by table."""
+
+    __slots__ = ("last", "head", "aligned", "band", "num_splits", "configs", "cuda", "strides", "classes", "plans")
+
+    def __init__(self, call, q, k, causal, window, scale, num_splits, aligned):
+        self.last = call  # the family's latest call: its outputs' shapes, its scratch views
+        self.head = (SPLIT_KV, q.device, q.dtype, q.shape[3], plans.mask_kind(causal, window), q.shape[1] // k.shape[1])
+        self.aligned = aligned  # the family key holds the signature's alignment: the same for every call of it
+        self.band = (q.shape[2], q.shape[3], causal, window, scale)
+        self.num_splits = num_splits
+        self.configs = {}  # (nk's length bucket, mask kind) -> (config, its sorted tuple)
+        self.cuda = q.is_cuda
+        self.strides = self.classes = None
+        self.plans = {}  # (the meta dict's id, the config, the strides' classes, wide) -> the bucket's plan
+
+    @staticmethod
+    def of(call, q, k, v, causal, window, scale, num_splits):
+        """The family a checked call starts, or None where its path is not split-KV or it is not made from
+        integers alone (copies, a negated q, the autotuner)."""
+        if call.plan.path is not SPLIT_KV or True in call.copy or call.negate or call.note is not None:
+            return None
+        if q.is_cuda and autotuning():
+            return None
+        aligned = not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
+        return SplitFamily(call, q, k, causal, window, scale, num_splits, aligned)
+
+    def call(self, q, k, v):
+        nk = k.shape[2]
+        nq, d, causal, window, scale = self.band
+        splits = self.num_splits
+        if nk < 1 or v.shape[2] != nk or (splits is not None and splits > min(nk, split_kv.MAX_SPLITS)):
+            return None
+        k_strides, v_strides = k.stride(), v.stride()
+        if nk * k_strides[2] >= 2**31 or nk * v_strides[2] >= 2**31:
+            return None
+        if window is None:  # kernel_band's band, inline: an unbounded side is wider than the matrix
+            offset, win_left = nk - nq, nq + nk + 1
+            win_right = 0 if causal else win_left
+            qk_scale = self.last.args.scalars[-1]
+        else:
+            offset, win_left, win_right, qk_scale, _ = kernel_band(nq, nk, d, causal, window, scale)
+        last = self.last
+        args = last.args.relength(k_strides, v_strides, nk, offset, win_left, win_right, qk_scale, splits)
+        if self.cuda:
+            bucket = (1 << (nk - 1).bit_length(), configs.mask_kind(nq, nk, offset, win_left, win_right))
+            picked = self.configs.get(bucket)
+            if picked is None:
+                config = kernel_config(SPLIT_KV, q, k.shape[1], nk, (offset, win_left, win_right))
+                picked = self.configs[bucket] = (config, tuple(sorted(config.items())))
+        else:
+            picked = self.configs.get(None)
+            if picked is None:
+                config = {"BLOCK_N": CPU_CONFIG["BLOCK_N"]}
+                picked = self.configs[None] = (config, tuple(sorted(config.items())))
+        strides = args.scalars[:12]
+        if strides != self.strides:  # a cache that torch.cat grows: new strides every step, mostly of one class
+            self.strides, self.classes = strides, plans.int_classes(strides)
+        wide = plans.wide(args.scalars[12:-1] + args.tune)
+        local = (id(args.meta), picked[1], self.classes, wide)  # args.meta: one dict per chunk count, kept
+        plan = self.plans.get(local)
+        if plan is None:
+            plan = self.plans[local] = _split_call_of(self.head, args, picked[0], picked[1], None, self.aligned,
+                                                      self.classes).plan  # fmt: skip
+        call = Call(plan)
+        call.args, call.grid, call.values = args, args.grid, (*args.scalars, *args.tune)
+        call.o_like_q, call.o_shape, call.lse_shape = last.o_like_q, last.o_shape, last.lse_shape
+        if (args.parts, args.counters) == (last.args.parts, last.args.counters):
+            call.views = last.views  # the same cut of the stream's scratch (workspace checks it is still current)
+        self.last = call
+        return call
 
 
 def run_split(call, q, k, v, o, lse):

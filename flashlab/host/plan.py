@@ -42,6 +42,8 @@ PLANS: dict = {}  # plan key (a bucket) -> Plan
 MAX_PLANS = 1024
 CALLS: dict = {}  # call signature -> Call
 MAX_CALLS = 4096
+FAMILIES: dict = {}  # family key (a signature but its key count) -> the path's family (launches.SplitFamily)
+MAX_FAMILIES = 1024
 
 
 class Plan:
@@ -152,6 +154,28 @@ def remember_call(key, call: Call) -> Call:
     return call
 
 
+def remember_family(key, family):
+    """Keep ``family`` under the family key ``key`` (either None: nothing kept)."""
+    if key is not None and family is not None:
+        if len(FAMILIES) >= MAX_FAMILIES:
+            FAMILIES.clear()
+        FAMILIES[key] = family
+    return family
+
+
+def family_key(key, k, v):
+    """A ``flash_attention`` signature (``signature``: None gives None) without its keys' count: the signatures
+    of one decode loop over a growing cache share it. k's and v's strides stay in it unless the tensor is
+    contiguous (then they follow from the shape, and a cache that ``torch.cat`` grows keeps one family)."""
+    if key is None:
+        return None
+    q_shape, q_stride, k_shape, k_stride, v_shape, v_stride = key[:6]
+    k_stride = "contiguous" if k.is_contiguous() else k_stride
+    v_stride = "contiguous" if v.is_contiguous() else v_stride
+    return (q_shape, q_stride, (k_shape[0], k_shape[1], k_shape[3]), k_stride, (v_shape[0], v_shape[1], v_shape[3]),
+            v_stride, *key[6:])  # fmt: skip
+
+
 def int_class(x: int) -> int:
     """How Triton specialises an integer argument: 1 (a constant), divisible by 16, other; +4 where it takes 64
     bits. Two strides of one class compile to the same binary."""
@@ -164,7 +188,7 @@ def int_classes(values) -> tuple:
 
 def wide(values) -> bool:
     """Whether any of these runtime integers takes 64 bits (another binary)."""
-    return any(not -(2**31) <= x < 2**31 for x in values)
+    return bool(values) and not (-(2**31) <= min(values) and max(values) < 2**31)
 
 
 def mask_kind(causal, window) -> tuple:
@@ -236,6 +260,6 @@ def kvcache_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, w
     return (*key, block_table.shape, block_table.stride(), block_table.dtype, block_table.device)
 
 
-__all__ = ["BUILT", "CALLS", "CHECKED", "Call", "MAX_CALLS", "MAX_PLANS", "OFF", "PLANS", "Plan", "UNTRIED",
-           "int_class", "int_classes", "kvcache_signature", "mask_kind", "mask_name", "planned", "remember",
-           "remember_call", "signature", "wide"]  # fmt: skip
+__all__ = ["BUILT", "CALLS", "CHECKED", "Call", "FAMILIES", "MAX_CALLS", "MAX_FAMILIES", "MAX_PLANS", "OFF", "PLANS",
+           "Plan", "UNTRIED", "family_key", "int_class", "int_classes", "kvcache_signature", "mask_kind", "mask_name",
+           "planned", "remember", "remember_call", "remember_family", "signature", "wide"]  # fmt: skip

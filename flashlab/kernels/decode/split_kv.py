@@ -273,43 +273,64 @@ class SplitArguments:
     """The arguments of one split-KV launch, from a call's shapes, strides and band: the chunks, the grid, the
     scalar arguments after the tensors (``scalars``, then the autotuner's key ``tune``), the constexprs
     (``meta``) and the scratch it takes (``parts`` partial rows of ``d`` floats and their lse, ``rows`` spare lse
-    floats for an lse nobody asked for, ``counters`` int32 merge counters)."""
+    floats for an lse nobody asked for, ``counters`` int32 merge counters).
 
-    __slots__ = ("num_splits", "direct", "parts", "d", "rows", "counters", "grid", "scalars", "tune", "meta")
+    ``relength`` gives the arguments of the same launch over another number of keys (a decode step against a cache
+    one token longer) from integers alone: what depends on q, the heads and the dtype is worked out once."""
+
+    __slots__ = ("num_splits", "direct", "parts", "d", "rows", "counters", "grid", "scalars", "tune", "meta",
+                 "fixed", "metas")  # fmt: skip
 
     def __init__(self, q, k, v, o, offset, win_left, win_right, qk_scale, num_splits):
         b, hq, nq, d = q.shape
-        hk, nk = k.shape[1], k.shape[2]
+        hk = k.shape[1]
         group = hq // hk
         rows = group * nq
         block_m = packed_block_m(rows)
-        row_blocks = cdiv(rows, block_m)
+        sms = sm_count(device_index(q)) if q.is_cuda else CPU_SM_COUNT
+        self.d = d
+        # what no length changes: the shapes, the chip's SMs, q's and o's strides, the constexprs but the merge's
+        self.fixed = (b, hq, hk, nq, group, cdiv(rows, block_m), sms, (*q.stride()[:3],), (*o.stride()[:3],))
+        self.metas = {}  # chunks -> (the whole meta dict, with the merge's constexprs; the merge's counters)
+        self.meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=block_m, DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
+                         DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda))  # fmt: skip
+        self._lengths(k.stride(), v.stride(), k.shape[2], offset, win_left, win_right, qk_scale, num_splits)
+
+    def relength(self, k_strides, v_strides, nk, offset, win_left, win_right, qk_scale, num_splits):
+        """These arguments for k and v of ``nk`` keys with strides ``k_strides``, ``v_strides`` (``x.stride()``),
+        the band and scale as ``kernel_band`` gives them for ``nk``: a new object; q, o, the heads, the dtype and
+        the device are this one's."""
+        new = SplitArguments.__new__(SplitArguments)
+        new.d, new.fixed, new.metas = self.d, self.fixed, self.metas
+        new.meta = self.meta
+        new._lengths(k_strides, v_strides, nk, offset, win_left, win_right, qk_scale, num_splits)
+        return new
+
+    def _lengths(self, k_strides, v_strides, nk, offset, win_left, win_right, qk_scale, num_splits):
+        # choose_splits, split_keys and merge_arguments, worked out inline: this runs on every decode step of a
+        # growing cache, where each Python call costs a share of a launch (tests check they agree)
+        b, hq, hk, nq, group, row_blocks, sms, q_strides, o_strides = self.fixed
+        units = b * hk * row_blocks
         # keys any query can see: the band of query 0's left edge to query nq-1's right edge, within [0, nk)
         band_keys = max(0, min(nk, nq - 1 + offset + win_right + 1) - max(0, offset - win_left))
         if num_splits is None:
-            sms = sm_count(device_index(q)) if q.is_cuda else CPU_SM_COUNT
-            num_splits = choose_splits(b * hk * row_blocks, max(band_keys, 1), sms)
-        keys_per_split, num_splits = split_keys(nk, num_splits)
-        self.num_splits, self.direct, self.d = num_splits, num_splits == 1, d
+            most = -(-max(band_keys, 1) // MIN_KEYS_PER_SPLIT)
+            num_splits = max(1, min(PROGRAMS_PER_SM * sms // units, most, MAX_SPLITS))
+        keys_per_split = -(-(-(-nk // num_splits)) // KEY_ALIGN) * KEY_ALIGN  # split_keys
+        num_splits = -(-nk // keys_per_split)
+        self.num_splits, self.direct = num_splits, num_splits == 1
         # scratch: partial outputs (b, hq, nq, num_splits, d), their log-sum-exps, then room for an lse the caller
         # did not ask for; the merge's counters for every block of rows
         self.parts, self.rows = b * hq * nq * num_splits, b * hq * nq
         self.grid = (num_splits, b * hk, row_blocks)
-        self.scalars = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
-        self.scalars += (v.stride(0), v.stride(1), v.stride(2))
-        self.scalars += (o.stride(0), o.stride(1), o.stride(2))
-        self.scalars += (hq, hk, group, nq, nk, offset, win_left, win_right, keys_per_split, num_splits, qk_scale)
-        self.tune = (next_power_of_2(nk), next_power_of_2(b * hk * row_blocks * num_splits))
-        merge = merge_arguments(num_splits, b * hk * row_blocks)
-        self.counters = merge.counters
-        self.meta = dict(
-            HEAD_DIM=d,
-            BLOCK_D=block_d(d),
-            BLOCK_M=block_m,
-            DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
-            DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
-            **merge.constexprs,
-        )
+        self.scalars = (*q_strides, *k_strides[:3], *v_strides[:3], *o_strides, hq, hk, group, nq, nk, offset, win_left,
+                        win_right, keys_per_split, num_splits, qk_scale)  # fmt: skip
+        self.tune = (1 << (nk - 1).bit_length(), 1 << (units * num_splits - 1).bit_length())  # next powers of two
+        merged = self.metas.get(num_splits)
+        if merged is None:
+            merge = merge_arguments(num_splits, units)
+            merged = self.metas[num_splits] = ({**self.meta, **merge.constexprs}, merge.counters)
+        self.meta, self.counters = merged
 
 
 def fresh_workspace(args, device):
