@@ -211,38 +211,40 @@ class SplitFamily:
         k_strides, v_strides = k.stride(), v.stride()
         if nk * k_strides[2] >= 2**31 or nk * v_strides[2] >= 2**31:
             return None
+        last = self.last
         if window is None:  # kernel_band's band, inline: an unbounded side is wider than the matrix
             offset, win_left = nk - nq, nq + nk + 1
             win_right = 0 if causal else win_left
-            qk_scale = self.last.args.scalars[-1]
+            qk_scale = last.args.scalars[-1]
         else:
             offset, win_left, win_right, qk_scale, _ = kernel_band(nq, nk, d, causal, window, scale)
-        last = self.last
         args = last.args.relength(k_strides, v_strides, nk, offset, win_left, win_right, qk_scale, splits)
         if self.cuda:
             bucket = (1 << (nk - 1).bit_length(), configs.mask_kind(nq, nk, offset, win_left, win_right))
-            picked = self.configs.get(bucket)
-            if picked is None:
-                config = kernel_config(SPLIT_KV, q, k.shape[1], nk, (offset, win_left, win_right))
-                picked = self.configs[bucket] = (config, tuple(sorted(config.items())))
         else:
-            picked = self.configs.get(None)
-            if picked is None:
+            bucket = None  # the interpreter's one tile config
+        picked = self.configs.get(bucket)
+        if picked is None:
+            if self.cuda:
+                config = kernel_config(SPLIT_KV, q, k.shape[1], nk, (offset, win_left, win_right))
+            else:
                 config = {"BLOCK_N": CPU_CONFIG["BLOCK_N"]}
-                picked = self.configs[None] = (config, tuple(sorted(config.items())))
-        strides = args.scalars[:12]
+            picked = self.configs[bucket] = (config, tuple(sorted(config.items())))
+        scalars = args.scalars
+        strides = (k_strides, v_strides)
         if strides != self.strides:  # a cache that torch.cat grows: new strides every step, mostly of one class
-            self.strides, self.classes = strides, plans.int_classes(strides)
-        wide = plans.wide(args.scalars[12:-1] + args.tune)
+            self.strides, self.classes = strides, plans.int_classes(scalars[:12])
+        # plans.wide of the runtime lengths and the tuning key: nothing in them exceeds these (offset >= 1 - nq)
+        wide = max(nk, win_left, win_right, scalars[-3], *args.tune) >= 2**31
         local = (id(args.meta), picked[1], self.classes, wide)  # args.meta: one dict per chunk count, kept
         plan = self.plans.get(local)
         if plan is None:
             plan = self.plans[local] = _split_call_of(self.head, args, picked[0], picked[1], None, self.aligned,
                                                       self.classes).plan  # fmt: skip
         call = Call(plan)
-        call.args, call.grid, call.values = args, args.grid, (*args.scalars, *args.tune)
+        call.args, call.grid, call.values = args, args.grid, (*scalars, *args.tune)
         call.o_like_q, call.o_shape, call.lse_shape = last.o_like_q, last.o_shape, last.lse_shape
-        if (args.parts, args.counters) == (last.args.parts, last.args.counters):
+        if args.parts == last.args.parts:
             call.views = last.views  # the same cut of the stream's scratch (workspace checks it is still current)
         self.last = call
         return call

@@ -289,8 +289,12 @@ class SplitArguments:
         block_m = packed_block_m(rows)
         sms = sm_count(device_index(q)) if q.is_cuda else CPU_SM_COUNT
         self.d = d
-        # what no length changes: the shapes, the chip's SMs, q's and o's strides, the constexprs but the merge's
-        self.fixed = (b, hq, hk, nq, group, cdiv(rows, block_m), sms, (*q.stride()[:3],), (*o.stride()[:3],))
+        # what no length changes: the programs without splitting and the most chunks the chip wants for them
+        # (choose_splits), the rows, the grid's other dims, q's strides, o's strides and the heads, nq
+        row_blocks = cdiv(rows, block_m)
+        units = b * hk * row_blocks
+        self.fixed = (units, min(PROGRAMS_PER_SM * sms // units, MAX_SPLITS), b * hq * nq, (b * hk, row_blocks),
+                      (*q.stride()[:3],), (*o.stride()[:3], hq, hk, group, nq), nq)  # fmt: skip
         self.metas = {}  # chunks -> (the whole meta dict, with the merge's constexprs; the merge's counters)
         self.meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=block_m, DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
                          DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda))  # fmt: skip
@@ -309,22 +313,20 @@ class SplitArguments:
     def _lengths(self, k_strides, v_strides, nk, offset, win_left, win_right, qk_scale, num_splits):
         # choose_splits, split_keys and merge_arguments, worked out inline: this runs on every decode step of a
         # growing cache, where each Python call costs a share of a launch (tests check they agree)
-        b, hq, hk, nq, group, row_blocks, sms, q_strides, o_strides = self.fixed
-        units = b * hk * row_blocks
+        units, wanted, rows, grid_tail, q_strides, o_and_heads, nq = self.fixed
         # keys any query can see: the band of query 0's left edge to query nq-1's right edge, within [0, nk)
         band_keys = max(0, min(nk, nq - 1 + offset + win_right + 1) - max(0, offset - win_left))
         if num_splits is None:
-            most = -(-max(band_keys, 1) // MIN_KEYS_PER_SPLIT)
-            num_splits = max(1, min(PROGRAMS_PER_SM * sms // units, most, MAX_SPLITS))
+            num_splits = max(1, min(wanted, -(-max(band_keys, 1) // MIN_KEYS_PER_SPLIT)))
         keys_per_split = -(-(-(-nk // num_splits)) // KEY_ALIGN) * KEY_ALIGN  # split_keys
         num_splits = -(-nk // keys_per_split)
         self.num_splits, self.direct = num_splits, num_splits == 1
         # scratch: partial outputs (b, hq, nq, num_splits, d), their log-sum-exps, then room for an lse the caller
         # did not ask for; the merge's counters for every block of rows
-        self.parts, self.rows = b * hq * nq * num_splits, b * hq * nq
-        self.grid = (num_splits, b * hk, row_blocks)
-        self.scalars = (*q_strides, *k_strides[:3], *v_strides[:3], *o_strides, hq, hk, group, nq, nk, offset, win_left,
-                        win_right, keys_per_split, num_splits, qk_scale)  # fmt: skip
+        self.parts, self.rows = rows * num_splits, rows
+        self.grid = (num_splits, *grid_tail)
+        self.scalars = (*q_strides, *k_strides[:3], *v_strides[:3], *o_and_heads, nk, offset, win_left, win_right,
+                        keys_per_split, num_splits, qk_scale)  # fmt: skip
         self.tune = (1 << (nk - 1).bit_length(), 1 << (units * num_splits - 1).bit_length())  # next powers of two
         merged = self.metas.get(num_splits)
         if merged is None:
