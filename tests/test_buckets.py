@@ -354,7 +354,7 @@ def test_a_family_makes_each_new_length_as_the_full_path_would(causal, window, h
         k, v = kb[:, :, :n], vb[:, :, :n]
         key = forward.signature(q, k, v, causal, window, None, num_splits, None)
         derived = forward.new_call(key, q, k, v, causal, window, None, num_splits, None)
-        family = forward.FAMILIES.get(forward.plan_family_key(key, k, v))
+        family = forward.FAMILIES.get(forward.plan_family_key(key, q, k, v))
         assert family is not None, "a split-KV call starts a family"
         assert first or family.last is derived, "every length after the first came from the family"
         first = False
@@ -395,4 +395,91 @@ def test_a_growing_cache_through_its_family_matches_the_reference():
         q, k, v = decode_step(n, 11, cache=cache)
         check_against_reference(q, k, v)
     key = forward.signature(q, k, v, False, None, None, None, None)
-    assert forward.FAMILIES[forward.plan_family_key(key, k, v)].last is call_of(q, k, v)
+    assert forward.FAMILIES[forward.plan_family_key(key, q, k, v)].last is call_of(q, k, v)
+
+
+def same_args(a, b) -> bool:
+    """Two calls' ``args`` agree: equal values, tensors (a schedule table) equal element for element."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(same_args(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def assert_same_prefill_call(derived, full):
+    if full.path == launches.SPLIT_KV:  # a decode-sized chunk
+        assert_same_call(derived, full)
+        return
+    assert derived.plan is full.plan
+    assert derived.values == full.values and derived.grid == full.grid and same_args(derived.args, full.args)
+    assert (derived.o_shape, derived.lse_shape, derived.o_like_q) == (full.o_shape, full.lse_shape, full.o_like_q)
+    assert (derived.copy, derived.negate, derived.note) == (full.copy, full.negate, full.note)
+
+
+def prefill_shapes_through_family(q_buf, k_buf, v_buf, shapes, causal, window, contiguous_q=False):
+    """Each (nq, nk) through ``new_call`` (the family after the first) and through the full path: the same call.
+    Returns how many came from a family."""
+    forward.FAMILIES.clear()
+    from_family = 0
+    for nq, nk in shapes:
+        q = q_buf[:, :, :nq].contiguous() if contiguous_q else q_buf[:, :, :nq]
+        k, v = k_buf[:, :, :nk], v_buf[:, :, :nk]
+        key = forward.signature(q, k, v, causal, window, None, None, None)
+        family = forward.FAMILIES.get(forward.plan_family_key(key, q, k, v))
+        derived = forward.new_call(key, q, k, v, causal, window, None, None, None)
+        from_family += family is not None and family.call(q, k, v) is not None
+        assert_same_prefill_call(derived, forward.checked_call(q, k, v, causal, window, None, None, None))
+    return from_family
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (False, (40, 3))])
+@pytest.mark.parametrize("contiguous_q", [False, True])
+def test_a_prefill_family_makes_each_new_shape_as_the_full_path_would(causal, window, contiguous_q):
+    """Chunked prefill on the interpreter's rung (skip-and-split): every (Nq, Nk) after the first comes from the
+    family, equal to the full path's call; a decode-sized chunk (split-KV) leaves the family and is planned anew."""
+    g = torch.Generator().manual_seed(12)
+    q_buf = torch.randn(1, 4, 200, 32, generator=g)
+    k_buf, v_buf = torch.randn(2, 1, 2, 400, 32, generator=g).unbind(0)
+    shapes = [(65, 100), (70, 133), (128, 128), (129, 300), (199, 399), (100, 250)]
+    assert prefill_shapes_through_family(q_buf, k_buf, v_buf, shapes, causal, window, contiguous_q) == 5
+    # a chunk of decode's size takes split-KV: not the family's rung, so the full path plans it
+    shapes = [(100, 250), (8, 250), (120, 260)]
+    assert prefill_shapes_through_family(q_buf, k_buf, v_buf, shapes, causal, window, contiguous_q) == 0
+
+
+def test_a_prefill_family_sends_bad_lengths_to_the_full_checks():
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(1, 2, 100, 16, generator=g)
+    k, v = torch.randn(2, 1, 2, 120, 16, generator=g).unbind(0)
+    forward.FAMILIES.clear()
+    flash_attention(q, k, v, causal=True)
+    with pytest.raises(ValueError):
+        flash_attention(q[:, :, :90], k, v[:, :, :110], causal=True)  # k and v of different lengths
+    o = flash_attention(q[:, :, :90], k[:, :, :95], v[:, :, :95], causal=True)  # then a good one, still right
+    check_against_reference(q[:, :, :90], k[:, :, :95], v[:, :, :95], causal=True)
+    assert o.shape == (1, 2, 90, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (False, (256, 0))])
+def test_an_overlap_family_makes_each_new_shape_as_the_full_path_would_on_gpu(causal, window):
+    """Rung 4 on Hopper: chunked prefill's new (Nq, Nk) pairs from the family equal the full path's calls (plan,
+    scalars, tensor maps, schedule table, repair pass), and their answers equal the float64 reference."""
+    from flashlab.kernels.ladder import rung4_overlap as overlap
+    from flashlab.reference.torch_float64 import attention_float64
+
+    if torch.cuda.get_device_capability()[0] != overlap.CAPABILITY or overlap.GLUON_ERROR is not None:
+        pytest.skip("rung 4 needs Hopper (sm_90) and Gluon")
+    g = torch.Generator(device="cuda").manual_seed(14)
+    q_buf = torch.randn(1, 16, 1100, 128, device="cuda", generator=g).bfloat16()
+    k_buf, v_buf = (torch.randn(1, 16, 5400, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+    shapes = [(300 + 7 * i, 4000 + 13 * ((i * 37) % 100)) for i in range(0, 100, 9)] + [(1100, 1100), (65, 4000)]
+    assert prefill_shapes_through_family(q_buf, k_buf, v_buf, shapes, causal, window) == len(shapes) - 1
+    for nq, nk in shapes[-3:]:
+        q, k, v = q_buf[:, :, :nq], k_buf[:, :, :nk], v_buf[:, :, :nk]
+        assert call_of(q, k, v, causal, window).plan.path == overlap.NAME
+        o = flash_attention(q, k, v, causal=causal, window=window)
+        ro, _ = attention_float64(q, k, v, causal=causal, window=window, rows=range(0, nq, 7))
+        err = float((o[:, :, ::7].double() - ro).norm() / ro.norm())
+        assert err < 1.5e-2, (nq, nk, err)

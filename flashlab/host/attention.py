@@ -34,7 +34,7 @@ from flashlab.host.checks import (
     check_values_flag,
 )
 from flashlab.host.kvcache_errors import raise_recorded
-from flashlab.host.launches import SplitFamily, attention_call, kvcache_plan, run_attention, run_kvcache, unit_stride_d
+from flashlab.host.launches import attention_call, family_of, kvcache_plan, run_attention, run_kvcache, unit_stride_d
 from flashlab.host.plan import CALLS, FAMILIES, PLANS, kvcache_signature, remember, remember_call, remember_family, signature
 from flashlab.host.plan import family_key as plan_family_key
 from flashlab.kernels import ladder
@@ -121,17 +121,17 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
 
 def new_call(key, q, k, v, causal, window, scale, num_splits, rung):
     """The ``Call`` of a signature met for the first time (``key``): from its family's (``flashlab.host.plan``'s
-    ``family_key``: a decode step against a cache one token longer is a new signature of a known family) where one
-    covers it, else ``checked_call``'s, which may start a family."""
-    family_key = plan_family_key(key, k, v)
+    ``family_key``: a decode step against a cache one token longer, or the next chunk of a prefill, is a new
+    signature of a known family) where one covers it, else ``checked_call``'s, which starts the family anew."""
+    family_key = plan_family_key(key, q, k, v)
     family = FAMILIES.get(family_key)
     if family is not None:
         call = family.call(q, k, v)
         if call is not None:
             return call
     call = checked_call(q, k, v, causal, window, scale, num_splits, rung)
-    if family is None and family_key is not None:
-        remember_family(family_key, SplitFamily.of(call, q, k, v, causal, window, scale, num_splits))
+    if family_key is not None:
+        remember_family(family_key, family_of(call, q, k, v, causal, window, scale, num_splits, rung))
     return call
 
 

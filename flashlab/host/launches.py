@@ -175,8 +175,9 @@ class SplitFamily:
     config, once per length bucket).
 
     ``call(q, k, v)`` gives the ``Call`` of a new length, or None where that length leaves what the family covers
-    (too many keys for 32-bit row offsets, fewer keys than ``num_splits``): then the full path checks it and names
-    the problem. Made from a checked call that needed no copies, ran q as given, and picks its tiles by table."""
+    (another query count, too many keys for 32-bit row offsets, fewer keys than ``num_splits``): then the full path
+    checks it and names the problem. Made from a checked call that needed no copies, ran q as given, and picks its
+    tiles by table."""
 
     __slots__ = ("last", "head", "aligned", "band", "num_splits", "configs", "cuda", "strides", "classes", "plans")
 
@@ -193,12 +194,7 @@ class SplitFamily:
 
     @staticmethod
     def of(call, q, k, v, causal, window, scale, num_splits):
-        """The family a checked call starts, or None where its path is not split-KV or it is not made from
-        integers alone (copies, a negated q, the autotuner)."""
-        if call.plan.path is not SPLIT_KV or True in call.copy or call.negate or call.note is not None:
-            return None
-        if q.is_cuda and autotuning():
-            return None
+        """The family a checked split-KV call starts (``family_of`` has checked it may start one)."""
         aligned = not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
         return SplitFamily(call, q, k, causal, window, scale, num_splits, aligned)
 
@@ -206,7 +202,7 @@ class SplitFamily:
         nk = k.shape[2]
         nq, d, causal, window, scale = self.band
         splits = self.num_splits
-        if nk < 1 or v.shape[2] != nk or (splits is not None and splits > min(nk, split_kv.MAX_SPLITS)):
+        if q.shape[2] != nq or nk < 1 or v.shape[2] != nk or (splits is not None and splits > min(nk, split_kv.MAX_SPLITS)):
             return None
         k_strides, v_strides = k.stride(), v.stride()
         if nk * k_strides[2] >= 2**31 or nk * v_strides[2] >= 2**31:
@@ -248,6 +244,57 @@ class SplitFamily:
             call.views = last.views  # the same cut of the stream's scratch (workspace checks it is still current)
         self.last = call
         return call
+
+
+class PrefillFamily:
+    """The prefill calls of one family (``flashlab.host.plan.family_key``: one signature but for its query and
+    key counts), on a rung whose choice no length changes: rung 4 (overlap) on Hopper, which
+    ``flashlab.kernels.ladder.select`` picks for 16-bit inputs by head dim alone, and skip-and-split on the
+    interpreter. Chunked prefill meets a new (Nq, Nk) every call; a new pair skips what the family's first call
+    settled -- the signature's checks, the ladder's choice, the copies -- and re-checks only what lengths decide:
+    at least one query and key, k and v of one length, more query rows than decode's split-KV path takes, a causal
+    mask with no more queries than keys, a window that leaves every row a key, 32-bit row offsets. Anything else
+    goes back to the full path (None), which names the problem."""
+
+    __slots__ = ("make", "overlap", "causal", "window", "scale", "rung")
+
+    def __init__(self, make, overlap, causal, window, scale, rung):
+        self.make, self.overlap = make, overlap  # the rung's call maker (overlap_call, skip_split_call)
+        self.causal, self.window, self.scale, self.rung = causal, window, scale, rung
+
+    def call(self, q, k, v):
+        b, hq, nq, d = q.shape
+        nk = k.shape[2]
+        causal, window = self.causal, self.window
+        if nq < 1 or nk < 1 or v.shape[2] != nk or (self.rung is None and nq <= split_kv.MAX_SPLIT_QUERY_ROWS):
+            return None
+        if max(nq * q.stride(2), nk * k.stride(2), nk * v.stride(2)) >= 2**31:
+            return None
+        offset, win_left, win_right, qk_scale, _ = kernel_band(nq, nk, d, causal, window, self.scale)
+        if self.overlap and ((causal and nq > nk) or (window is not None and offset + win_right < 0)):
+            return None  # rung 4's own rules (rung4_overlap.unavailable): the full path picks another rung
+        call = self.make(q, k, v, causal, window, (offset, win_left, win_right, qk_scale))
+        call.o_like_q = q.is_contiguous()
+        call.o_shape, call.lse_shape = (b, hq, nq, d), (b, hq, nq)
+        return call
+
+
+def family_of(call, q, k, v, causal, window, scale, num_splits, rung):
+    """The family a checked call starts (``SplitFamily``, ``PrefillFamily``), or None where new lengths of it
+    cannot skip the full path: copies, a negated q, a warning to repeat, the autotuner, a fixed config, a rung
+    whose choice lengths change."""
+    if True in call.copy or call.negate or call.note is not None or (q.is_cuda and autotuning()):
+        return None
+    path = call.plan.path
+    if path is SPLIT_KV:
+        return SplitFamily.of(call, q, k, v, causal, window, scale, num_splits)
+    if num_splits is not None or call.plan.run is run_plain:
+        return None
+    if q.is_cuda and path == "overlap":
+        return PrefillFamily(overlap_call, True, causal, window, scale, rung)
+    if not q.is_cuda and path == skip_split.NAME:
+        return PrefillFamily(skip_split_call, False, causal, window, scale, rung)
+    return None
 
 
 def run_split(call, q, k, v, o, lse):
@@ -629,8 +676,7 @@ def overlap_call(q, k, v, causal, window, band) -> Call:
         maps = ()
         for x, shape in ((q, q.shape), (k, k.shape), (v, v.shape)):
             maps += direct_launch.map_values(tuple(shape), tuple(overlap._strides(x)), elem)
-        o_like = torch.empty((b, hq, nq, d), dtype=q.dtype, device="meta")
-        maps += direct_launch.map_values((b, hq, nq, d), tuple(overlap._strides(o_like)), elem)
+        maps += direct_launch.map_values((b, hq, nq, d), (hq * nq * d, nq * d, d, 1), elem)  # o is contiguous
         call.values = (*maps, *scalars)  # OVERLAP_RUNTIME's order
         if repair is not None:
             call.values = (call.values, repair[1], repair[2])  # the main kernel's, the repair's grid and values

@@ -42,7 +42,7 @@ PLANS: dict = {}  # plan key (a bucket) -> Plan
 MAX_PLANS = 1024
 CALLS: dict = {}  # call signature -> Call
 MAX_CALLS = 4096
-FAMILIES: dict = {}  # family key (a signature but its key count) -> the path's family (launches.SplitFamily)
+FAMILIES: dict = {}  # family key (a signature but its lengths) -> its family (launches.SplitFamily, PrefillFamily)
 MAX_FAMILIES = 1024
 
 
@@ -163,17 +163,18 @@ def remember_family(key, family):
     return family
 
 
-def family_key(key, k, v):
-    """A ``flash_attention`` signature (``signature``: None gives None) without its keys' count: the signatures
-    of one decode loop over a growing cache share it. k's and v's strides stay in it unless the tensor is
-    contiguous (then they follow from the shape, and a cache that ``torch.cat`` grows keeps one family)."""
+def family_key(key, q, k, v):
+    """A ``flash_attention`` signature (``signature``: None gives None) without its query and key counts: the
+    signatures of one decode loop over a growing cache share it, and those of chunked prefill. A tensor's strides
+    stay in it unless the tensor is contiguous (then they follow from the shape, and a cache that ``torch.cat``
+    grows keeps one family)."""
     if key is None:
         return None
     q_shape, q_stride, k_shape, k_stride, v_shape, v_stride = key[:6]
-    k_stride = "contiguous" if k.is_contiguous() else k_stride
-    v_stride = "contiguous" if v.is_contiguous() else v_stride
-    return (q_shape, q_stride, (k_shape[0], k_shape[1], k_shape[3]), k_stride, (v_shape[0], v_shape[1], v_shape[3]),
-            v_stride, *key[6:])  # fmt: skip
+    return ((q_shape[0], q_shape[1], q_shape[3]), "contiguous" if q.is_contiguous() else q_stride,
+            (k_shape[0], k_shape[1], k_shape[3]), "contiguous" if k.is_contiguous() else k_stride,
+            (v_shape[0], v_shape[1], v_shape[3]), "contiguous" if v.is_contiguous() else v_stride,
+            *key[6:])  # fmt: skip
 
 
 def int_class(x: int) -> int:
