@@ -358,6 +358,7 @@ def run_step_bench(plan: StepPlan, device: str, seed: int = 0, progress: bool = 
     for n, context in enumerate(plan.contexts):
         batches = synthetic_batches(plan, context, plan.warmup_steps + plan.steps, seed + 1 + n, device)
         ref = reference_loss(model, initial, *batches[0], plan, device)
+        say(f"context {_k(context)}, B = {plan.batch(context)}: first loss with float64 attention {ref:.4f}")
         context_rows = []
         for name in names:
             bar.set_postfix_str(f"N={context} {name}")
