@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mode",
-        choices=["prefill", "decode", "backward", "traffic", "context-parallel", "loops", "coldstart"],
+        choices=["prefill", "decode", "backward", "traffic", "context-parallel", "loops", "coldstart", "varlen"],
         default="prefill",
         help="prefill: N queries attend to N keys; decode: one query token per sequence against a KV cache of N "
         "tokens, grouped-query heads (--q-heads / --kv-heads), batches from --batches; backward: the prefill grid, "
@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--help); loops: whole loops of calls as a user runs them (a growing decode cache, chunked prefill with a new "
         "shape every call, paged decode with default arguments) beside the loops they should cost no more than (its "
         "own flags: --mode loops --help); coldstart: the first call of 40 assorted shapes in a fresh process with an "
-        "empty Triton cache (its own flags: --mode coldstart --help)",
+        "empty Triton cache (its own flags: --mode coldstart --help); varlen: a packed batch of sequences of different "
+        "lengths through flash_attention_varlen, beside padding, a loop per sequence, torch's varlen_attn and SDPA "
+        "FLASH, forward and forward + backward (its own flags: --mode varlen --help)",
     )
     p.add_argument(
         "--seq-lens",
@@ -192,6 +194,10 @@ def main(argv: Sequence[str] | None = None) -> BenchResults:
         from flashlab.bench.coldstart import main as coldstart_main
 
         return coldstart_main(argv)
+    if mode.parse_known_args(argv)[0].mode == "varlen":  # packed sequences of different lengths: its own flags
+        from flashlab.bench.varlen import main as varlen_main
+
+        return varlen_main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     decode = args.mode == "decode"
