@@ -147,7 +147,8 @@ def test_quick_cpu_run_writes_json_csv_and_txt(tmp_path, capsys):
     assert rows["torch_varlen_attn"]["status"] in ("skipped", "absent")  # CUDA only
     assert rows["flashlab_varlen"]["varlen_speedup"] == 1.0
     assert rows["flashlab_loop"]["varlen_speedup"] == pytest.approx(
-        rows["flashlab_loop"]["time_ms"] / rows["flashlab_varlen"]["time_ms"])
+        rows["flashlab_loop"]["time_ms"] / rows["flashlab_varlen"]["time_ms"]
+    )
     with (tmp_path / "run.csv").open() as f:
         reader = csv.DictReader(f)
         assert tuple(reader.fieldnames) == varlen.ROW_COLUMNS and len(list(reader)) == len(rows)
@@ -183,10 +184,10 @@ def test_an_existing_out_is_refused(tmp_path, capsys):
 
 
 def test_torch_varlen_attn_is_found_and_takes_this_torchs_mask_argument():
+    import importlib.util
+
     call = varlen.torch_varlen_attn()
-    try:
-        import torch.nn.attention.varlen  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
         assert call is None
         return
     assert callable(call)

@@ -454,8 +454,17 @@ def run_group(mix: str, lengths, causal: bool, direction: str, variants, lays, r
     return rows
 
 
-def run_varlen(plan: VarlenPlan, device: str, mixes=MIXES, causals=(False, True), directions=("forward", "train"),
-               variants=VARIANTS, seed: int = 0, progress: bool = True, command: str | None = None) -> dict:  # fmt: skip
+def run_varlen(
+    plan: VarlenPlan,
+    device: str,
+    mixes=MIXES,
+    causals=(False, True),
+    directions=("forward", "train"),
+    variants=VARIANTS,
+    seed: int = 0,
+    progress: bool = True,
+    command: str | None = None,
+) -> dict:
     """Every mix, mask, direction and variant of ``plan`` on ``device``; returns ``{"meta", "rows"}``."""
     from tqdm import tqdm
 
@@ -468,9 +477,11 @@ def run_varlen(plan: VarlenPlan, device: str, mixes=MIXES, causals=(False, True)
                       if device == "cuda" else "one call after the checked one (Triton's interpreter)")  # fmt: skip
     meta["flops"] = (f"useful FLOPs only: per sequence 4 n^2 D per head, causal half; forward + backward "
                      f"{TRAIN_FLOPS_FACTOR}x the forward")  # fmt: skip
-    meta["padded_fairness"] = ("padded runs: right padding with zeros, no key-padding mask (flashlab's dense API "
-                               "and SDPA FLASH take none); exact under the causal mask, not without it (exact = "
-                               "False, timed as the least padding costs); padding copies made before timing")  # fmt: skip
+    meta["padded_fairness"] = (
+        "padded runs: right padding with zeros, no key-padding mask (flashlab's dense API and SDPA FLASH take none); "
+        "exact under the causal mask, not without it (exact = False, timed as the least padding costs); padding "
+        "copies made before timing"
+    )
     groups = [(m, c, d) for m in mixes for c in causals for d in directions]
     bar = tqdm(total=len(groups), desc="flashlab.bench varlen", unit="group", disable=not progress)
     rows = []
@@ -489,8 +500,10 @@ def run_varlen(plan: VarlenPlan, device: str, mixes=MIXES, causals=(False, True)
                     done = len(rows) // max(len(variants), 1)
                     times = ", ".join(f"{r['variant']} {_fmt(r['time_ms'], '.3f')}" if r["status"] == "ok" else
                                       f"{r['variant']} {r['status']}" for r in group)  # fmt: skip
-                    print(f"[{done}/{len(groups)}] {mix} {'causal' if causal else 'full'} {direction} (ms): {times}",
-                          flush=True)
+                    print(
+                        f"[{done}/{len(groups)}] {mix} {'causal' if causal else 'full'} {direction} (ms): {times}",
+                        flush=True,
+                    )
         del lays, refs
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -548,7 +561,8 @@ def dry_run_lines(plan: VarlenPlan, mixes=MIXES, causals=(False, True), directio
         for causal in causals:
             for direction in directions:
                 flops = useful_flops(lengths, plan.heads, plan.head_dim, causal) * (
-                    TRAIN_FLOPS_FACTOR if direction == "train" else 1.0)
+                    TRAIN_FLOPS_FACTOR if direction == "train" else 1.0
+                )
                 lines.append(f"{'':<10} {'causal' if causal else 'no mask':<8} {direction:<8} "
                              f"{flops / 1e9:.4g} useful GFLOP")  # fmt: skip
     return lines
@@ -573,13 +587,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m flashlab.bench --mode varlen", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--mode", default="varlen", help=argparse.SUPPRESS)
-    p.add_argument("--mixes", type=_choice_list(MIXES), default=list(MIXES), help="length mixes, comma-separated, "
+    p.add_argument("--mixes", type=_choice_list(MIXES), default=",".join(MIXES), help="length mixes, comma-separated, "
                    f"from {','.join(MIXES)}")  # fmt: skip
-    p.add_argument("--variants", type=_choice_list(VARIANTS), default=list(VARIANTS),
-                   help=f"what to time, comma-separated, from {','.join(VARIANTS)}")
+    p.add_argument(
+        "--variants",
+        type=_choice_list(VARIANTS),
+        default=",".join(VARIANTS),
+        help=f"what to time, comma-separated, from {','.join(VARIANTS)}",
+    )
     p.add_argument("--causal", choices=sorted(CAUSAL_CHOICES), default="both", help="causal mask: yes, no or both")
-    p.add_argument("--direction", choices=sorted(DIRECTIONS), default="both",
-                   help="forward, train (forward + backward) or both")
+    p.add_argument(
+        "--direction", choices=sorted(DIRECTIONS), default="both", help="forward, train (forward + backward) or both"
+    )
     p.add_argument("--tokens", type=whole_number(1), help="tokens per batch (default 32768 on a GPU, 48 CPU)")
     p.add_argument("--heads", type=whole_number(1), help="attention heads (default 16 on a GPU, 2 CPU)")
     p.add_argument("--head-dim", type=whole_number(16, 256), help="head dim D (default 128 on a GPU, 16 CPU)")
@@ -594,8 +613,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="the CPU's tiny mixes, on any device")
     p.add_argument("--dry-run", action="store_true", help="list the mixes and what runs; run nothing")
     p.add_argument("--seed", type=whole_number(0), default=0, help="random seed for the lengths and q, k, v")
-    p.add_argument("--out", type=output_prefix, help="write PREFIX.json, PREFIX.csv and PREFIX.txt (default: "
-                   "data/results/<gpu>-varlen-<date> on a GPU, test-artifacts/bench/cpu-varlen-<date> on the CPU)")
+    p.add_argument(
+        "--out",
+        type=output_prefix,
+        help="write PREFIX.json, PREFIX.csv and PREFIX.txt (default: "
+        "data/results/<gpu>-varlen-<date> on a GPU, test-artifacts/bench/cpu-varlen-<date> on the CPU)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace the files of an --out that exist")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar: one line per mix, mask and "
                    "direction instead")  # fmt: skip
