@@ -56,7 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mode",
-        choices=["prefill", "decode", "backward", "traffic", "context-parallel", "loops", "coldstart", "step"],
+        choices=[
+            "prefill",
+            "decode",
+            "backward",
+            "traffic",
+            "context-parallel",
+            "loops",
+            "coldstart",
+            "step",
+            "varlen",
+        ],
         default="prefill",
         help="prefill: N queries attend to N keys; decode: one query token per sequence against a KV cache of N "
         "tokens, grouped-query heads (--q-heads / --kv-heads), batches from --batches; backward: the prefill grid, "
@@ -69,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         "own flags: --mode loops --help); coldstart: the first call of 40 assorted shapes in a fresh process with an "
         "empty Triton cache (its own flags: --mode coldstart --help); step: one training step of a 12-layer GPT with "
         "each attention in turn, tokens/s beside the Amdahl prediction from attention's share of the step (its own "
-        "flags: --mode step --help)",
+        "flags: --mode step --help); varlen: a packed batch of sequences of different "
+        "lengths through flash_attention_varlen, beside padding, a loop per sequence, torch's varlen_attn and SDPA "
+        "FLASH, forward and forward + backward (its own flags: --mode varlen --help)",
     )
     p.add_argument(
         "--seq-lens",
@@ -198,6 +210,10 @@ def main(argv: Sequence[str] | None = None) -> BenchResults:
         from flashlab.bench.train_step import main as step_main
 
         return step_main(argv)
+    if mode.parse_known_args(argv)[0].mode == "varlen":  # packed sequences of different lengths: its own flags
+        from flashlab.bench.varlen import main as varlen_main
+
+        return varlen_main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     decode = args.mode == "decode"

@@ -35,7 +35,16 @@ from flashlab.host.checks import (
 )
 from flashlab.host.kvcache_errors import raise_recorded
 from flashlab.host.launches import attention_call, family_of, kvcache_plan, run_attention, run_kvcache, unit_stride_d
-from flashlab.host.plan import CALLS, FAMILIES, PLANS, kvcache_signature, remember, remember_call, remember_family, signature
+from flashlab.host.plan import (
+    CALLS,
+    FAMILIES,
+    PLANS,
+    kvcache_signature,
+    remember,
+    remember_call,
+    remember_family,
+    signature,
+)
 from flashlab.host.plan import family_key as plan_family_key
 from flashlab.kernels import ladder
 from flashlab.kernels.decode import split_kv

@@ -202,7 +202,9 @@ class SplitFamily:
         nk = k.shape[2]
         nq, d, causal, window, scale = self.band
         splits = self.num_splits
-        if q.shape[2] != nq or nk < 1 or v.shape[2] != nk or (splits is not None and splits > min(nk, split_kv.MAX_SPLITS)):
+        if q.shape[2] != nq or nk < 1 or v.shape[2] != nk:
+            return None
+        if splits is not None and splits > min(nk, split_kv.MAX_SPLITS):
             return None
         k_strides, v_strides = k.stride(), v.stride()
         if nk * k_strides[2] >= 2**31 or nk * v_strides[2] >= 2**31:

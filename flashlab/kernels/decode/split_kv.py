@@ -296,8 +296,8 @@ class SplitArguments:
         self.fixed = (units, min(PROGRAMS_PER_SM * sms // units, MAX_SPLITS), b * hq * nq, (b * hk, row_blocks),
                       (*q.stride()[:3],), (*o.stride()[:3], hq, hk, group, nq), nq)  # fmt: skip
         self.metas = {}  # chunks -> (the whole meta dict, with the merge's constexprs; the merge's counters)
-        self.meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=block_m, DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
-                         DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda))  # fmt: skip
+        precision, upcast = dot_precision(q.dtype, q.is_cuda), dot_upcast(q.dtype, q.is_cuda)
+        self.meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=block_m, DOT_PRECISION=precision, DOT_UPCAST=upcast)
         self._lengths(k.stride(), v.stride(), k.shape[2], offset, win_left, win_right, qk_scale, num_splits)
 
     def relength(self, k_strides, v_strides, nk, offset, win_left, win_right, qk_scale, num_splits):
@@ -317,9 +317,9 @@ class SplitArguments:
         # keys any query can see: the band of query 0's left edge to query nq-1's right edge, within [0, nk)
         band_keys = max(0, min(nk, nq - 1 + offset + win_right + 1) - max(0, offset - win_left))
         if num_splits is None:
-            num_splits = max(1, min(wanted, -(-max(band_keys, 1) // MIN_KEYS_PER_SPLIT)))
-        keys_per_split = -(-(-(-nk // num_splits)) // KEY_ALIGN) * KEY_ALIGN  # split_keys
-        num_splits = -(-nk // keys_per_split)
+            num_splits = max(1, min(wanted, (max(band_keys, 1) + MIN_KEYS_PER_SPLIT - 1) // MIN_KEYS_PER_SPLIT))
+        keys_per_split = ((nk + num_splits - 1) // num_splits + KEY_ALIGN - 1) // KEY_ALIGN * KEY_ALIGN  # split_keys
+        num_splits = (nk + keys_per_split - 1) // keys_per_split
         self.num_splits, self.direct = num_splits, num_splits == 1
         # scratch: partial outputs (b, hq, nq, num_splits, d), their log-sum-exps, then room for an lse the caller
         # did not ask for; the merge's counters for every block of rows

@@ -1,0 +1,197 @@
+"""``--mode varlen`` on the CPU: its length mixes, its FLOP count, its checks before timing, its files and flags.
+
+The quick run goes through Triton's interpreter on tiny mixes (the code path CI can test; the times say nothing
+about a GPU); PyTorch's varlen_attn needs CUDA and is recorded as skipped here.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashlab.bench import varlen
+from flashlab.bench.cli import main as bench_main
+
+# --- the mixes and their FLOPs ------------------------------------------------------------------------------------
+
+
+def test_the_gpu_mixes_are_the_ones_asked_for():
+    plan = varlen.GPU_PLAN
+    assert (plan.tokens, plan.heads, plan.head_dim, plan.dtype) == (32768, 16, 128, "bf16")
+    uniform = varlen.mix_lengths("uniform", plan)
+    assert sum(uniform) == 32768 and min(uniform) >= 512 and max(uniform) <= 4096
+    tail = varlen.mix_lengths("long-tail", plan)
+    assert sum(tail) == 32768 and tail.count(16384) == 1
+    assert all(128 <= n <= 1024 for n in tail if n != 16384) and len(tail) > 20  # many short, one long
+    docs = varlen.mix_lengths("documents", plan)
+    assert sum(docs) == 32768 and all(1 <= n <= 8192 for n in docs)
+    ends, total = set(), 0
+    for n in docs:
+        total += n
+        ends.add(total)
+    assert 16384 in ends  # no document crosses the end of its 16K row
+    assert varlen.mix_lengths("uniform", plan, seed=0) == uniform != varlen.mix_lengths("uniform", plan, seed=1)
+
+
+@pytest.mark.parametrize("lo, hi, total", [(7, 19, 48), (3, 8, 19), (512, 4096, 32768), (5, 10, 5)])
+def test_uniform_lengths_stay_in_range_and_sum_exactly(lo, hi, total):
+    import random
+
+    for seed in range(20):
+        out = varlen.uniform_lengths(lo, hi, total, random.Random(seed))
+        assert sum(out) == total and all(lo <= n <= hi for n in out)
+
+
+def test_useful_flops_match_a_hand_count():
+    # lengths 3 and 5, 2 heads, D 16: per head 4 n^2 D = 4*9*16 + 4*25*16 = 576 + 1600 = 2176; 2 heads: 4352
+    assert varlen.useful_flops([3, 5], heads=2, head_dim=16, causal=False) == 4352
+    assert varlen.useful_flops([3, 5], heads=2, head_dim=16, causal=True) == 2176  # the causal half
+    # padded to the longest: 2 sequences x 2 heads x 4 * 25 * 16 = 6400
+    assert varlen.padded_flops([3, 5], heads=2, head_dim=16, causal=False) == 6400
+    assert varlen.useful_flops([0, 5], heads=1, head_dim=16, causal=False) == 1600  # an empty sequence: none
+
+
+def test_dry_run_lists_every_mix_mask_and_direction(capsys):
+    assert bench_main(["--mode", "varlen", "--dry-run", "--device", "cuda"]) is None
+    out = capsys.readouterr().out
+    for text in ("32768 tokens a batch, H = 16, D = 128, bf16", "flashlab_varlen, flashlab_padded, flashlab_loop, "
+                 "torch_varlen_attn, sdpa_flash_padded", "uniform", "long-tail", "documents", "padding wastes",
+                 "causal   train", "no mask  forward"):  # fmt: skip
+        assert text in out, f"{text!r} not in the dry run:\n{out}"
+    assert "29 sequences, 129-16384 tokens" in out  # the long-tail mix's one 16K sequence
+    assert len(out.strip().splitlines()) == 1 + 3 * (1 + 4)
+
+
+# --- checked before timed -----------------------------------------------------------------------------------------
+
+
+def _tiny(lengths=(5, 11, 3)):
+    plan = varlen.VarlenPlan(tokens=sum(lengths), heads=2, head_dim=16, dtype="fp32", rounds=1, check_rows=4)
+    lays = varlen.layouts(*varlen._inputs(list(lengths), plan, "cpu", 0), list(lengths))
+    meta = dict.fromkeys(varlen.STAMP_COLUMNS)
+    return plan, list(lengths), lays, meta
+
+
+def test_a_variant_off_by_more_than_the_tolerance_is_wrong_and_not_timed(monkeypatch):
+    plan, lengths, lays, meta = _tiny()
+
+    def runs(lengths, device):  # SDPA on the padded batch: right, a little wrong, and right but wrong gradients
+        def sdpa(q, k, v, c):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=c)
+
+        def bad_grad(q, k, v, c):
+            o = sdpa(q, k, v, c)
+            return o + (0.01 * o - (0.01 * o).detach())  # the same values, gradients 1 % too large
+
+        return {"flashlab_varlen": ("padded", sdpa), "sdpa_flash_padded": ("padded", lambda *a: sdpa(*a) * 1.001),
+                "flashlab_padded": ("padded", bad_grad), "torch_varlen_attn": "absent: not here"}  # fmt: skip
+
+    monkeypatch.setattr(varlen, "variant_runs", runs)
+    names = ("flashlab_varlen", "sdpa_flash_padded", "flashlab_padded", "torch_varlen_attn")
+    for direction in ("forward", "train"):
+        refs = varlen.References(lays, lengths, True, plan.check_rows)
+        rows = {r["variant"]: r for r in varlen.run_group("m", lengths, True, direction, names, lays, refs, plan,
+                                                             "cpu", meta)}  # fmt: skip
+        right = rows["flashlab_varlen"]
+        assert right["status"] == "ok" and right["exact"] and right["time_ms"] > 0 and right["varlen_speedup"] == 1
+        assert rows["sdpa_flash_padded"]["status"] == "wrong" and rows["sdpa_flash_padded"]["time_ms"] is None
+        assert rows["torch_varlen_attn"]["status"] == "absent"
+        grad = rows["flashlab_padded"]
+        if direction == "train":  # 1 % off in every gradient: far past fp32's 5e-5
+            assert right["grad_err"] <= right["grad_tol"]
+            assert grad["status"] == "wrong" and "gradients" in grad["reason"] and grad["grad_err"] > 1e-3
+        else:
+            assert grad["status"] == "ok"
+
+
+def test_padding_is_exact_under_the_causal_mask_only():
+    plan, lengths, lays, meta = _tiny()
+    for causal in (True, False):
+        refs = varlen.References(lays, lengths, causal, plan.check_rows)
+        rows = {r["variant"]: r for r in varlen.run_group("m", lengths, causal, "train", ["sdpa_flash_padded"],
+                                                             lays, refs, plan, "cpu", meta)}  # fmt: skip
+        r = rows["sdpa_flash_padded"]
+        assert r["status"] == "ok" and r["rel_err"] <= r["tol"] and r["grad_err"] <= r["grad_tol"]
+        assert r["exact"] is causal  # without the mask the real rows also see the padded keys
+        assert (r["seq_err"] <= r["tol"]) is causal
+        assert r["layout_tokens"] == 3 * 11 and r["layout_flops"] == 3.5 * varlen.padded_flops(lengths, 2, 16, causal)
+        assert r["useful_flops"] == 3.5 * varlen.useful_flops(lengths, 2, 16, causal)
+
+
+# --- the whole command --------------------------------------------------------------------------------------------
+
+
+def test_quick_cpu_run_writes_json_csv_and_txt(tmp_path, capsys):
+    prefix = tmp_path / "run"
+    argv = ["--mode", "varlen", "--device", "cpu", "--quick", "--mixes", "documents", "--causal", "yes",
+            "--direction", "forward", "--no-progress", "--out", str(prefix)]  # fmt: skip
+    results = bench_main(argv)
+    data = json.loads((tmp_path / "run.json").read_text())
+    assert data["meta"]["mode"] == "varlen" and data["meta"]["tool"] == "flashlab.bench"
+    assert data["meta"]["command"].startswith("python -m flashlab.bench --mode varlen")
+    assert "torch" in data["meta"] and "date" in data["meta"] and "device_name" in data["meta"]
+    lengths = data["meta"]["lengths"]["documents"]
+    assert sum(lengths) == varlen.CPU_PLAN.tokens
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert list(rows) == list(varlen.VARIANTS)
+    for name in ("flashlab_varlen", "flashlab_padded", "flashlab_loop", "sdpa_flash_padded"):
+        r = rows[name]
+        assert r["status"] == "ok" and r["exact"] is True, r  # causal: the padded runs are exact too
+        assert r["rel_err"] <= r["tol"] and r["time_ms"] > 0
+        assert r["tflops"] == pytest.approx(r["useful_flops"] / (r["time_ms"] * 1e-3) / 1e12)
+        assert r["useful_flops"] == varlen.useful_flops(lengths, 2, 16, True)
+    assert rows["torch_varlen_attn"]["status"] in ("skipped", "absent")  # CUDA only
+    assert rows["flashlab_varlen"]["varlen_speedup"] == 1.0
+    assert rows["flashlab_loop"]["varlen_speedup"] == pytest.approx(
+        rows["flashlab_loop"]["time_ms"] / rows["flashlab_varlen"]["time_ms"]
+    )
+    with (tmp_path / "run.csv").open() as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == varlen.ROW_COLUMNS and len(list(reader)) == len(rows)
+    txt = (tmp_path / "run.txt").read_text()
+    out = capsys.readouterr().out
+    assert "documents, causal, forward" in txt and txt in out + "\n" and "[1/1] documents causal forward" in out
+    assert results["rows"][0]["variant"] == "flashlab_varlen"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--mixes", "uniform,spiral"], "spiral"),
+        (["--variants", "flashlab_varlen,naive"], "naive"),
+        (["--head-dim", "20"], "multiple of 8"),
+        (["--direction", "sideways"], "sideways"),
+        (["--quick", "--tokens", "20"], "long-tail"),  # too few tokens for the 29-token long sequence
+        (["--quick", "--tokens", "50"], "documents"),  # rows of 24 tokens do not divide 50
+        (["--rounds", "0"], "--rounds"),
+    ],
+)
+def test_bad_flags_are_refused(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_main(["--mode", "varlen", "--device", "cpu", "--dry-run", *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_existing_out_is_refused(tmp_path, capsys):
+    (tmp_path / "run.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        bench_main(["--mode", "varlen", "--device", "cpu", "--quick", "--out", str(tmp_path / "run")])
+    assert e.value.code == 2 and "already exists" in capsys.readouterr().err
+
+
+def test_torch_varlen_attn_is_found_and_takes_this_torchs_mask_argument():
+    import importlib.util
+
+    call = varlen.torch_varlen_attn()
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        assert call is None
+        return
+    assert callable(call)
+    q = torch.randn(6, 1, 16)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    with pytest.raises((NotImplementedError, RuntimeError)):  # CUDA only: the CPU refuses it, not the arguments
+        call(q, q, q, cu, 6, True)
