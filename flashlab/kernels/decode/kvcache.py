@@ -275,7 +275,7 @@ def _kvcache_partial(
     # them occupancy, in the small-block kernel (docs/kernel-notes.md)
     failed = length_bad
     used_end = tl.minimum(split_lo + keys_per_split, nk)
-    column = tl.full([], NO_COLUMN, dtype=tl.int32)
+    column = tl.full([], _NO_COLUMN, dtype=tl.int32)
     if PAGE_SIZE != 0:
         column = first_bad_column(table, split_lo, used_end, NUM_PAGES, PAGE_SIZE, _SCAN)
         failed = failed | (column < _NO_COLUMN)
