@@ -180,10 +180,16 @@ def test_bad_descale_arguments_raise_clear_errors():
                                                         **kw})  # fmt: skip
     cases = [
         (ValueError, "v_descale is missing", dict(v_descale=None)),
-        (ValueError, r"k_descale and v_descale scale an 8-bit .* this cache is torch.bfloat16", dict(k_cache=k,
-                                                                                                   v_cache=v)),
-        (ValueError, r"k_descale must be \(B, Hk\) = \(2, 2\) or \(Hk,\) = \(2,\); got shape \(2, 3\)",
-         dict(k_descale=torch.ones(2, 3))),
+        (
+            ValueError,
+            r"k_descale and v_descale scale an 8-bit .* this cache is torch.bfloat16",
+            dict(k_cache=k, v_cache=v),
+        ),
+        (
+            ValueError,
+            r"k_descale must be \(B, Hk\) = \(2, 2\) or \(Hk,\) = \(2,\); got shape \(2, 3\)",
+            dict(k_descale=torch.ones(2, 3)),
+        ),
         (TypeError, "v_descale must be float32; got torch.float64", dict(v_descale=vs.double())),
         (ValueError, r"k_descale must be on q's device \(cpu\); got meta", dict(k_descale=ks.to("meta"))),
         (TypeError, "an 8-bit cache holds both k_cache and v_cache", dict(v_cache=v)),
@@ -210,3 +216,34 @@ def test_the_plan_of_an_8bit_cache_is_its_own():
     o1 = flash_attention_with_kvcache(q, k8, v8, seqlens, k_descale=ks, v_descale=vs)
     o2 = flash_attention_with_kvcache(q, k8, v8, seqlens, k_descale=ks.t().contiguous().t(), v_descale=vs)
     assert torch.equal(o1, o2)
+
+
+def test_the_benchmark_runs_the_8bit_cache_beside_the_16bit_one():
+    # --kv-dtype fp8 adds each paged backend's 8-bit twin; each is checked against float64 of what its cache
+    # stands for (the 16-bit rows against the cell's own keys), and its bandwidth counts one byte an element
+    from flashlab import bench
+    from flashlab.bench.config import BenchConfig
+    from flashlab.bench.sweep import run_sweep
+
+    cfg = BenchConfig(mode="decode", device="cpu", seq_lens=(70,), head_dims=(16,), batches=(2,), q_heads=4,
+                      kv_heads=2, backends=("flashlab", "paged16"), kv_dtype="fp8", warmup=0.0, rep=1.0)  # fmt: skip
+    assert cfg.resolve().backends == ("flashlab", "paged16", "paged16_fp8") and cfg.resolve().dtypes == ("bf16",)
+    assert "--kv-dtype fp8" in " ".join(cfg.to_argv())
+    results = run_sweep(cfg, progress=False)
+    rows = {r["backend"]: r for r in results.rows}
+    assert all(r["status"] == "ok" and r["rel_err"] < tolerance(torch.bfloat16) for r in rows.values()), rows
+    kv16 = 2 * 2 * 2 * 70 * 16 * 2  # K and V, B=2, Hk=2, N=70, D=16, 2 bytes
+    assert rows["paged16"]["io_bytes"] - rows["paged16_fp8"]["io_bytes"] == kv16 // 2
+    assert "paged16_fp8 vs paged16 (16-bit cache): geo-mean" in bench.summary_table(results)
+    fp32 = run_sweep(BenchConfig(**{**vars(cfg), "dtypes": ("fp32",)}), progress=False)
+    assert {r["backend"]: r["status"] for r in fp32.rows}["paged16_fp8"] == "skipped"
+    with pytest.raises(ValueError, match="kv_dtype is for the decode grid"):
+        BenchConfig(mode="prefill", device="cpu", kv_dtype="fp8").resolve()
+
+
+def test_the_command_line_takes_kv_dtype_for_decode_only(capsys):
+    from flashlab.bench.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--kv-dtype", "fp8", "--device", "cpu"])
+    assert "--kv-dtype is for --mode decode only" in capsys.readouterr().err

@@ -281,8 +281,9 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal, w
     """``flash_attention_with_kvcache`` in eager mode: ``(o, lse)`` (lse None unless ``need_lse``). The shapes are
     checked when the signature is planned. The values, as ``check_values`` asks: the device's error record is read
     first (a plain memory read) and raises what an earlier launch met; with "sync" the host reads the lengths,
-    the table and an 8-bit cache's descales (except while a CUDA graph is being captured, where the host cannot read device memory); on the CPU
-    the record is read again after the launch, which the interpreter has run to its end.
+    the table and an 8-bit cache's descales (except while a CUDA graph is being captured, where the host cannot
+    read device memory); on the CPU the record is read again after the launch, which the interpreter has run to
+    its end.
 
     A packed q (``cu_seqlens_q``) has its shapes checked on every call and its offsets read on the host
     (``check_ragged_values``) unless ``check_values`` is False and ``max_seqlen_q`` is given; its plan is keyed by

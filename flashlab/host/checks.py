@@ -296,7 +296,7 @@ def check_kvcache_values(cache_seqlens, block_table, capacity: int, pages: int, 
     if flags[1]:
         b, j = (int(x) for x in (((block_table < 0) | (block_table >= pages)) & used).nonzero()[0])
         raise ValueError(entry_message(b, j, int(block_table[b, j]), pages))
-    for (name, x), bad, flag in zip(descales, bad_scales, flags[2:]):
+    for (name, x), bad, flag in zip(descales, bad_scales, flags[2:], strict=True):
         if flag:
             index = tuple(int(i) for i in bad.nonzero()[0])
             raise ValueError(scale_message(name, index, float(x[index])))

@@ -16,8 +16,8 @@ address is valid on the device), so the host reads it with a plain memory load, 
   interpreter runs the kernel synchronously, right after the launch.
 - ``check_kvcache_errors(device=None)``: wait for the device, then raise what its record holds: for a loop that
   wants to know now.
-- ``length_message`` / ``entry_message`` / ``scale_message``: the words of both checks, this one and the host's synchronous one
-  (``flashlab.host.checks.check_kvcache_values``).
+- ``length_message`` / ``entry_message`` / ``scale_message``: the words of both checks, this one and the host's
+  synchronous one (``flashlab.host.checks.check_kvcache_values``).
 """
 
 from __future__ import annotations

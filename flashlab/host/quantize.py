@@ -105,7 +105,8 @@ def quantize_kv(k, v, *, block_table=None, cache_seqlens=None):
 def _quantize_paged(k, v, block_table, cache_seqlens):
     check_dense("block_table", block_table)
     if block_table.ndim != 2 or block_table.dtype != torch.int32:
-        raise ValueError(f"block_table must be int32 (B, max_blocks); got {block_table.dtype} {tuple(block_table.shape)}")
+        got = f"{block_table.dtype} {tuple(block_table.shape)}"
+        raise ValueError(f"block_table must be int32 (B, max_blocks); got {got}")
     if block_table.device != k.device:
         raise ValueError(f"block_table must be on the cache's device ({k.device}); got {block_table.device}")
     pages, bs, hk, d = k.shape
@@ -152,6 +153,7 @@ def dequantize_kv(k8, v8, k_descale, v_descale, *, block_table=None):
     Without ``block_table``, ``(B, N, Hk, D)`` like the cache. With it, each sequence's blocks gathered in order
     into ``(B, max_blocks * block_size, Hk, D)`` (a contiguous cache of the same keys), each with that sequence's
     scale; entries outside the pool give zeros. ``k_descale``, ``v_descale`` ``(B, Hk)`` or ``(Hk,)``."""
+
     def widen(x8, descale):
         descale = descale.to(torch.float64)
         if block_table is None:
@@ -167,4 +169,5 @@ def dequantize_kv(k8, v8, k_descale, v_descale, *, block_table=None):
     return widen(k8, k_descale), widen(v8, v_descale)
 
 
-__all__ = ["E4M3_MANTISSA_BITS", "E4M3_MAX", "E4M3_TOLERANCE", "FP8", "dequantize_kv", "quantize_kv", "scales_from_amax", "to_e4m3"]
+__all__ = ["E4M3_MANTISSA_BITS", "E4M3_MAX", "E4M3_TOLERANCE", "FP8", "dequantize_kv", "quantize_kv",
+           "scales_from_amax", "to_e4m3"]  # fmt: skip

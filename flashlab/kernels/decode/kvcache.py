@@ -77,7 +77,8 @@ from flashlab.kernels.interpreter import interpreted, interpreted_language
 BLOCK_SIZE_MULTIPLE = 16
 
 # The error record: int32 fields, in this order. "claim" is 0 until a program takes the record; "kind" (0: none,
-# else ERROR_ENTRY, ERROR_LENGTH or ERROR_SCALE) is written last, after the others, so a reader that sees it sees them too.
+# else ERROR_ENTRY, ERROR_LENGTH or ERROR_SCALE) is written last, after the others, so a reader that sees it sees
+# them too.
 ERROR_FIELDS = ("claim", "kind", "batch", "column", "value", "limit")
 ERROR_RECORD_INTS = 8  # the fields, padded to 32 bytes
 ERROR_ENTRY = 1  # block_table[batch, column] = value is outside [0, limit): limit is the pool's block count
