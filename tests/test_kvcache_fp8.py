@@ -132,6 +132,7 @@ BAD_SCALES = {
     "zero_k": ("k", 0.0),
     "negative_v": ("v", -1.0),
     "nan_k": ("k", float("nan")),
+    "inf_k": ("k", float("inf")),
     "inf_v": ("v", float("inf")),
 }
 
@@ -247,3 +248,30 @@ def test_the_command_line_takes_kv_dtype_for_decode_only(capsys):
     with pytest.raises(SystemExit):
         main(["--kv-dtype", "fp8", "--device", "cpu"])
     assert "--kv-dtype is for --mode decode only" in capsys.readouterr().err
+
+
+def test_a_bad_scale_left_in_the_record_raises_at_the_next_call():
+    # as on a GPU, where the kernel runs after the call returns: the plain launch writes the device's record, and
+    # the next checked call (or check_kvcache_errors) raises it as an earlier call's, naming the head's rows
+    from flashlab.host.kvcache_errors import error_record
+    from flashlab.kernels.decode import kvcache
+    from flashlab.kernels.device import kernel_band
+
+    q, k, v, seqlens, _ = contiguous_case(9, lengths=(40, 30, 20))
+    k8, v8, ks, vs = quantize_kv(k, v)
+    bad = ks.clone()
+    bad[2, 0] = float("inf")
+    _, left, right, qk_scale, _ = kernel_band(1, 40, 32, False, None, None)
+    record = error_record(q.device)
+    message = (r"an earlier flash_attention_with_kvcache call on cpu met a bad value: k_descale\[2, 0\] = inf: "
+               r"scales must be finite and > 0; that call's output sequence 2's rows of K/V head 0 are NaN")  # fmt: skip
+    for raise_it in ("next call", "check_kvcache_errors"):
+        o, lse = torch.empty_like(q), torch.empty(q.shape[:-1], dtype=torch.float32)
+        kvcache.launch(q, k8, v8, seqlens, seqlens, o, lse, 0, 40, left, right, qk_scale, errors=record.tensor,
+                       k_descale=bad, v_descale=vs)  # fmt: skip
+        assert torch.isnan(o[2, :2]).all() and torch.isfinite(o[2, 2:]).all() and torch.isfinite(o[:2]).all()
+        with pytest.raises(ValueError, match=message):
+            if raise_it == "next call":
+                flash_attention_with_kvcache(q, k8, v8, seqlens, k_descale=ks, v_descale=vs)
+            else:
+                flashlab.check_kvcache_errors()

@@ -115,9 +115,10 @@ def raise_recorded(record: ErrorRecord, earlier: bool) -> None:
     else:  # not a kind the kernel writes: memory that something else wrote
         what = f"an unknown error record (kind {kind}, fields {b}, {column}, {value}, {limit})"
     if earlier:
+        rows = f"sequence {b}'s rows of K/V head {column}" if kind == ERROR_SCALE else f"rows for sequence {b}"
         raise ValueError(
             f"an earlier flash_attention_with_kvcache call on {record.device} met a bad value: {what}; that call's "
-            f"output rows for sequence {b} are NaN"
+            f"output {rows} are NaN"
         )
     raise ValueError(what)
 

@@ -207,8 +207,9 @@ def _kvcache_partial(
         k_scale_bad = ~((k_scale > 0) & (k_scale < float("inf")))  # NaN fails both comparisons
         v_scale_bad = ~((v_scale > 0) & (v_scale < float("inf")))
         # a key is k_scale * k8 (k8 the stored e4m3 value): its score q . (k_scale * k8) = k_scale * (q . k8), so
-        # the scale joins the softmax scale, one multiply per score as before, none per loaded element
-        score_scale = qk_scale * k_scale
+        # the scale joins the softmax scale, one multiply per score as before, none per loaded element. A bad scale
+        # is replaced by 1 in the arithmetic (its rows are NaN after the loop), so no inf or NaN is computed with
+        score_scale = qk_scale * tl.where(k_scale_bad, 1.0, k_scale)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -268,7 +269,7 @@ def _kvcache_partial(
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     if KV_SCALED:  # acc = sum_j p_j (v_scale * v8_j) = v_scale * sum_j p_j v8_j: one multiply per row, after the loop
-        acc = acc * v_scale
+        acc = acc * tl.where(v_scale_bad, 1.0, v_scale)
 
     # -- the values' check: a bad length, or a bad entry among the chunk's used keys [split_lo, used_end), read
     # or not by its band (a window; a block of rows before a causal diagonal). One scan of the chunk's entries
