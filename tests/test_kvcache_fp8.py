@@ -263,8 +263,10 @@ def test_a_bad_scale_left_in_the_record_raises_at_the_next_call():
     bad[2, 0] = float("inf")
     _, left, right, qk_scale, _ = kernel_band(1, 40, 32, False, None, None)
     record = error_record(q.device)
-    message = (r"an earlier flash_attention_with_kvcache call on cpu met a bad value: k_descale\[2, 0\] = inf: "
-               r"scales must be finite and > 0; that call's output sequence 2's rows of K/V head 0 are NaN")  # fmt: skip
+    message = (
+        r"an earlier flash_attention_with_kvcache call on cpu met a bad value: k_descale\[2, 0\] = inf: "
+        r"scales must be finite and > 0; that call's output sequence 2's rows of K/V head 0 are NaN"
+    )
     for raise_it in ("next call", "check_kvcache_errors"):
         o, lse = torch.empty_like(q), torch.empty(q.shape[:-1], dtype=torch.float32)
         kvcache.launch(q, k8, v8, seqlens, seqlens, o, lse, 0, 40, left, right, qk_scale, errors=record.tensor,
@@ -275,3 +277,24 @@ def test_a_bad_scale_left_in_the_record_raises_at_the_next_call():
                 flash_attention_with_kvcache(q, k8, v8, seqlens, k_descale=ks, v_descale=vs)
             else:
                 flashlab.check_kvcache_errors()
+
+
+def test_an_8bit_cache_compiles_into_one_operator_node():
+    from test_compile import CPU_BACKEND
+
+    q, k, v, seqlens, _ = contiguous_case(10, lengths=(40, 30, 20))
+    k8, v8, ks, vs = quantize_kv(k, v)
+
+    def step(q, k8, v8, seqlens, ks, vs):
+        return flash_attention_with_kvcache(q, k8, v8, seqlens, k_descale=ks, v_descale=vs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=CPU_BACKEND, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k8, v8, seqlens, ks, vs), step(q, k8, v8, seqlens, ks, vs), rtol=0, atol=0)
+    bad = vs.clone()
+    bad[0, 1] = 0.0
+    with pytest.raises(ValueError, match=r"v_descale\[0, 1\] = 0.0"):  # checked inside the operator, at run time
+        compiled(q, k8, v8, seqlens, ks, bad)
+    args = (q, k8, v8, seqlens, None, False, -1, -1, None, True, False, None, None, ks, vs)
+    # the fake tensor's shapes (opcheck's schema test multiplies the inputs, which torch has no fp8 kernel for)
+    torch.library.opcheck(torch.ops.flashlab.attention_with_kvcache, args, test_utils=("test_faketensor",))
