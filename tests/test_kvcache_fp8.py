@@ -224,6 +224,7 @@ def test_the_benchmark_runs_the_8bit_cache_beside_the_16bit_one():
     # stands for (the 16-bit rows against the cell's own keys), and its bandwidth counts one byte an element
     from flashlab import bench
     from flashlab.bench.config import BenchConfig
+    from flashlab.bench.implementations import BACKENDS
     from flashlab.bench.sweep import run_sweep
 
     cfg = BenchConfig(mode="decode", device="cpu", seq_lens=(70,), head_dims=(16,), batches=(2,), q_heads=4,
@@ -236,8 +237,8 @@ def test_the_benchmark_runs_the_8bit_cache_beside_the_16bit_one():
     kv16 = 2 * 2 * 2 * 70 * 16 * 2  # K and V, B=2, Hk=2, N=70, D=16, 2 bytes
     assert rows["paged16"]["io_bytes"] - rows["paged16_fp8"]["io_bytes"] == kv16 // 2
     assert "paged16_fp8 vs paged16 (16-bit cache): geo-mean" in bench.summary_table(results)
-    fp32 = run_sweep(BenchConfig(**{**vars(cfg), "dtypes": ("fp32",)}), progress=False)
-    assert {r["backend"]: r["status"] for r in fp32.rows}["paged16_fp8"] == "skipped"
+    assert BACKENDS["paged16_fp8"].unavailable("cpu", torch.bfloat16) is None
+    assert "float16 or bfloat16 queries" in BACKENDS["paged16_fp8"].unavailable("cpu", torch.float32)
     with pytest.raises(ValueError, match="kv_dtype is for the decode grid"):
         BenchConfig(mode="prefill", device="cpu", kv_dtype="fp8").resolve()
 
