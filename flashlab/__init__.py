@@ -11,9 +11,9 @@ The package in layers; every import points down the list, never up (``tests/test
    interpreter on a CPU), each checked against the reference: the forward kernel as a ladder of runnable rungs
    (``flashlab.kernels.ladder``), the decode kernels (``flashlab.kernels.decode``), the backward kernels.
 4. ``flashlab.host`` -- the host engine: ``flashlab.flash_attention``, ``flashlab.flash_attention_with_kvcache``
-   (attention against a serving engine's paged KV cache) and ``flashlab.flash_attention_varlen`` (sequences of
-   different lengths packed without padding), their checks, one plan per call signature, the direct
-   launches, autograd and the ``torch.ops.flashlab`` operators.
+   (attention against a serving engine's paged KV cache, 16-bit or 8-bit: ``flashlab.quantize_kv``) and
+   ``flashlab.flash_attention_varlen`` (sequences of different lengths packed without padding), their checks, one
+   plan per call signature, the direct launches, autograd and the ``torch.ops.flashlab`` operators.
 5. The tools: ``flashlab.bench`` (``python -m flashlab.bench``, the checked benchmark), ``flashlab.sdpa`` (which
    PyTorch SDPA backend runs, and why the others refuse), ``flashlab.exercises`` and ``flashlab.grade`` (the
    notebooks' exercises and their grader), ``flashlab.widgets`` (the sequence-length explorer),
@@ -39,6 +39,14 @@ def __getattr__(name):
         from flashlab.host import flash_attention_varlen
 
         return flash_attention_varlen
+    if name == "quantize_kv":
+        from flashlab.host.quantize import quantize_kv
+
+        return quantize_kv
+    if name == "dequantize_kv":
+        from flashlab.host.quantize import dequantize_kv
+
+        return dequantize_kv
     if name == "check_kvcache_errors":
         from flashlab.host import check_kvcache_errors
 

@@ -205,6 +205,24 @@ def check_09(text: str, markdown: str) -> None:
         assert low * 0.95 <= float(quoted) <= high * 1.05, f"notebook 09 quotes {quoted}x for {ratio:.3f}x"
 
 
+# Notebook 08's 8-bit cache: what its prose says of each case of the evaluation gate
+GATE_SAID = {"random": "passes", "outlier keys": "fails", "outlier values": "passes"}
+
+
+def check_08(text: str, markdown: str) -> None:
+    verdicts = {}
+    for line in re.finditer(r"^gate ([\w ]+): 8-bit cache ([\d.]+) (<|>=) ([\d.]+) -> (passes|fails)$", text,
+                            re.MULTILINE):  # fmt: skip
+        case, error, sign, tol, verdict = line.groups()
+        assert (float(error) < float(tol)) == (sign == "<") == (verdict == "passes"), f"notebook 08 prints {line[0]!r}"
+        verdicts[case] = verdict
+    assert verdicts == GATE_SAID, f"notebook 08's prose says {GATE_SAID}; its cells found {verdicts}"
+    passed = " and ".join(c for c, v in verdicts.items() if v == "passes")
+    failed = " and ".join(c for c, v in verdicts.items() if v == "fails")
+    sentence = f"the 8-bit cache passes with {passed} and fails with {failed}"
+    assert sentence in markdown, f"notebook 08 should display {sentence!r}"
+
+
 CLAIMS = {
     "02_score_matrix_and_traffic.ipynb": Claims([Drawn(traffic_file)]),
     "04_triton_kernel.ipynb": Claims(
@@ -221,7 +239,7 @@ CLAIMS = {
     ),
     "06_decode.ipynb": Claims([Drawn(bench_file("decode"))], [check_06]),
     "07_paged_gqa_mla.ipynb": Claims([Drawn(bench_file("decode"))]),
-    "08_exactness.ipynb": Claims([Drawn(made_by("flashlab.sdpa"), "h200-sdpa-backends.json")]),
+    "08_exactness.ipynb": Claims([Drawn(made_by("flashlab.sdpa"), "h200-sdpa-backends.json")], [check_08]),
     "10_longer_than_one_gpu.ipynb": Claims([Drawn(prefill_with("flashlab", "sdpa_flash", "sdpa_cudnn"), LADDER)]),
     "09_backward.ipynb": Claims(
         [Drawn(made_by("scripts/backward_memory.py"), "h200-backward-memory.json")], [check_09]

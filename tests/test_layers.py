@@ -49,6 +49,8 @@ ROOT_EXPORTS = {
     "flash_attention": "flashlab.host",
     "flash_attention_with_kvcache": "flashlab.host",
     "check_kvcache_errors": "flashlab.host",
+    "quantize_kv": "flashlab.host.quantize",
+    "dequantize_kv": "flashlab.host.quantize",
     "flash_attention_varlen": "flashlab.host",
     "__version__": None,
 }

@@ -132,3 +132,30 @@ def test_executed_text_reads_printed_and_displayed_markdown():
     nb = notebook(("code", "x", [printed("geometric mean 1.01x\n"), shown_markdown("level with cuDNN")]))
     text, markdown = claims.executed_text(nb)
     assert "geometric mean 1.01x" in text and "level with cuDNN" in text and markdown == "level with cuDNN"
+
+
+GATE_LINES = (
+    "gate random: 8-bit cache 0.039 < 0.0625 -> passes\n"
+    "gate outlier keys: 8-bit cache 0.197 >= 0.0625 -> fails\n"
+    "gate outlier values: 8-bit cache 0.035 < 0.0625 -> passes\n"
+)
+GATE_SENTENCE = "On this gate the 8-bit cache passes with random and outlier values and fails with outlier keys."
+
+
+@pytest.mark.parametrize(
+    "lines, sentence, ok",
+    [
+        (GATE_LINES, GATE_SENTENCE, True),
+        (GATE_LINES.replace("0.197 >= 0.0625 -> fails", "0.050 < 0.0625 -> passes"), GATE_SENTENCE, False),
+        (GATE_LINES.replace("0.039 < 0.0625", "0.090 < 0.0625"), GATE_SENTENCE, False),  # a sign the number belies
+        (GATE_LINES, GATE_SENTENCE.replace("fails with outlier keys", "fails with no case"), False),
+    ],
+    ids=["consistent", "outlier_keys_pass", "wrong_sign", "sentence_disagrees"],
+)
+def test_notebook_08s_gate_words_follow_its_verdicts(lines, sentence, ok):
+    text, markdown = claims.executed_text(notebook(("code", "x", [printed(lines), shown_markdown(sentence)])))
+    if ok:
+        claims.check_08(text, markdown)
+    else:
+        with pytest.raises(AssertionError):
+            claims.check_08(text, markdown)

@@ -213,6 +213,10 @@ def test_decode_reads_the_cache_in_1_6_ms_over_8_gpus():
     # an H100 SXM's 3.35 TB/s gives the same 1.6 ms
     assert round(decode_read_time("lesson-70b", 128_000, gpus=8, gpu="h100-sxm") * 1e3, 1) == 1.6
     assert decode_read_time("lesson-70b", 128_000, gpus=1, bandwidth=3.3e12) == pytest.approx(8 * t)
+    # an 8-bit cache: 163,840 B a token, 163,840 x 128,000 = 20.97 GB, / 26.4 TB/s = 0.794 ms: half the read
+    t8 = decode_read_time("lesson-70b", 128_000, gpus=8, bandwidth=3.3e12, dtype_bytes=1)
+    assert t8 == pytest.approx(163_840 * 128_000 / 26.4e12, rel=1e-12) and round(t8 * 1e3, 3) == 0.794
+    assert t8 == pytest.approx(t / 2, rel=1e-12)
 
 
 def test_end_to_end_speedup_30_percent_at_2x_is_1_18x():

@@ -87,7 +87,7 @@ def test_kvcache_kernel_compiles_for_hopper(page_size, window):
     work = torch.empty(8, dtype=torch.float32)
     errors = torch.zeros(kvcache.ERROR_RECORD_INTS, dtype=torch.int32)
     counters = torch.zeros(4, dtype=torch.int32)
-    tensors = (q, cache, cache, table, seqlens, seqlens, work, work, q, work, counters, errors)
+    tensors = (q, cache, cache, table, seqlens, seqlens, seqlens, seqlens, work, work, q, work, counters, errors)
     tiles = default_tiles(dtype)
     constexprs, options = split_config(gpu_meta(args.meta, dtype), tiles)
     ptx = compile_sm90(kvcache.kvcache_partial, (*tensors, *args.scalars, *args.tune), constexprs, options)
@@ -132,7 +132,38 @@ def test_ragged_kvcache_kernel_compiles_for_hopper(page_size):
     work = torch.empty(8, dtype=torch.float32)
     errors = torch.zeros(kvcache.ERROR_RECORD_INTS, dtype=torch.int32)
     counters = torch.zeros(4, dtype=torch.int32)
-    tensors = (q, cache, cache, table, seqlens, cu_seqlens_q, work, work, q, work, counters, errors)
+    tensors = (q, cache, cache, table, seqlens, seqlens, seqlens, cu_seqlens_q, work, work, q, work, counters,
+               errors)  # fmt: skip
     constexprs, options = split_config(gpu_meta(args.meta, dtype), default_tiles(dtype))
     ptx = compile_sm90(kvcache.kvcache_partial, (*tensors, *args.scalars, *args.tune), constexprs, options)
     assert "atom" in ptx
+
+
+@pytest.mark.parametrize("page_size", [0, 16, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_8bit_kvcache_kernel_compiles_for_hopper(page_size, dtype):
+    """The paged kernel reading a float8 e4m3 cache (``KV_SCALED``): 8-bit loads widened to q's dtype, the dots
+    on 16-bit operands, the descales' report."""
+    b, hq, hk, d, nq, capacity = 2, 8, 2, 128, 1, 1024
+    q = torch.empty(b, hq, nq, d, dtype=dtype)
+    if page_size:
+        cache = torch.empty(b * capacity // page_size, page_size, hk, d, dtype=torch.float8_e4m3fn)
+        table = torch.zeros(b, capacity // page_size, dtype=torch.int32)
+    else:
+        cache = torch.empty(b, capacity, hk, d, dtype=torch.float8_e4m3fn)
+        table = torch.zeros(b, dtype=torch.int32)
+    descale = torch.ones(b, hk, dtype=torch.float32)
+    _, win_left, win_right, qk_scale, _ = kernel_band(nq, capacity, d, False, None, None)
+    args = kvcache.KVCacheArguments(q, cache, cache, table, page_size, capacity, win_left, win_right, qk_scale,
+                                    descales=(descale, descale))  # fmt: skip
+    assert args.meta["KV_SCALED"]
+    seqlens = torch.zeros(b, dtype=torch.int32)
+    work = torch.empty(8, dtype=torch.float32)
+    errors = torch.zeros(kvcache.ERROR_RECORD_INTS, dtype=torch.int32)
+    counters = torch.zeros(4, dtype=torch.int32)
+    tensors = (q, cache, cache, table, seqlens, descale, descale, seqlens, work, work, q, work, counters, errors)
+    constexprs, options = split_config(gpu_meta(args.meta, dtype), default_tiles(dtype))
+    ptx = compile_sm90(kvcache.kvcache_partial, (*tensors, *args.scalars, *args.tune), constexprs, options)
+    assert "atom" in ptx
+    assert "cvt.rn.f16x2.e4m3x2" in ptx  # e4m3 widened by the hardware's conversion, two at a time
+    assert "mma" in ptx  # the dots on the tensor cores, 16-bit operands

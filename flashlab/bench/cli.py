@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=size_list, help="decode: batch sizes, comma-separated (default 1,8 on a GPU)")
     p.add_argument("--q-heads", type=POSITIVE, help="decode: query heads (default 64 on a GPU)")
     p.add_argument("--kv-heads", type=POSITIVE, help="decode: key/value heads, dividing --q-heads (default 8 on a GPU)")
+    p.add_argument(
+        "--kv-dtype",
+        choices=["fp8"],
+        help="decode: also run each paged backend on an 8-bit (float8 e4m3) cache, one scale per sequence and K/V "
+        "head, beside the 16-bit one (paged16_fp8, paged256_fp8), checked against float64 of the dequantised cache "
+        "(16-bit queries: the dtype defaults to bf16)",
+    )
     p.add_argument("--warmup", type=finite_number(0.0), help="warm-up time per measurement, ms (do_bench's warmup)")
     p.add_argument(
         "--rep",
@@ -167,6 +174,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         batches=args.batches,
         q_heads=args.q_heads,
         kv_heads=args.kv_heads,
+        kv_dtype=args.kv_dtype,
         tokens=args.tokens,
         model_dim=args.model_dim,
         gqa=args.gqa,
@@ -217,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> BenchResults:
     parser = build_parser()
     args = parser.parse_args(argv)
     decode = args.mode == "decode"
-    for flag in ("--tokens", "--model-dim") if decode else ("--batches", "--q-heads", "--kv-heads"):
+    for flag in ("--tokens", "--model-dim") if decode else ("--batches", "--q-heads", "--kv-heads", "--kv-dtype"):
         if getattr(args, flag[2:].replace("-", "_")) is not None:  # a flag the grid would ignore
             grid = "--mode decode (it takes --batches, --q-heads, --kv-heads)" if decode else "--mode decode only"
             parser.error(f"{flag} is not for {grid}" if decode else f"{flag} is for {grid}")

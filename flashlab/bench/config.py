@@ -11,7 +11,7 @@ import torch
 
 from flashlab.bench.args import MAX_SEED
 from flashlab.bench.grid import CAUSAL_CHOICES, DTYPE_ALIASES, DTYPES, Cell
-from flashlab.bench.implementations import BACKENDS, DEFAULT_BACKENDS
+from flashlab.bench.implementations import BACKENDS, DEFAULT_BACKENDS, FP8_SUFFIX
 
 # Timing rounds per cell on a GPU (``flashlab.bench.measure.time_rounds``): the median of three, each backend timed
 # once in each of three positions of the order, the cell's rep shared among them.
@@ -31,6 +31,7 @@ class BenchConfig:
     batches: Sequence[int] | None = None  # decode only
     q_heads: int | None = None  # decode only
     kv_heads: int | None = None  # decode only
+    kv_dtype: str | None = None  # decode only: "fp8" runs each paged backend on an 8-bit cache too
     tokens: int | None = None
     model_dim: int | None = None
     gqa: int = 1  # prefill and backward: query heads per K/V head (grouped-query attention); 1: one K/V per head
@@ -89,7 +90,7 @@ class BenchConfig:
         defaults = dict(
             seq_lens=(4096, 32768) if gpu and self.quick else (1024, 4096, 32768, 131072) if gpu else (100, 257),
             head_dims=(128,) if gpu else (16,),
-            dtypes=("bf16",) if gpu else ("fp32",),
+            dtypes=("bf16",) if gpu or self.kv_dtype == "fp8" else ("fp32",),  # an 8-bit cache: 16-bit q
             batches=(1, 8) if gpu else (1, 2),
             q_heads=64 if gpu else 4,
             kv_heads=8 if gpu else 2,
@@ -104,7 +105,12 @@ class BenchConfig:
             raise ValueError(f"batches must be a non-empty list of positive ints; got {filled.batches}")
         if filled.kv_heads < 1 or filled.q_heads < 1 or filled.q_heads % filled.kv_heads:
             raise ValueError(f"q_heads ({filled.q_heads}) must be a positive multiple of kv_heads ({filled.kv_heads})")
-        return replace(filled, batches=tuple(int(b) for b in filled.batches), causal="no")
+        if self.kv_dtype not in (None, "fp8"):
+            raise ValueError(f"kv_dtype must be None (the cell's dtype) or 'fp8'; got {self.kv_dtype!r}")
+        backends = filled.backends
+        if self.kv_dtype == "fp8":  # each paged backend's 8-bit twin, right after it
+            backends = tuple(dict.fromkeys(x for b in backends for x in (b, b + FP8_SUFFIX) if x in BACKENDS))
+        return replace(filled, batches=tuple(int(b) for b in filled.batches), causal="no", backends=backends)
 
     def _fill(self, device: str, defaults: dict) -> BenchConfig:
         filled = {k: (getattr(self, k) if getattr(self, k) is not None else v) for k, v in defaults.items()}
@@ -127,6 +133,8 @@ class BenchConfig:
                 raise ValueError(f"{name} must be a positive int; got {filled[name]}")
         if type(self.gqa) is not int or self.gqa < 1:
             raise ValueError(f"gqa must be a positive int (query heads per K/V head); got {self.gqa!r}")
+        if self.kv_dtype is not None and self.mode != "decode":
+            raise ValueError("kv_dtype is for the decode grid (the KV cache's dtype)")
         if self.gqa > 1 and self.mode == "decode":
             raise ValueError("gqa is for the prefill and backward grids; decode takes q_heads and kv_heads")
         if self.gqa > 1:
@@ -202,6 +210,8 @@ class BenchConfig:
         if c.mode == "decode":
             argv += ["--batches", ",".join(map(str, c.batches)), "--q-heads", str(c.q_heads)]
             argv += ["--kv-heads", str(c.kv_heads)]
+            if c.kv_dtype is not None:
+                argv += ["--kv-dtype", c.kv_dtype]
         else:
             argv += ["--causal", c.causal, "--tokens", str(c.tokens), "--model-dim", str(c.model_dim)]
             if c.gqa != 1:

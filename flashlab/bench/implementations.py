@@ -16,6 +16,7 @@ from flashlab.bench.grid import DTYPES, Cell
 from flashlab.host import flash_attention, flash_attention_with_kvcache
 from flashlab.host.attention import forward
 from flashlab.host.checks import check_inputs
+from flashlab.host.quantize import dequantize_kv, quantize_kv
 from flashlab.kernels import ladder
 from flashlab.kernels.decode.kvcache import paged_kv_cache
 from flashlab.reference.torch_float64 import attention_float64
@@ -59,7 +60,10 @@ class Backend:
     ``unavailable(device, dtype)`` returns why it cannot run there (or None); ``materialises`` says it holds the
     score matrix (and, under GQA, copies of K and V), so the harness checks it fits in memory before running it;
     ``score_bytes`` is how many bytes it holds per score entry; ``by_default`` whether a sweep that names no
-    backends runs it.
+    backends runs it. ``stands_for(k, v)``, for a backend that stores the cache in fewer bits, gives the float64
+    keys and values ``(B, Hk, N, D)`` its cache stands for, which it is checked against (None: k and v
+    themselves); ``kv_bytes_per_element`` the cache's bytes per element (None: the cell's dtype's), for its
+    Q/K/V/O bandwidth.
     """
 
     name: str
@@ -69,6 +73,15 @@ class Backend:
     materialises: bool = False
     score_bytes: Callable = lambda dtype: 2 * dtype.itemsize  # S and P alive at once
     by_default: bool = True
+    stands_for: Callable | None = None
+    kv_bytes_per_element: int | None = None
+
+    def io_bytes(self, cell: Cell) -> int:
+        """The cell's Q, K, V, O bytes with K and V at this backend's cache width."""
+        if self.kv_bytes_per_element is None:
+            return cell.io_bytes
+        kv = cell.kv_bytes // DTYPES[cell.dtype].itemsize * self.kv_bytes_per_element
+        return cell.io_bytes - cell.kv_bytes + kv
 
     def workspace_bytes(self, cell: Cell) -> int:
         """Memory a materialising backend needs beyond its inputs: S and P, plus K/V repeated per query head."""
@@ -167,6 +180,51 @@ def _paged_backend(block_size: int) -> Backend:
     )
 
 
+FP8_SUFFIX = "_fp8"  # paged16_fp8, paged256_fp8: the paged backends on an 8-bit cache
+
+
+def _dequantised(k, v):
+    """The float64 keys and values an 8-bit cache of k, v ``(B, Hk, N, D)`` stands for, ``(B, Hk, N, D)``."""
+    k8, v8, ks, vs = quantize_kv(k.transpose(1, 2), v.transpose(1, 2))  # (B, N, Hk, D), as the kvcache API lays it
+    kd, vd = dequantize_kv(k8, v8, ks, vs)
+    return kd.transpose(1, 2), vd.transpose(1, 2)
+
+
+def _paged_fp8_backend(block_size: int) -> Backend:
+    """flashlab's paged-cache kernel reading an 8-bit (float8 e4m3) cache: the cell's K/V copied into a shuffled
+    pool of ``block_size``-token blocks and quantised once per cell (not timed), one scale per (sequence, K/V
+    head); checked against float64 of the dequantised cache. Decode cells, 16-bit q."""
+    made = {}
+
+    def run(q, k, v, causal):
+        if q.shape[2] == k.shape[2] and q.shape[2] > 1:
+            raise ValueError("the paged-cache backend runs decode cells (one query token against a cache)")
+        if made.get("k") is None or made["k"]() is not k or made["v"]() is not v:
+            made.clear()
+            kc, vc, table, seqlens = paged_kv_cache(k, v, block_size, seed=block_size)
+            k8, v8, ks, vs = quantize_kv(kc, vc, block_table=table, cache_seqlens=seqlens)
+            made.update(k=weakref.ref(k), v=weakref.ref(v), cache=(k8, v8, table, seqlens, ks, vs))
+        k8, v8, table, seqlens, ks, vs = made["cache"]
+        return flash_attention_with_kvcache(q, k8, v8, seqlens, table, causal=causal, check_values=False,
+                                            k_descale=ks, v_descale=vs)  # fmt: skip
+
+    def unavailable(device, dtype):
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"an 8-bit cache goes with float16 or bfloat16 queries; the cell is {dtype}"
+        return None
+
+    return Backend(
+        f"paged{block_size}{FP8_SUFFIX}",
+        f"flashlab.flash_attention_with_kvcache on an 8-bit (e4m3) cache in shuffled {block_size}-token blocks "
+        "(decode only; checked against float64 of the dequantised cache)",
+        run,
+        unavailable=unavailable,
+        by_default=False,
+        stands_for=_dequantised,
+        kv_bytes_per_element=1,
+    )
+
+
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
@@ -176,6 +234,8 @@ BACKENDS: dict[str, Backend] = {
         *(rung_backend(r) for r in ladder.RUNGS),
         _paged_backend(16),
         _paged_backend(256),
+        _paged_fp8_backend(16),
+        _paged_fp8_backend(256),
         _sdpa_backend("FLASH_ATTENTION", "FlashAttention-2 inside PyTorch", cuda_only=False),
         _sdpa_backend("CUDNN_ATTENTION", "cuDNN's fused attention", cuda_only=True),
         _sdpa_backend("EFFICIENT_ATTENTION", "xformers' memory-efficient kernel", cuda_only=True),

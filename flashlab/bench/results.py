@@ -222,6 +222,15 @@ def summary_table(results: BenchResults) -> str:
                 f"min {ratio_text(min(ratios.values()))}x; "
                 + ", ".join(f"N={c[3]} B={c[4]} {ratio_text(x)}x" for c, x in ratios.items())
             )
+    for eight in (n for n in names if n.startswith("paged") and n.endswith("_fp8")):  # 8-bit against 16-bit
+        ratios = speedups(results, eight, eight.removesuffix("_fp8"))
+        if ratios:
+            sixteen = eight.removesuffix("_fp8")
+            out.append(
+                f"{eight} vs {sixteen} (16-bit cache): geo-mean {ratio_text(geomean(ratios.values()))}x (half the "
+                "bytes: 2x where the cache's read is the step); "
+                + ", ".join(f"N={c[3]} B={c[4]} {ratio_text(x)}x" for c, x in ratios.items())
+            )
     ceil = results.ceilings
     if ceil.get("copy_tbps"):
         out.append(

@@ -2,6 +2,8 @@
 
 - ``attention`` -- the entry points, ``flash_attention`` and ``flash_attention_with_kvcache``; ``varlen`` --
   ``flash_attention_varlen``, packed sequences of different lengths.
+- ``quantize`` -- an 8-bit (float8 e4m3) KV cache: ``quantize_kv`` makes one, with a scale per sequence and K/V
+  head, and ``dequantize_kv`` gives the float64 keys and values it stands for.
 - ``checks`` -- every argument check (a TypeError or ValueError naming the argument); ``kvcache_errors`` -- the
   paged cache's values checked on the device, reported without a synchronisation (``check_kvcache_errors``).
 - ``plan`` -- the call signature and its ``Call`` (``CALLS``), the bounded plan cache keyed by bucket (``PLANS``)

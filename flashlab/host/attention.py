@@ -218,6 +218,8 @@ def flash_attention_with_kvcache(
     check_values=True,
     cu_seqlens_q=None,
     max_seqlen_q=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """Attention of new queries against a KV cache with per-sequence lengths, paged or not.
 
@@ -234,6 +236,13 @@ def flash_attention_with_kvcache(
     ``window`` follow ``flashlab.core.masking``, aligned to each sequence's own end: query i sees key j when
     ``seqlen_b - Nq + i - left <= j <= seqlen_b - Nq + i + right``. A sequence of length 0 gives zeros (lse -inf).
     Returns ``o`` like q, or ``(o, lse)`` with lse ``(B, Hq, Nq)`` float32 natural log-sum-exps.
+
+    An 8-bit cache: ``k_cache``, ``v_cache`` ``torch.float8_e4m3fn`` (q float16 or bfloat16), with ``k_descale``,
+    ``v_descale`` float32 ``(B, Hk)``, one scale per sequence and K/V head (``(Hk,)`` is read as the same scale for
+    every sequence): key j of sequence b, head h is ``k_cache[...] * k_descale[b, h]``, as ``flashlab.quantize_kv``
+    makes them. The kernel reads the 8-bit tiles (half the bytes of a 16-bit cache) and widens them as it goes. A
+    scale that is not finite and > 0 is a bad value like a bad length (below): NaN rows for that sequence's heads
+    that read it, reported as ``check_values`` says.
 
     A length outside ``[0, capacity]`` or a used block-table entry outside the pool is never followed: the kernel
     reads nothing outside the pool and gives NaN in every output row of that sequence (its lse is then not
@@ -262,40 +271,45 @@ def flash_attention_with_kvcache(
     if torch.compiler.is_compiling():  # the values are checked inside the operator, when it runs
         mode = check_values_flag(check_values)
         check_kvcache_shapes(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, cu_seqlens_q,
-                             max_seqlen_q)  # fmt: skip
+                             max_seqlen_q, k_descale, v_descale)  # fmt: skip
         left, right = window_to_ints(window)
         o, lse = torch.ops.flashlab.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
                                                            left, right, scale, mode != NO_CHECK,
                                                            mode == SYNC_CHECK, cu_seqlens_q,
-                                                           max_seqlen_q)  # fmt: skip
+                                                           max_seqlen_q, k_descale, v_descale)  # fmt: skip
         return (o, lse) if return_lse else o
     o, lse = kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, check_values,
-                               return_lse, cu_seqlens_q, max_seqlen_q)  # fmt: skip
+                               return_lse, cu_seqlens_q, max_seqlen_q, k_descale, v_descale)  # fmt: skip
     return (o, lse) if return_lse else o
 
 
 def check_kvcache_shapes(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, cu_seqlens_q,
-                         max_seqlen_q):  # fmt: skip
+                         max_seqlen_q, k_descale=None, v_descale=None):  # fmt: skip
     """``check_kvcache_inputs`` for q as it comes: ``(B, Hq, Nq, D)``, or packed ``(total_q, Hq, D)`` with
     ``cu_seqlens_q`` (its shapes checked by ``check_ragged_queries``). Returns ``(checked, b)``: what
     ``check_kvcache_inputs`` returns, and B for a packed q (else None)."""
     if cu_seqlens_q is None:
         if max_seqlen_q is not None:
             raise ValueError("max_seqlen_q sizes a packed q: pass it with cu_seqlens_q")
-        return check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale), None
+        checked = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale,
+                                       k_descale, v_descale)  # fmt: skip
+        return checked, None
     b = check_ragged_queries(q, cu_seqlens_q, max_seqlen_q)
     per_sequence = q[:1].unsqueeze(2).expand(b, -1, max_seqlen_q or 1, -1)  # (B, Hq, Nq, D): a view, for the checks
-    checked = check_kvcache_inputs(per_sequence, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale)
+    checked = check_kvcache_inputs(per_sequence, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale,
+                                   k_descale, v_descale)  # fmt: skip
     return checked, b
 
 
 def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, check_values,
-                      need_lse=True, cu_seqlens_q=None, max_seqlen_q=None):  # fmt: skip
+                      need_lse=True, cu_seqlens_q=None, max_seqlen_q=None, k_descale=None,
+                      v_descale=None):  # fmt: skip
     """``flash_attention_with_kvcache`` in eager mode: ``(o, lse)`` (lse None unless ``need_lse``). The shapes are
     checked when the signature is planned. The values, as ``check_values`` asks: the device's error record is read
-    first (a plain memory read) and raises what an earlier launch met; with "sync" the host reads the lengths and
-    the table (except while a CUDA graph is being captured, where the host cannot read device memory); on the CPU
-    the record is read again after the launch, which the interpreter has run to its end.
+    first (a plain memory read) and raises what an earlier launch met; with "sync" the host reads the lengths,
+    the table and an 8-bit cache's descales (except while a CUDA graph is being captured, where the host cannot
+    read device memory); on the CPU the record is read again after the launch, which the interpreter has run to
+    its end.
 
     A packed q (``cu_seqlens_q``) has its shapes checked on every call and its offsets read on the host
     (``check_ragged_values``) unless ``check_values`` is False and ``max_seqlen_q`` is given; its plan is keyed by
@@ -304,7 +318,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal, w
     ragged = None
     if cu_seqlens_q is not None:
         checked, b = check_kvcache_shapes(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale,
-                                          cu_seqlens_q, max_seqlen_q)  # fmt: skip
+                                          cu_seqlens_q, max_seqlen_q, k_descale, v_descale)  # fmt: skip
         if mode is not NO_CHECK or max_seqlen_q is None:
             if q.is_cuda and stream_capturing():
                 if max_seqlen_q is None:
@@ -314,14 +328,15 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal, w
                 max_seqlen_q = check_ragged_values(cu_seqlens_q, cache_seqlens, q.shape[0], max_seqlen_q)
         ragged = (b, max_seqlen_q)
     key = kvcache_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, cu_seqlens_q,
-                            max_seqlen_q)  # fmt: skip
+                            max_seqlen_q, k_descale, v_descale)  # fmt: skip
+    descales = None if k_descale is None and v_descale is None else (k_descale, v_descale)
     plan = PLANS.get(key)  # a plan exists only for a signature whose shapes passed
     if plan is None:
         if ragged is None:
             checked, _ = check_kvcache_shapes(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale,
-                                              None, max_seqlen_q)  # fmt: skip
+                                              None, max_seqlen_q, k_descale, v_descale)  # fmt: skip
         plan = remember(key, kvcache_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale,
-                                          checked, ragged))  # fmt: skip
+                                          checked, ragged, descales))  # fmt: skip
     capacity, pages, page_size, record, unreported = plan.extra
     if mode is NO_CHECK:
         record = unreported
@@ -329,8 +344,9 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal, w
         if record.holds_error() and not (q.is_cuda and stream_capturing()):  # an earlier launch met a bad value
             raise_recorded(record, earlier=True)
         if mode is SYNC_CHECK and not (q.is_cuda and stream_capturing()):
-            check_kvcache_values(cache_seqlens, block_table, capacity, pages, page_size)
-    o, lse = run_kvcache(plan, q, k_cache, v_cache, cache_seqlens, block_table, need_lse, record.tensor, cu_seqlens_q)
+            check_kvcache_values(cache_seqlens, block_table, capacity, pages, page_size, k_descale, v_descale)
+    o, lse = run_kvcache(plan, q, k_cache, v_cache, cache_seqlens, block_table, need_lse, record.tensor, cu_seqlens_q,
+                         descales)  # fmt: skip
     if not q.is_cuda and mode is not NO_CHECK:  # the interpreter has finished: this call's own error
         raise_recorded(record, earlier=False)
     return o, lse

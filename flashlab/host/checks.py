@@ -2,10 +2,11 @@
 naming it, never a wrong answer.
 
 - ``check_inputs``: ``flash_attention``'s q, k, v, mask and scale; ``check_num_splits``, ``check_rung``.
-- ``check_kvcache_inputs``: ``flash_attention_with_kvcache``'s shapes, dtypes, devices, layouts, mask and scale;
-  ``check_values_flag``: its ``check_values`` argument; ``check_kvcache_values``: the values of its lengths and
-  block table read on the host (``check_values="sync"``: one synchronisation on a GPU; the default checks them on
-  the device instead, ``flashlab.host.kvcache_errors``).
+- ``check_kvcache_inputs``: ``flash_attention_with_kvcache``'s shapes, dtypes, devices, layouts, mask and scale
+  (and an 8-bit cache's descales, ``check_descales``); ``check_values_flag``: its ``check_values`` argument;
+  ``check_kvcache_values``: the values of its lengths, block table and descales read on the host
+  (``check_values="sync"``: one synchronisation on a GPU; the default checks them on the device instead,
+  ``flashlab.host.kvcache_errors``).
 - ``check_dense``, ``check_scale``, ``check_head_dim``: the checks both share.
 
 Everything ``check_inputs`` and ``check_kvcache_inputs`` look at is a function of the call signature (shapes,
@@ -22,13 +23,17 @@ import torch
 from flashlab.core.checks import as_real
 from flashlab.core.masking import visible_band
 from flashlab.core.shapes import attention_shape
-from flashlab.host.kvcache_errors import entry_message, length_message
+from flashlab.host.kvcache_errors import entry_message, length_message, scale_message
 from flashlab.kernels import ladder
 from flashlab.kernels.decode.kvcache import BLOCK_SIZE_MULTIPLE
 from flashlab.kernels.decode.split_kv import MAX_SPLITS
 from flashlab.kernels.device import DTYPES, HEAD_DIM_MULTIPLE, LOG2_E, MAX_HEAD_DIM, MIN_HEAD_DIM
 
 MAX_FLOAT32 = 3.4028234663852886e38  # the largest finite float32: qk_scale = scale * log2(e) must stay below it
+# An 8-bit KV cache's dtype (flashlab.host.quantize), and the query dtypes it goes with: its tiles are widened to
+# q's 16-bit dtype for the dots
+KV_8BIT = torch.float8_e4m3fn
+KV_8BIT_QUERY_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def check_dense(name: str, x) -> None:
@@ -119,19 +124,50 @@ def check_rung(rung, num_splits) -> None:
         )
 
 
-def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale):
+def check_descales(k_cache, v_cache, k_descale, v_descale, b: int, device) -> None:
+    """An 8-bit cache (float8 e4m3) takes both descales, float32 ``(B, Hk)`` or ``(Hk,)`` on q's device; a 16-bit
+    or fp32 cache takes neither. Their values are not read here (``check_kvcache_values``)."""
+    if k_cache.dtype != KV_8BIT:
+        if k_descale is not None or v_descale is not None:
+            raise ValueError(f"k_descale and v_descale scale an 8-bit ({KV_8BIT}) cache; this cache is "
+                             f"{k_cache.dtype}: pass neither")  # fmt: skip
+        return
+    hk = k_cache.shape[2]
+    for name, x in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if x is None:
+            raise ValueError(f"an 8-bit ({KV_8BIT}) cache needs k_descale and v_descale (float32 (B, Hk), as "
+                             f"flashlab.quantize_kv returns them); {name} is missing")  # fmt: skip
+        check_dense(name, x)
+        if x.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32; got {x.dtype}")
+        if tuple(x.shape) not in ((b, hk), (hk,)):
+            raise ValueError(f"{name} must be (B, Hk) = ({b}, {hk}) or (Hk,) = ({hk},); got shape {tuple(x.shape)}")
+        if x.device != device:
+            raise ValueError(f"{name} must be on q's device ({device}); got {x.device}")
+
+
+def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, k_descale=None,
+                         v_descale=None):  # fmt: skip
     """Validate the shapes, dtypes, devices and layouts of a ``flash_attention_with_kvcache`` call and its mask and
-    scale; returns ``(capacity, pages, page_size)``: the most keys a sequence can hold, the cache's blocks and their
-    size (0 without a block table)."""
+    scale (and an 8-bit cache's descales); returns ``(capacity, pages, page_size)``: the most keys a sequence can
+    hold, the cache's blocks and their size (0 without a block table)."""
     for name, x, ndim in (("q", q, 4), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4), ("cache_seqlens",
                           cache_seqlens, 1)):  # fmt: skip
         check_dense(name, x)
         if x.ndim != ndim:
             raise ValueError(f"{name} must have {ndim} dims; got shape {tuple(x.shape)}")
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.dtype not in DTYPES:
-            raise TypeError(f"{name} has dtype {x.dtype}; supported: float16, bfloat16 and float32")
-    if not q.dtype == k_cache.dtype == v_cache.dtype:
+    if q.dtype not in DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; supported: float16, bfloat16 and float32")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.dtype not in DTYPES and x.dtype != KV_8BIT:
+            raise TypeError(f"{name} has dtype {x.dtype}; supported: float16, bfloat16 and float32 (q's dtype), or "
+                            f"{KV_8BIT} (an 8-bit cache, with k_descale and v_descale)")  # fmt: skip
+    if KV_8BIT in (k_cache.dtype, v_cache.dtype):
+        if not k_cache.dtype == v_cache.dtype == KV_8BIT or q.dtype not in KV_8BIT_QUERY_DTYPES:
+            dtypes = f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+            raise TypeError(f"an 8-bit cache holds both k_cache and v_cache as {KV_8BIT}, with q float16 or "
+                            f"bfloat16; got q, k_cache, v_cache {dtypes}")  # fmt: skip
+    elif not q.dtype == k_cache.dtype == v_cache.dtype:
         dtypes = f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         raise TypeError(f"q, k_cache and v_cache must have the same dtype; got {dtypes}")
     if cache_seqlens.dtype != torch.int32:
@@ -181,6 +217,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, causal
             raise ValueError(f"{name} must have unit stride along its head dim (it is never copied); got {x.stride()}")
         if capacity * x.stride(1) >= 2**31 and block_table is None:
             raise ValueError(f"{name} is too long for 32-bit key offsets; use a block table")
+    check_descales(k_cache, v_cache, k_descale, v_descale, b, q.device)
     check_causal(causal)
     visible_band(nq, capacity, causal, window)  # ValueError for a malformed window
     check_scale(scale)
@@ -236,9 +273,10 @@ def check_ragged_values(cu_seqlens_q, cache_seqlens, total_q: int, max_seqlen_q)
     return longest if max_seqlen_q is None else max_seqlen_q
 
 
-def check_kvcache_values(cache_seqlens, block_table, capacity: int, pages: int, page_size: int) -> None:
-    """A ValueError for a length outside ``[0, capacity]`` or a used block-table entry outside the pool, read on
-    the host: one synchronisation on a GPU (``check_values="sync"``)."""
+def check_kvcache_values(cache_seqlens, block_table, capacity: int, pages: int, page_size: int, k_descale=None,
+                         v_descale=None) -> None:  # fmt: skip
+    """A ValueError for a length outside ``[0, capacity]``, a used block-table entry outside the pool or a descale
+    that is not finite and > 0, read on the host: one synchronisation on a GPU (``check_values="sync"``)."""
     bad_len = (cache_seqlens < 0) | (cache_seqlens > capacity)  # (B,)
     bad_len_any = bad_len.any()
     if block_table is None:
@@ -249,13 +287,19 @@ def check_kvcache_values(cache_seqlens, block_table, capacity: int, pages: int, 
             < ((cache_seqlens.clamp(min=0, max=capacity) + page_size - 1) // page_size)[:, None]
         )  # (B, max_blocks): the entries a sequence's keys live in
         bad_entry = (((block_table < 0) | (block_table >= pages)) & used).any()
-    flags = torch.stack([bad_len_any, bad_entry]).tolist()  # one synchronisation on a GPU
+    descales = [(n, x) for n, x in (("k_descale", k_descale), ("v_descale", v_descale)) if x is not None]
+    bad_scales = [~(torch.isfinite(x) & (x > 0)) for _, x in descales]
+    flags = torch.stack([bad_len_any, bad_entry, *(bad.any() for bad in bad_scales)]).tolist()  # one sync on a GPU
     if flags[0]:
         b = int(bad_len.nonzero()[0, 0])
         raise ValueError(length_message(b, int(cache_seqlens[b]), capacity))
     if flags[1]:
         b, j = (int(x) for x in (((block_table < 0) | (block_table >= pages)) & used).nonzero()[0])
         raise ValueError(entry_message(b, j, int(block_table[b, j]), pages))
+    for (name, x), bad, flag in zip(descales, bad_scales, flags[2:], strict=True):
+        if flag:
+            index = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(scale_message(name, index, float(x[index])))
 
 
 # check_values' three ways: on the device without a synchronisation, on the host (synchronously), not at all
@@ -278,11 +322,14 @@ def check_values_flag(check_values) -> str:
 
 __all__ = [
     "DEVICE_CHECK",
+    "KV_8BIT",
+    "KV_8BIT_QUERY_DTYPES",
     "MAX_FLOAT32",
     "NO_CHECK",
     "SYNC_CHECK",
     "check_causal",
     "check_dense",
+    "check_descales",
     "check_head_dim",
     "check_inputs",
     "check_kvcache_inputs",

@@ -17,10 +17,11 @@ interpreter inside the node, so the same compiled model runs in CI.
 - ``torch.ops.flashlab.attention_backward(do, dlse, q, k, v, o, lse, causal, window_left, window_right, scale) ->
   (dq, dk, dv)``: that gradient as an operator of its own, so a compiled backward graph holds it as one node.
 - ``torch.ops.flashlab.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
-  window_left, window_right, scale, check_values, sync_check=False, cu_seqlens_q=None, max_seqlen_q=None) -> (o,
-  lse)``: ``flash_attention_with_kvcache``, likewise; ``check_values`` False is its ``check_values=False``, True with
-  ``sync_check`` its ``"sync"``, True alone its default (the check on the device); ``cu_seqlens_q`` its packed
-  q's offsets (o ``(total_q, Hq, D)``, lse ``(Hq, total_q)``).
+  window_left, window_right, scale, check_values, sync_check=False, cu_seqlens_q=None, max_seqlen_q=None,
+  k_descale=None, v_descale=None) -> (o, lse)``: ``flash_attention_with_kvcache``, likewise; ``check_values`` False
+  is its ``check_values=False``, True with ``sync_check`` its ``"sync"``, True alone its default (the check on the
+  device); ``cu_seqlens_q`` its packed q's offsets (o ``(total_q, Hq, D)``, lse ``(Hq, total_q)``); the descales
+  an 8-bit cache's scales.
 
 - ``torch.ops.flashlab.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
   window_left, window_right, scale) -> (o, lse)``: ``flash_attention_varlen`` (packed sequences,
@@ -130,17 +131,20 @@ def attention_with_kvcache(
     sync_check: bool = False,
     cu_seqlens_q: Optional[torch.Tensor] = None,  # noqa: UP045
     max_seqlen_q: Optional[int] = None,  # noqa: UP045
+    k_descale: Optional[torch.Tensor] = None,  # noqa: UP045
+    v_descale: Optional[torch.Tensor] = None,  # noqa: UP045
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = ints_to_window(window_left, window_right)
     tensors = (q, k_cache, v_cache, cache_seqlens, block_table)
     check = "sync" if check_values and sync_check else check_values
     with fresh_scratch():  # nothing kept alive from a CUDA-graph mode's memory pool
-        return attention.kvcache_attention(*tensors, causal, window, scale, check, True, cu_seqlens_q, max_seqlen_q)
+        return attention.kvcache_attention(*tensors, causal, window, scale, check, True, cu_seqlens_q, max_seqlen_q,
+                                           k_descale, v_descale)  # fmt: skip
 
 
 @attention_with_kvcache.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, block_table, causal, window_left, window_right, scale, check_values,
-      sync_check=False, cu_seqlens_q=None, max_seqlen_q=None):  # fmt: skip
+      sync_check=False, cu_seqlens_q=None, max_seqlen_q=None, k_descale=None, v_descale=None):  # fmt: skip
     if cu_seqlens_q is not None:  # packed: o (total_q, Hq, D), lse (Hq, total_q)
         total, hq, d = q.shape
         return q.new_empty((total, hq, d)), q.new_empty((hq, total), dtype=torch.float32)

@@ -2,7 +2,8 @@
 or block-table entry, and how the host raises it without waiting for the GPU.
 
 The KV-cache kernel (``flashlab.kernels.decode.kvcache``) writes NaN into every output row of a sequence whose
-length lies outside ``[0, capacity]`` or whose used block-table entries include one outside the pool, and records
+length lies outside ``[0, capacity]``, whose used block-table entries include one outside the pool, or (an 8-bit
+cache) whose descale of a K/V head is not finite and > 0 (then the rows of that head's group), and records
 the first such value it meets in an error record. Each device has one record, ``ErrorRecord``: on a GPU it lives
 in page-locked host memory, which the kernel writes through (under unified addressing a page-locked buffer's host
 address is valid on the device), so the host reads it with a plain memory load, without a synchronisation.
@@ -15,15 +16,23 @@ address is valid on the device), so the host reads it with a plain memory load, 
   interpreter runs the kernel synchronously, right after the launch.
 - ``check_kvcache_errors(device=None)``: wait for the device, then raise what its record holds: for a loop that
   wants to know now.
-- ``length_message`` / ``entry_message``: the words of both checks, this one and the host's synchronous one
-  (``flashlab.host.checks.check_kvcache_values``).
+- ``length_message`` / ``entry_message`` / ``scale_message``: the words of both checks, this one and the host's
+  synchronous one (``flashlab.host.checks.check_kvcache_values``).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from flashlab.kernels.decode.kvcache import ERROR_ENTRY, ERROR_FIELDS, ERROR_LENGTH, ERROR_RECORD_INTS
+from flashlab.kernels.decode.kvcache import (
+    ERROR_ENTRY,
+    ERROR_FIELDS,
+    ERROR_LENGTH,
+    ERROR_RECORD_INTS,
+    ERROR_SCALE,
+    SCALE_K,
+)
 
 _CLAIM, _KIND, _BATCH, _COLUMN, _VALUE, _LIMIT = (ERROR_FIELDS.index(f) for f in ERROR_FIELDS)
 
@@ -82,6 +91,11 @@ def entry_message(b: int, column: int, value: int, pages: int) -> str:
     return f"block_table[{b}, {column}] = {value} is not a block of the cache (0 <= entry < {pages})"
 
 
+def scale_message(name: str, index: tuple, value: float) -> str:
+    where = ", ".join(str(i) for i in index)
+    return f"{name}[{where}] = {value!r}: scales must be finite and > 0"
+
+
 def raise_recorded(record: ErrorRecord, earlier: bool) -> None:
     """A ValueError for what ``record`` holds (then cleared); nothing when it holds nothing. ``earlier``: the
     launch that wrote it was an earlier call's (the message says so, and which device)."""
@@ -95,12 +109,16 @@ def raise_recorded(record: ErrorRecord, earlier: bool) -> None:
         what = length_message(b, value, limit)
     elif kind == ERROR_ENTRY:
         what = entry_message(b, column, value, limit)
+    elif kind == ERROR_SCALE:  # column: the K/V head; value: the scale's float32 bits; limit: which scale
+        scale = float(np.int32(value).view(np.float32))
+        what = scale_message("k_descale" if limit == SCALE_K else "v_descale", (b, column), scale)
     else:  # not a kind the kernel writes: memory that something else wrote
         what = f"an unknown error record (kind {kind}, fields {b}, {column}, {value}, {limit})"
     if earlier:
+        rows = f"sequence {b}'s rows of K/V head {column}" if kind == ERROR_SCALE else f"rows for sequence {b}"
         raise ValueError(
             f"an earlier flash_attention_with_kvcache call on {record.device} met a bad value: {what}; that call's "
-            f"output rows for sequence {b} are NaN"
+            f"output {rows} are NaN"
         )
     raise ValueError(what)
 
@@ -130,6 +148,7 @@ __all__ = [
     "entry_message",
     "error_record",
     "length_message",
+    "scale_message",
     "raise_recorded",
     "unreported_record",
 ]

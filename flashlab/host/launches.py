@@ -357,10 +357,11 @@ def _advance(plan, kernel, jit_function, grid, args, kwargs, tensor_names, runti
 
 
 def kvcache_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, checked,
-                 ragged=None) -> Plan:  # fmt: skip
+                 ragged=None, descales=None) -> Plan:  # fmt: skip
     """The plan of a ``flash_attention_with_kvcache`` signature whose shapes passed (``checked``: capacity, pool
     blocks and block size from ``flashlab.host.checks.check_kvcache_inputs``). ``ragged`` ``(B, max_seqlen_q)``:
-    q is packed ``(total_q, Hq, D)`` (``cu_seqlens_q``), o is returned so and lse as ``(Hq, total_q)``."""
+    q is packed ``(total_q, Hq, D)`` (``cu_seqlens_q``), o is returned so and lse as ``(Hq, total_q)``.
+    ``descales`` ``(k_descale, v_descale)``, each ``(B, Hk)``: an 8-bit cache and its scales."""
     capacity, _, page_size = checked
     if ragged is None:
         b, hq, nq, d = q.shape
@@ -380,7 +381,7 @@ def kvcache_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, window
     if plan.copy_table:
         table = table.contiguous()
     plan.args = kvcache.KVCacheArguments(q, k_cache, v_cache, table, page_size, capacity, win_left, win_right,
-                                         qk_scale, ragged)  # fmt: skip
+                                         qk_scale, ragged, descales)  # fmt: skip
     # the values of later calls' lengths and tables are checked against these; the device's error records
     plan.extra = (*checked, kvcache_errors.error_record(q.device), kvcache_errors.unreported_record(q.device))
     plan.o_like_q = q.is_contiguous()  # o is allocated contiguous: then like q, which is quicker
@@ -391,10 +392,12 @@ def kvcache_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, window
     return plan
 
 
-def run_kvcache(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, need_lse, errors, cu_seqlens_q=None):
+def run_kvcache(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, need_lse, errors, cu_seqlens_q=None,
+                descales=None):  # fmt: skip
     """A KV-cache plan's launch on tensors of its signature: ``(o, lse)`` (lse None unless ``need_lse``).
-    ``errors`` is the error record the kernel writes a bad length or table entry into
-    (``flashlab.host.kvcache_errors``); ``cu_seqlens_q`` the packed query rows' offsets of a ragged plan."""
+    ``errors`` is the error record the kernel writes a bad length, table entry or scale into
+    (``flashlab.host.kvcache_errors``); ``cu_seqlens_q`` the packed query rows' offsets of a ragged plan;
+    ``descales`` an 8-bit plan's ``(k_descale, v_descale)``, ``(B, Hk)`` each."""
     if plan.copy[0]:
         q = q.contiguous()
     if plan.negate:
@@ -408,11 +411,12 @@ def run_kvcache(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, nee
         cu_seqlens_q = cache_seqlens  # never read by a uniform plan
     elif not cu_seqlens_q.is_contiguous():
         cu_seqlens_q = cu_seqlens_q.contiguous()
+    ks, vs = (cache_seqlens, cache_seqlens) if descales is None else descales  # never read without descales
     o = torch.empty_like(q) if plan.o_like_q else torch.empty(plan.o_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if need_lse else None
     if not q.is_cuda:
         o_part, lse_part, spare, counters = workspace(plan, q.device, 0)
-        tensors = (q, k_cache, v_cache, table, cache_seqlens, cu_seqlens_q, o_part, lse_part, o,
+        tensors = (q, k_cache, v_cache, table, cache_seqlens, ks, vs, cu_seqlens_q, o_part, lse_part, o,
                    spare if lse is None else lse)  # fmt: skip
         args = plan.args
         with interpreted_language(*kvcache.DEVICE_MODULES):
@@ -422,7 +426,7 @@ def run_kvcache(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, nee
     with torch.cuda.device(q.device) if q.get_device() != current_device_index() else _NO_CONTEXT:
         stream = current_stream(q.get_device())
         o_part, lse_part, spare, counters = workspace(plan, q.device, stream)
-        tensors = (q, k_cache, v_cache, table, cache_seqlens, cu_seqlens_q, o_part, lse_part, o,
+        tensors = (q, k_cache, v_cache, table, cache_seqlens, ks, vs, cu_seqlens_q, o_part, lse_part, o,
                    spare if lse is None else lse)  # fmt: skip
         tensors += (counters, errors)
         if plan.state is CHECKED:  # the launcher directly

@@ -230,10 +230,11 @@ def signature(q, k, v, causal, window, scale, num_splits, rung):
 
 
 def kvcache_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, window, scale, cu_seqlens_q=None,
-                      max_seqlen_q=None):  # fmt: skip
+                      max_seqlen_q=None, k_descale=None, v_descale=None):  # fmt: skip
     """A ``flash_attention_with_kvcache`` call's signature (its tensors' shapes, strides, dtypes and devices, the
     mask and scale), or None where it cannot be hashed exactly. A packed q's (``cu_seqlens_q``) adds the offsets'
-    tensor and ``max_seqlen_q``: with q's shape (total_q), what its grid and scratch are cut for."""
+    tensor and ``max_seqlen_q``: with q's shape (total_q), what its grid and scratch are cut for. An 8-bit cache's
+    descales add theirs (the cache's dtype is already in: a 16-bit and an 8-bit cache compile apart)."""
     if type(causal) is not bool or not (scale is None or type(scale) is float or type(scale) is int):
         return None
     window = _window_key(window)
@@ -254,6 +255,13 @@ def kvcache_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, w
                max_seqlen_q)  # fmt: skip
     elif max_seqlen_q is not None:
         return None
+    if k_descale is not None or v_descale is not None:
+        if not (type(k_descale) is type(v_descale) is torch.Tensor):
+            return None
+        if not (k_descale.layout is v_descale.layout is torch.strided):
+            return None
+        key = (*key, "descales", k_descale.shape, k_descale.stride(), k_descale.dtype, k_descale.device,
+               v_descale.shape, v_descale.stride(), v_descale.dtype, v_descale.device)  # fmt: skip
     if block_table is None:
         return key
     if type(block_table) is not torch.Tensor or block_table.layout is not torch.strided:

@@ -39,8 +39,17 @@ Each program checks the entries of its own chunk of keys that the sequence uses 
 short scan after its loop; inside the loop a bad entry's keys are only masked. Entries past a sequence's last block
 are never read and may hold anything.
 
+An 8-bit cache (``KV_SCALED``): ``k_cache`` and ``v_cache`` hold float8 e4m3 values, and ``K_DESCALE``,
+``V_DESCALE`` one float32 scale per (sequence, K/V head), the cache's stored value times its scale being the key or
+value it stands for. The kernel loads the 8-bit tiles (half the bytes of a 16-bit cache: what decode, bound by
+the cache's reads, is waiting for) and widens them to q's dtype for the dots, exactly (every e4m3 value is a bf16
+and an fp16 value); it never writes a 16-bit copy of the cache. The scales are not applied per element: they are
+constant over a (sequence, head), so they come out of the sums (below, at the loop). A scale that is not finite
+and > 0 is reported like a bad length (``ERROR_SCALE``) and that sequence's rows are NaN.
+
 The float64 reference it must equal is ``flashlab.reference.torch_float64.attention_float64`` applied to each
-sequence's keys and values, gathered into contiguous tensors (the tests do exactly that).
+sequence's keys and values, gathered into contiguous tensors (the tests do exactly that); for an 8-bit cache,
+to the keys and values it stands for (``flashlab.host.quantize.dequantize_kv``).
 """
 
 from __future__ import annotations
@@ -68,15 +77,20 @@ from flashlab.kernels.interpreter import interpreted, interpreted_language
 BLOCK_SIZE_MULTIPLE = 16
 
 # The error record: int32 fields, in this order. "claim" is 0 until a program takes the record; "kind" (0: none,
-# else ERROR_ENTRY or ERROR_LENGTH) is written last, after the others, so a reader that sees it sees them too.
+# else ERROR_ENTRY, ERROR_LENGTH or ERROR_SCALE) is written last, after the others, so a reader that sees it sees
+# them too.
 ERROR_FIELDS = ("claim", "kind", "batch", "column", "value", "limit")
 ERROR_RECORD_INTS = 8  # the fields, padded to 32 bytes
 ERROR_ENTRY = 1  # block_table[batch, column] = value is outside [0, limit): limit is the pool's block count
 ERROR_LENGTH = 2  # cache_seqlens[batch] = value is outside [0, limit]: limit is the capacity (column is -1)
+ERROR_SCALE = 3  # a descale of (sequence batch, K/V head column) is not finite and > 0: value is its float32 bits,
+# limit says which (SCALE_K: k_descale, SCALE_V: v_descale)
+SCALE_K, SCALE_V = 0, 1
 ENTRY_SCAN = 64  # table entries a program checks per step of its scan outside the band
 NO_COLUMN = 2**31 - 1  # "no bad entry" in the scans: larger than any column
 # the same numbers as the kernel reads them
-_ENTRY, _LENGTH = tl.constexpr(ERROR_ENTRY), tl.constexpr(ERROR_LENGTH)
+_ENTRY, _LENGTH, _SCALE = tl.constexpr(ERROR_ENTRY), tl.constexpr(ERROR_LENGTH), tl.constexpr(ERROR_SCALE)
+_SCALE_K, _SCALE_V = tl.constexpr(SCALE_K), tl.constexpr(SCALE_V)
 _SCAN, _NO_COLUMN = tl.constexpr(ENTRY_SCAN), tl.constexpr(NO_COLUMN)
 
 
@@ -114,6 +128,7 @@ def report_error(ERRORS, kind, batch, column, value, limit):
 @triton.jit
 def _kvcache_partial(
     Q, K, V, BLOCK_TABLE, SEQLENS,  # q; the K/V cache; the block table (unused when PAGE_SIZE == 0); lengths
+    K_DESCALE, V_DESCALE,  # with KV_SCALED: float32 scales of the 8-bit cache per (sequence, K/V head); else unused
     CU_SEQLENS_Q,  # with RAGGED_Q: (B + 1,) int32, sequence b's query rows are q[cu[b]:cu[b + 1]]; else unused
     O_PART, LSE_PART, O, LSE,  # partial outputs (fp32) and lse (log2) per chunk; the output and its lse
     COUNTERS,  # int32, one per (sequence, K/V head, row block): chunks finished; zero between launches
@@ -130,6 +145,7 @@ def _kvcache_partial(
     keys_per_split, NUM_SPLITS,  # each chunk's keys: [split * keys_per_split, (split + 1) * keys_per_split)
     qk_scale,  # softmax scale * log2(e)
     TOTAL_Q,  # with RAGGED_Q: q's rows, all sequences together (lse is (Hq, total_q)); else unused
+    stride_ksb, stride_ksh, stride_vsb, stride_vsh,  # the descales' strides over (sequence, K/V head): 0 broadcasts
     TUNE_KEY_N, TUNE_KEY_UNITS,  # only read by the autotuner (its cache key)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -142,6 +158,7 @@ def _kvcache_partial(
     MERGE_HERE: tl.constexpr,  # several chunks: the last to finish merges them (else split_kv_merge does)
     MERGE_GROUP: tl.constexpr,  # chunks per group of the merge's tree; 0: one level (softmax_step.finish_chunk)
     RAGGED_Q: tl.constexpr = False,  # q packed (total_q, Hq, D), each sequence's rows found through CU_SEQLENS_Q
+    KV_SCALED: tl.constexpr = False,  # an 8-bit cache: K, V float8 e4m3, their scales in K_DESCALE, V_DESCALE
 ):
     # fmt: on
     pid_s = tl.program_id(0)  # which chunk of keys
@@ -183,6 +200,16 @@ def _kvcache_partial(
     k_head = K + off_hk.to(tl.int64) * stride_kh
     v_head = V + off_hk.to(tl.int64) * stride_vh
     table = BLOCK_TABLE + off_b.to(tl.int64) * stride_tb
+    score_scale = qk_scale
+    if KV_SCALED:  # this (sequence, K/V head)'s scales: two float32 loads for the whole chunk
+        k_scale = tl.load(K_DESCALE + off_b.to(tl.int64) * stride_ksb + off_hk * stride_ksh)
+        v_scale = tl.load(V_DESCALE + off_b.to(tl.int64) * stride_vsb + off_hk * stride_vsh)
+        k_scale_bad = ~((k_scale > 0) & (k_scale < float("inf")))  # NaN fails both comparisons
+        v_scale_bad = ~((v_scale > 0) & (v_scale < float("inf")))
+        # a key is k_scale * k8 (k8 the stored e4m3 value): its score q . (k_scale * k8) = k_scale * (q . k8), so
+        # the scale joins the softmax scale, one multiply per score as before, none per loaded element. A bad scale
+        # is replaced by 1 in the arithmetic (its rows are NaN after the loop), so no inf or NaN is computed with
+        score_scale = qk_scale * tl.where(k_scale_bad, 1.0, k_scale)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -225,18 +252,24 @@ def _kvcache_partial(
         k = tl.load(k_head + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & key_ok[None, :], other=0.0)
         if DOT_UPCAST:
             k = k.to(tl.float32)
+        elif KV_SCALED:  # e4m3 -> q's 16-bit dtype, exactly: the dot runs on the tensor cores with 16-bit inputs
+            k = k.to(Q.dtype.element_ty)
         s = tl.dot(q, k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         visible = softmax_step.band_mask(diag, cols, win_left, win_right, hi) & key_ok[None, :]
-        s = tl.where(visible, s * qk_scale, float("-inf"))
+        s = tl.where(visible, s * score_scale, float("-inf"))
         p, m_new, alpha, l_i = softmax_step.online_softmax_step(s, m_i, l_i)
         # -- V tile: BLOCK_N * D * bytes(dtype)
         v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_UPCAST:
             v = v.to(tl.float32)
+        elif KV_SCALED:
+            v = v.to(Q.dtype.element_ty)
         acc = acc * alpha[:, None]
         p = p.to(Q.dtype.element_ty)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
+    if KV_SCALED:  # acc = sum_j p_j (v_scale * v8_j) = v_scale * sum_j p_j v8_j: one multiply per row, after the loop
+        acc = acc * tl.where(v_scale_bad, 1.0, v_scale)
 
     # -- the values' check: a bad length, or a bad entry among the chunk's used keys [split_lo, used_end), read
     # or not by its band (a window; a block of rows before a causal diagonal). One scan of the chunk's entries
@@ -244,9 +277,12 @@ def _kvcache_partial(
     # them occupancy, in the small-block kernel (docs/kernel-notes.md)
     failed = length_bad
     used_end = tl.minimum(split_lo + keys_per_split, nk)
+    column = tl.full([], _NO_COLUMN, dtype=tl.int32)
     if PAGE_SIZE != 0:
         column = first_bad_column(table, split_lo, used_end, NUM_PAGES, PAGE_SIZE, _SCAN)
         failed = failed | (column < _NO_COLUMN)
+    if KV_SCALED:
+        failed = failed | k_scale_bad | v_scale_bad
     # a failed program's partial is NaN (lse included): the merge, and so every row of the sequence, gives NaN
     acc = tl.where(failed, float("nan"), acc)
     m_i = tl.where(failed, float("nan"), m_i)
@@ -254,9 +290,12 @@ def _kvcache_partial(
     if failed:  # the rare path: find what to report
         if length_bad:
             report_error(ERRORS, _LENGTH, off_b, -1, seqlen, CAPACITY)
-        elif PAGE_SIZE != 0:
-            entry = tl.load(table + column, mask=column < _NO_COLUMN, other=0)
+        elif column < _NO_COLUMN:
+            entry = tl.load(table + column)
             report_error(ERRORS, _ENTRY, off_b, column, entry, NUM_PAGES)
+        elif KV_SCALED:  # a scale: the first bad one of the two, its float32 bits as the value
+            bad = tl.where(k_scale_bad, k_scale, v_scale).to(tl.int32, bitcast=True)
+            report_error(ERRORS, _SCALE, off_b, off_hk, bad, tl.where(k_scale_bad, _SCALE_K, _SCALE_V))
 
     # -- a sequence of length 0, or a chunk past its end, gives zeros and lse = -inf
     if RAGGED_Q:  # o (total_q, Hq, D), lse (Hq, total_q)
@@ -293,7 +332,7 @@ kvcache_partial_tuned = triton.autotune(
         for bn, w, st in TUNING_SPACE + split_kv.FP32_TUNING_SPACE + [(32, 4, 1)]
     ],
     key=["TUNE_KEY_N", "TUNE_KEY_UNITS", "HEAD_DIM", "BLOCK_M", "PAGE_SIZE", "DOT_PRECISION", "DIRECT", "MERGE_HERE",
-         "MERGE_GROUP", "RAGGED_Q"],
+         "MERGE_GROUP", "RAGGED_Q", "KV_SCALED"],
     prune_configs_by={"early_config_prune": split_kv.prune_configs},
 )(_kvcache_partial)
 
@@ -312,11 +351,15 @@ class KVCacheArguments:
 
     ``ragged`` ``(B, max_seqlen_q)`` says q is packed ``(total_q, Hq, D)``, sequence b's rows found on the device
     through ``cu_seqlens_q`` (``RAGGED_Q``): the row blocks and chunks are cut for ``max_seqlen_q`` rows a sequence,
-    and o is ``(total_q, Hq, D)``, lse ``(Hq, total_q)``. ``nq`` is the query rows a sequence (the most, ragged)."""
+    and o is ``(total_q, Hq, D)``, lse ``(Hq, total_q)``. ``nq`` is the query rows a sequence (the most, ragged).
+
+    ``descales`` ``(k_descale, v_descale)``, each ``(B, Hk)`` or ``(Hk,)`` float32, any strides, says the cache is
+    8-bit (``KV_SCALED``); None: a 16-bit or fp32 cache."""
 
     __slots__ = ("num_splits", "direct", "parts", "d", "rows", "counters", "grid", "scalars", "tune", "meta", "nq")
 
-    def __init__(self, q, k_cache, v_cache, table, page_size, capacity, win_left, win_right, qk_scale, ragged=None):
+    def __init__(self, q, k_cache, v_cache, table, page_size, capacity, win_left, win_right, qk_scale, ragged=None,
+                 descales=None):  # fmt: skip
         if ragged is None:
             b, hq, nq, d = q.shape
             total = b * nq
@@ -349,6 +392,11 @@ class KVCacheArguments:
         self.scalars += (table.stride(0), *strides_o)
         self.scalars += (hq, hk, group, nq, k_cache.shape[0], capacity, win_left, win_right, keys_per_split)
         self.scalars += (num_splits, qk_scale, total)
+        if descales is None:
+            self.scalars += (0, 0, 0, 0)  # never read
+        else:
+            for x in descales:  # (B, Hk), or (Hk,): the same scales for every sequence
+                self.scalars += x.stride() if x.ndim == 2 else (0, x.stride(0))
         self.tune = (next_power_of_2(capacity), next_power_of_2(b * hk * row_blocks * num_splits))
         merge = split_kv.merge_arguments(num_splits, b * hk * row_blocks, tree=tree)
         self.counters = merge.counters
@@ -360,6 +408,7 @@ class KVCacheArguments:
             DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
             DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
             RAGGED_Q=ragged is not None,
+            KV_SCALED=descales is not None,
         )
         if small_blocks:
             bn, warps, stages = SMALL_BLOCK_CONFIG
@@ -371,8 +420,8 @@ class KVCacheArguments:
 # the modules whose device functions the kernel calls: what a CPU launch lets the interpreter call
 DEVICE_MODULES = (softmax_step, sys.modules[__name__])
 # the kernel's tensor parameters, in order
-PARTIAL_TENSORS = ("Q", "K", "V", "BLOCK_TABLE", "SEQLENS", "CU_SEQLENS_Q", "O_PART", "LSE_PART", "O", "LSE",
-                   "COUNTERS", "ERRORS")  # fmt: skip
+PARTIAL_TENSORS = ("Q", "K", "V", "BLOCK_TABLE", "SEQLENS", "K_DESCALE", "V_DESCALE", "CU_SEQLENS_Q", "O_PART",
+                   "LSE_PART", "O", "LSE", "COUNTERS", "ERRORS")  # fmt: skip
 
 
 def bucket_query(q, nq: int):
@@ -382,21 +431,25 @@ def bucket_query(q, nq: int):
 
 
 def launch(q, k_cache, v_cache, table, cache_seqlens, o, lse, page_size, capacity, win_left, win_right, qk_scale,
-           errors=None, cu_seqlens_q=None, max_seqlen_q=None):  # fmt: skip
+           errors=None, cu_seqlens_q=None, max_seqlen_q=None, k_descale=None, v_descale=None):  # fmt: skip
     """Run the kernel once on prepared inputs (``KVCacheArguments`` says which), writing ``o`` and ``lse``; with
     ``cu_seqlens_q`` (and ``max_seqlen_q``, the most rows a sequence has) q, o are packed ``(total_q, Hq, D)`` and
     lse is ``(Hq, total_q)``. Returns
     the error record it wrote into (``errors``, ``ERROR_RECORD_INTS`` int32 zeros, or a fresh one): its "kind"
-    field (``ERROR_FIELDS``) is nonzero once the launch has met a bad length or table entry. On a GPU the
+    field (``ERROR_FIELDS``) is nonzero once the launch has met a bad length, table entry or scale. An 8-bit
+    cache (float8 e4m3) comes with ``k_descale`` and ``v_descale``, float32 ``(B, Hk)``. On a GPU the
     tiles are ``SMALL_BLOCK_CONFIG`` or ``flashlab.kernels.configs.pick``'s (``FLASHLAB_AUTOTUNE=1``: the
     autotuner's pick)."""
     ragged = None if cu_seqlens_q is None else (cu_seqlens_q.shape[0] - 1, max_seqlen_q)
-    args = KVCacheArguments(q, k_cache, v_cache, table, page_size, capacity, win_left, win_right, qk_scale, ragged)
+    descales = None if k_descale is None else (k_descale, v_descale)
+    args = KVCacheArguments(q, k_cache, v_cache, table, page_size, capacity, win_left, win_right, qk_scale, ragged,
+                            descales)  # fmt: skip
     o_part, lse_part, _, counters = split_kv.fresh_workspace(args, q.device)
     if errors is None:
         errors = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=q.device)
     cu = cache_seqlens if cu_seqlens_q is None else cu_seqlens_q  # never read without RAGGED_Q
-    tensors = (q, k_cache, v_cache, table, cache_seqlens, cu, o_part, lse_part, o, lse, counters, errors)
+    ks, vs = (cache_seqlens, cache_seqlens) if descales is None else descales  # never read without descales
+    tensors = (q, k_cache, v_cache, table, cache_seqlens, ks, vs, cu, o_part, lse_part, o, lse, counters, errors)
     if not q.is_cuda:
         with interpreted_language(*DEVICE_MODULES):
             interpreted(_kvcache_partial)[args.grid](*tensors, *args.scalars, *args.tune, **args.meta,
@@ -447,8 +500,11 @@ __all__ = [
     "ERROR_FIELDS",
     "ERROR_LENGTH",
     "ERROR_RECORD_INTS",
+    "ERROR_SCALE",
     "KVCacheArguments",
     "PARTIAL_TENSORS",
+    "SCALE_K",
+    "SCALE_V",
     "SMALL_BLOCK_CONFIG",
     "SMALL_BLOCK_TOKENS",
     "SMALL_BLOCK_TREE_PROGRAMS_PER_SM",
