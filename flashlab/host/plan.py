@@ -167,10 +167,12 @@ def family_key(key, q, k, v):
     """A ``flash_attention`` signature (``signature``: None gives None) without its query and key counts: the
     signatures of one decode loop over a growing cache share it, and those of chunked prefill. A tensor's strides
     stay in it unless the tensor is contiguous (then they follow from the shape, and a cache that ``torch.cat``
-    grows keeps one family)."""
+    grows keeps one family). None where the call has no family (no signature, or tensors that are not 4-d)."""
     if key is None:
         return None
     q_shape, q_stride, k_shape, k_stride, v_shape, v_stride = key[:6]
+    if not len(q_shape) == len(k_shape) == len(v_shape) == 4:
+        return None  # not a (batch, heads, tokens, head dim) call: checked_call's checks say what is wrong
     return ((q_shape[0], q_shape[1], q_shape[3]), "contiguous" if q.is_contiguous() else q_stride,
             (k_shape[0], k_shape[1], k_shape[3]), "contiguous" if k.is_contiguous() else k_stride,
             (v_shape[0], v_shape[1], v_shape[3]), "contiguous" if v.is_contiguous() else v_stride,
