@@ -389,3 +389,23 @@ def test_gpu_hidden_non_finite_v_rows_do_not_leak(dtype, nq, nk, causal, window)
     assert torch.isfinite(o[:, :, ~sees_bad]).all()
     torch.testing.assert_close(o[:, :, ~sees_bad], o_clean[:, :, ~sees_bad], rtol=0, atol=2e-2)
     assert not torch.isfinite(o[:, :, sees_bad]).all(dim=-1).any()  # every row that sees a bad value shows it
+
+
+def test_device_function_calls_inside_a_launch_do_not_patch_the_language_again():
+    # Triton's interpreter re-patched triton.language (through inspect.getmembers) at every device-function call
+    # of a running kernel, a quarter of a CPU call's time; flashlab's CPU path patches once per kernel launch.
+    from triton.runtime import interpreter
+
+    real, patched = interpreter._patch_lang, []
+
+    def counting(fn):
+        patched.append(fn.__name__)
+        return real(fn)
+
+    interpreter._patch_lang = counting
+    try:
+        q, k, v = make_qkv(1, 2, 1, 40, 70, 16, torch.float32, seed=14)
+        check_against_reference(q, k, v, causal=True)  # a few key tiles: tl.max, tl.sum... called per tile
+    finally:
+        interpreter._patch_lang = real
+    assert 1 <= len(patched) <= 3, patched  # the launch's own (and a repair pass's), not one per device call

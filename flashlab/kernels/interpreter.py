@@ -73,11 +73,51 @@ def interpreted_language(*device_modules):
             scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
 
         interpreter._patch_lang_tensor = _patch_lang_tensor
+        patch_lang = interpreter._patch_lang
+        interpreter._patch_lang = _patch_once(patch_lang, interpreter._LangPatchScope)
         try:
             yield
         finally:
+            interpreter._patch_lang = patch_lang
             interpreter._patch_lang_tensor = patch_tensor
             restore_language_state(before)
+
+
+def _patch_once(patch_lang, empty_scope):
+    """The interpreter's ``_patch_lang``, skipped where its patches are in place already.
+
+    A kernel launch patches ``triton.language`` for its run and undoes it at the end; every call of a device
+    function inside it (``tl.max``, ``tl.sum``, flashlab's helpers: a thousand in one small decode call) patched it
+    again through ``inspect.getmembers``, about a quarter of the interpreter's time, to the same effect. Here a call
+    whose function sees no language module beyond those patched for the running kernel changes nothing."""
+    running = []  # the language modules patched for the kernel now running (a launch inside a launch: none)
+    seen_by = {}  # function -> the language modules its globals hold
+
+    def seen(fn):
+        if fn not in seen_by:
+            values = fn.__globals__.values()
+            seen_by[fn] = frozenset(id(m) for m in values if inspect.ismodule(m) and (m is tl or m is tl.core))
+        return seen_by[fn]
+
+    def _patch_lang(fn):
+        langs = seen(fn)
+        if running and langs <= running[-1]:
+            return empty_scope()
+        scope = patch_lang(fn)
+        if running:  # a device function that sees another module: its patches stay, as the interpreter leaves them
+            running[-1] |= langs
+            return scope
+        running.append(set(langs))
+        restore = scope.restore
+
+        def restore_and_forget():
+            running.clear()
+            restore()
+
+        scope.restore = restore_and_forget
+        return scope
+
+    return _patch_lang
 
 
 def language_objects(device_modules=()):
