@@ -90,7 +90,7 @@ def _patch_once(patch_lang, empty_scope):
     function inside it (``tl.max``, ``tl.sum``, flashlab's helpers: a thousand in one small decode call) patched it
     again through ``inspect.getmembers``, about a quarter of the interpreter's time, to the same effect. Here a call
     whose function sees no language module beyond those patched for the running kernel changes nothing."""
-    running = []  # the language modules patched for the kernel now running (a launch inside a launch: none)
+    patched = None  # the language modules patched for the kernel now running; None between launches
     seen_by = {}  # function -> the language modules its globals hold
 
     def seen(fn):
@@ -100,18 +100,20 @@ def _patch_once(patch_lang, empty_scope):
         return seen_by[fn]
 
     def _patch_lang(fn):
+        nonlocal patched
         langs = seen(fn)
-        if running and langs <= running[-1]:
+        if patched is not None and langs <= patched:
             return empty_scope()
         scope = patch_lang(fn)
-        if running:  # a device function that sees another module: its patches stay, as the interpreter leaves them
-            running[-1] |= langs
+        if patched is not None:  # a device function seeing another module: its patches stay, as the interpreter's do
+            patched |= langs
             return scope
-        running.append(set(langs))
+        patched = set(langs)  # a launch: its scope's restore ends it
         restore = scope.restore
 
         def restore_and_forget():
-            running.clear()
+            nonlocal patched
+            patched = None
             restore()
 
         scope.restore = restore_and_forget
