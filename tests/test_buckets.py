@@ -26,8 +26,12 @@ from flashlab.kernels.ladder import rung2_skip_split as skip_split
 
 
 def call_of(q, k, v, causal=False, window=None, scale=None, num_splits=None, rung=None):
-    """The call a ``flash_attention`` of these arguments was planned into."""
-    return CALLS[forward.signature(q, k, v, causal, window, scale, num_splits, rung)]
+    """The call the latest ``flash_attention`` of these arguments was planned into: kept in ``CALLS``, or, for a
+    signature its family has met only once, the family's latest."""
+    key = forward.signature(q, k, v, causal, window, scale, num_splits, rung)
+    if key in CALLS:
+        return CALLS[key]
+    return forward.FAMILIES[forward.plan_family_key(key, q, k, v)].last
 
 
 def decode_step(n, seed, hq=4, hk=2, d=16, dtype=torch.float32, cache=None):
@@ -396,6 +400,26 @@ def test_a_growing_cache_through_its_family_matches_the_reference():
         check_against_reference(q, k, v)
     key = forward.signature(q, k, v, False, None, None, None, None)
     assert forward.FAMILIES[forward.plan_family_key(key, q, k, v)].last is call_of(q, k, v)
+
+
+def test_a_growing_loop_keeps_no_call_per_step_and_a_repeated_length_is_kept():
+    """Each step of a growing cache is a signature met once: its call is made by the family and not kept (a call
+    kept per step outlives Python's young generations, and the full collections that follow cost every step). A
+    signature met a second time is kept, and its later calls are looked up."""
+    forward.FAMILIES.clear()
+    CALLS.clear()
+    cache = make_qkv(1, 4, 2, 1, 340, 16, torch.float32, seed=14)[1:]
+    q, k, v = decode_step(300, 15, cache=cache)
+    flash_attention(q, k, v)
+    kept = len(CALLS)
+    for n in range(301, 311):
+        q, k, v = decode_step(n, 15, cache=cache)
+        flash_attention(q, k, v)
+    assert len(CALLS) == kept, "no call kept for a length met once"
+    key = forward.signature(q, k, v, False, None, None, None, None)
+    flash_attention(q, k, v)  # n = 310 again: its second meeting
+    assert CALLS[key] is forward.FAMILIES[forward.plan_family_key(key, q, k, v)].last
+    check_against_reference(q, k, v)
 
 
 def same_args(a, b) -> bool:

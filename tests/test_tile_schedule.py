@@ -124,3 +124,43 @@ def test_the_table_holds_the_starts_then_the_tiles_and_a_spare_entry():
     assert table.tolist() == [*starts, *tiles, 0] and str(table.dtype) == "torch.int32"
     assert tile_schedule.has_table(lengths, heads, programs, "cpu")
     assert tile_schedule.table(lengths, heads, programs, "cpu") is table  # kept, not rebuilt
+
+
+def schedule_written_out(lengths, heads, programs, start_cost, tail_rounds):
+    """``tile_schedule.schedule``'s rule in its plainest form: units of a head's i-th longest and i-th shortest
+    tiles, all but the last ``tail_rounds`` rounds dealt round robin, the rest handed out one tile at a time, longest
+    first, to the program with the least work (then the fewest tiles, then the lowest number)."""
+    n = len(lengths)
+    longest_first = sorted(range(n), key=lambda m: (-lengths[m], m))
+    units = []
+    for h in range(heads):
+        for i in range((n + 1) // 2):
+            a, z = longest_first[i], longest_first[n - 1 - i]
+            units.append([h * n + a] if a == z else [h * n + a, h * n + z])
+    dealt = max(len(units) // programs - tail_rounds, 0) * programs
+    lists = [[] for _ in range(programs)]
+    for u in range(dealt):
+        lists[u % programs] += units[u]
+    left = sorted((t for unit in units[dealt:] for t in unit), key=lambda t: (-lengths[t % n], t))
+    for t in left:
+        work = [sum(lengths[x % n] + start_cost for x in tiles) for tiles in lists]
+        p = min(range(programs), key=lambda p: (work[p], len(lists[p]), p))
+        lists[p].append(t)
+    starts = [0]
+    for tiles in lists:
+        starts.append(starts[-1] + len(tiles))
+    return starts, [t for tiles in lists for t in tiles]
+
+
+def test_the_schedule_is_its_rule_written_out():
+    """The schedule runs inside a chunked-prefill call (a new one per new lengths), so it is written for speed,
+    with a shortcut for one wave of tiles; it must hand out exactly what the plain rule does, on random cases
+    (one wave and many, ties, zero-length tiles, no start cost)."""
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        n = int(rng.integers(1, 12))
+        lengths = [int(x) for x in rng.integers(0, 9, n)]
+        heads, programs = int(rng.integers(1, 20)), int(rng.integers(1, 60))
+        start_cost, tail = float(rng.choice([0.0, 1.0, 2.0])), int(rng.integers(0, 3))
+        assert tile_schedule.schedule(lengths, heads, programs, start_cost, tail) == schedule_written_out(
+            lengths, heads, programs, start_cost, tail)  # fmt: skip

@@ -40,6 +40,7 @@ from flashlab.host.plan import (
     FAMILIES,
     PLANS,
     kvcache_signature,
+    met_before,
     remember,
     remember_call,
     remember_family,
@@ -113,7 +114,7 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
     key = signature(q, k, v, causal, window, scale, num_splits, rung)
     call = CALLS.get(key)  # a call exists only for a signature that was checked
     if call is None:
-        call = remember_call(key, new_call(key, q, k, v, causal, window, scale, num_splits, rung))
+        call = new_call(key, q, k, v, causal, window, scale, num_splits, rung)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         # differentiable: the prefill kernel (split-KV has no backward), then flashlab.kernels.flash_backward
         if call.backward is None:
@@ -129,16 +130,17 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
 
 
 def new_call(key, q, k, v, causal, window, scale, num_splits, rung):
-    """The ``Call`` of a signature met for the first time (``key``): from its family's (``flashlab.host.plan``'s
+    """The ``Call`` of a signature not in ``CALLS`` (``key``): from its family's (``flashlab.host.plan``'s
     ``family_key``: a decode step against a cache one token longer, or the next chunk of a prefill, is a new
-    signature of a known family) where one covers it, else ``checked_call``'s, which starts the family anew."""
+    signature of a known family) where one covers it, kept in ``CALLS`` from the signature's second meeting
+    (``met_before``); else ``checked_call``'s, kept, which starts the family anew."""
     family_key = plan_family_key(key, q, k, v)
     family = FAMILIES.get(family_key)
     if family is not None:
         call = family.call(q, k, v)
         if call is not None:
-            return call
-    call = checked_call(q, k, v, causal, window, scale, num_splits, rung)
+            return remember_call(key, call) if met_before(family.met, key) else call
+    call = remember_call(key, checked_call(q, k, v, causal, window, scale, num_splits, rung))
     if family_key is not None:
         remember_family(family_key, family_of(call, q, k, v, causal, window, scale, num_splits, rung))
     return call

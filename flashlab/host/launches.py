@@ -179,7 +179,8 @@ class SplitFamily:
     checks it and names the problem. Made from a checked call that needed no copies, ran q as given, and picks its
     tiles by table."""
 
-    __slots__ = ("last", "head", "aligned", "band", "num_splits", "configs", "cuda", "strides", "classes", "plans")
+    __slots__ = ("last", "head", "aligned", "band", "num_splits", "configs", "cuda", "strides", "classes", "plans",
+                 "met")  # fmt: skip
 
     def __init__(self, call, q, k, causal, window, scale, num_splits, aligned):
         self.last = call  # the family's latest call: its outputs' shapes, its scratch views
@@ -191,6 +192,7 @@ class SplitFamily:
         self.cuda = q.is_cuda
         self.strides = self.classes = None
         self.plans = {}  # (the meta dict's id, the config, the strides' classes, wide) -> the bucket's plan
+        self.met = set()  # the hashes of the signatures it made calls for (plan.met_before)
 
     @staticmethod
     def of(call, q, k, v, causal, window, scale, num_splits):
@@ -258,11 +260,13 @@ class PrefillFamily:
     mask with no more queries than keys, a window that leaves every row a key, 32-bit row offsets. Anything else
     goes back to the full path (None), which names the problem."""
 
-    __slots__ = ("make", "overlap", "causal", "window", "scale", "rung")
+    __slots__ = ("make", "overlap", "causal", "window", "scale", "rung", "met", "last")
 
     def __init__(self, make, overlap, causal, window, scale, rung):
         self.make, self.overlap = make, overlap  # the rung's call maker (overlap_call, skip_split_call)
         self.causal, self.window, self.scale, self.rung = causal, window, scale, rung
+        self.met = set()  # the hashes of the signatures it made calls for (plan.met_before)
+        self.last = None  # the family's latest call
 
     def call(self, q, k, v):
         b, hq, nq, d = q.shape
@@ -278,6 +282,7 @@ class PrefillFamily:
         call = self.make(q, k, v, causal, window, (offset, win_left, win_right, qk_scale))
         call.o_like_q = q.is_contiguous()
         call.o_shape, call.lse_shape = (b, hq, nq, d), (b, hq, nq)
+        self.last = call
         return call
 
 

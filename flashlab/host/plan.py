@@ -44,6 +44,7 @@ CALLS: dict = {}  # call signature -> Call
 MAX_CALLS = 4096
 FAMILIES: dict = {}  # family key (a signature but its lengths) -> its family (launches.SplitFamily, PrefillFamily)
 MAX_FAMILIES = 1024
+MAX_MET = 4096  # the signatures' hashes a family remembers having met (``met_before``)
 
 
 class Plan:
@@ -163,6 +164,22 @@ def remember_family(key, family):
     return family
 
 
+def met_before(met: set, key) -> bool:
+    """Whether the signature ``key`` is in ``met``, a family's set of the hashes of the signatures it has made
+    calls for; it joins them if not. A family's call is kept in ``CALLS`` only from its signature's second meeting:
+    a decode loop over a growing cache, or chunked prefill, meets each signature once, and keeping each of those
+    calls would fill the heap with objects that outlive Python's young generations, whose full collections then
+    cost the loop a share of every step. A hash stands for its signature (ints are not tracked by the collector); a
+    collision only keeps a call early."""
+    h = hash(key)
+    if h in met:
+        return True
+    if len(met) >= MAX_MET:
+        met.clear()
+    met.add(h)
+    return False
+
+
 def family_key(key, q, k, v):
     """A ``flash_attention`` signature (``signature``: None gives None) without its query and key counts: the
     signatures of one decode loop over a growing cache share it, and those of chunked prefill. A tensor's strides
@@ -273,4 +290,4 @@ def kvcache_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, w
 
 __all__ = ["BUILT", "CALLS", "CHECKED", "Call", "FAMILIES", "MAX_CALLS", "MAX_FAMILIES", "MAX_PLANS", "OFF", "PLANS",
            "Plan", "UNTRIED", "family_key", "int_class", "int_classes", "kvcache_signature", "mask_kind", "mask_name",
-           "planned", "remember", "remember_call", "remember_family", "signature", "wide"]  # fmt: skip
+           "met_before", "planned", "remember", "remember_call", "remember_family", "signature", "wide"]  # fmt: skip

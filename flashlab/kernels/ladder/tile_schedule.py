@@ -18,6 +18,7 @@ list starts, then the tiles.
 from __future__ import annotations
 
 import heapq
+from itertools import chain
 
 import torch
 
@@ -43,28 +44,54 @@ def key_tiles(row_lo, block_m, block_n, nq, nk, offset, win_left, win_right, cau
 def schedule(lengths, heads: int, programs: int, start_cost: float = TILE_START_COST, tail_rounds: int = TAIL_ROUNDS):
     """Each program's list of tiles: ``(starts, tiles)``, program ``p`` taking ``tiles[starts[p]:starts[p + 1]]`` in
     that order. A tile is ``head * len(lengths) + m``; ``lengths[m]`` is query tile ``m``'s key tiles (the same in
-    every head). Every tile appears once."""
+    every head). Every tile appears once.
+
+    Chunked prefill meets new lengths on every call, so this runs inside the user's call: plain loops over ints,
+    and one wave of tiles (no more tiles than programs, the usual case for a chunk) dealt one per program at once."""
     n_m = len(lengths)
     if n_m == 0 or heads <= 0 or programs <= 0:
         raise ValueError(f"a schedule needs tiles, heads and programs; got {n_m}, {heads}, {programs}")
-    longest_first = sorted(range(n_m), key=lambda m: (-lengths[m], m))
-    units = []  # per head, its i-th longest tile with its i-th shortest (the middle one alone)
-    for h in range(heads):
-        for i in range((n_m + 1) // 2):
-            a, z = longest_first[i], longest_first[n_m - 1 - i]
-            units.append([h * n_m + a] if a == z else [h * n_m + a, h * n_m + z])
-    dealt = max(len(units) // programs - tail_rounds, 0) * programs
-    lists = [[] for _ in range(programs)]
-    for u in range(dealt):
-        lists[u % programs] += units[u]
-    left = sorted((t for unit in units[dealt:] for t in unit), key=lambda t: (-lengths[t % n_m], t))
-    work = [_work(lengths, tiles, start_cost) for tiles in lists]
-    least = [(work[p], len(lists[p]), p) for p in range(programs)]  # (work so far, tiles, program), least first
-    heapq.heapify(least)
+    # per head, its i-th longest tile with its i-th shortest (the middle one alone): unit u = head * half + i
+    half = (n_m + 1) // 2
+    units = heads * half
+    dealt = max(units // programs - tail_rounds, 0) * programs
+    cost = [length + start_cost for length in lengths]  # the cost model (_work) per query tile
+    if dealt == 0:  # nothing dealt in rounds: all the tiles are left, longest first (ties: lowest tile first)
+        by_length = {}
+        for m in range(n_m):
+            by_length.setdefault(lengths[m], []).append(m)
+        left = []
+        for length in sorted(by_length, reverse=True):
+            left.extend(sorted(chain.from_iterable(range(m, heads * n_m, n_m) for m in by_length[length])))
+        if len(left) <= programs and min(cost) > 0:
+            # every program's work is 0, so each tile in turn goes to the lowest-numbered idle program
+            return list(range(len(left) + 1)) + [len(left)] * (programs - len(left)), left
+        lists = [[] for _ in range(programs)]
+    else:
+        longest_first = sorted(range(n_m), key=lambda m: (-lengths[m], m))
+        pairs = [(longest_first[i], longest_first[n_m - 1 - i]) for i in range(half)]
+        lists = [[] for _ in range(programs)]
+        for u in range(dealt):
+            h, i = divmod(u, half)
+            a, z = pairs[i]
+            tiles = lists[u % programs]
+            tiles.append(h * n_m + a)
+            if a != z:
+                tiles.append(h * n_m + z)
+        left = []
+        for u in range(dealt, units):
+            h, i = divmod(u, half)
+            a, z = pairs[i]
+            left.append(h * n_m + a)
+            if a != z:
+                left.append(h * n_m + z)
+        left.sort(key=lambda t: (-lengths[t % n_m], t))
+    least = [(sum(cost[t % n_m] for t in lists[p]), len(lists[p]), p) for p in range(programs)]
+    heapq.heapify(least)  # (work so far, tiles, program), least first
     for t in left:
-        w, count, p = heapq.heappop(least)
+        w, count, p = least[0]
         lists[p].append(t)
-        heapq.heappush(least, (w + _work(lengths, [t], start_cost), count + 1, p))
+        heapq.heapreplace(least, (w + cost[t % n_m], count + 1, p))
     starts = [0]
     for tiles in lists:
         starts.append(starts[-1] + len(tiles))
@@ -106,7 +133,10 @@ def table(lengths, heads: int, programs: int, device) -> torch.Tensor:
             _TABLES.clear()
         starts, tiles = schedule(list(lengths), heads, programs)
         # one int32 table: programs + 1 starts, the tiles, and one spare entry (a program reads one tile ahead)
-        _TABLES[key] = torch.tensor([*starts, *tiles, 0], dtype=torch.int32, device=key[3])
+        host = torch.tensor([*starts, *tiles, 0], dtype=torch.int32)
+        if key[3].type == "cuda":  # from pinned memory, queued on the stream: a pageable copy waits for the GPU
+            host = host.pin_memory().to(key[3], non_blocking=True)
+        _TABLES[key] = host
     return _TABLES[key]
 
 
