@@ -284,6 +284,8 @@ NOT_PLANS = {
     "flashlab.kernels.device:sm_count": "a device query (multiprocessors), one per GPU",
     "flashlab.kernels.flash_backward:_SIDE_STREAMS": "the dQ kernel's side stream, one per GPU",
     "flashlab.kernels.ladder.rung4_overlap:_LAYOUTS": "shared-memory layouts of a tile shape and dtype",
+    "flashlab.kernels.ladder.rung4_overlap:_METAS": "constexpr dicts, one per head dim, tiles and mask kind",
+    "flashlab.kernels.ladder.rung3_hopper:_REPAIR_METAS": "the repair pass's constexprs, one per head dim and dtype",
     "flashlab.kernels.ladder.tile_schedule:_TABLES": "device copies of a schedule table, one per lengths",
 }
 CACHE_DECORATORS = {"cache", "lru_cache", "cached_property"}

@@ -483,3 +483,24 @@ def test_three_programs_a_multiprocessor_keep_their_products_asynchronous_withou
     assert f"USETMAXREG.TRY_ALLOC.CTAPOOL UP0, {overlap.CONSUMER_REGS[1]:#x}" in sass
     assert not [op for op in sass if op.startswith(("STL", "LDL"))], "the consumer spills to local memory"
     assert any(op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1") for op in sass), "ptxas serialised the products"
+
+
+@pytest.mark.parametrize(
+    "b, hq, hk, nq, nk, d, causal, window",
+    [(1, 16, 16, 300, 4000, 128, True, None), (2, 8, 2, 1000, 1000, 64, False, (40, 3)),
+     (1, 4, 4, 777, 5300, 256, True, (256, 0))],
+)  # fmt: skip
+def test_the_repair_pass_planned_from_integers_has_the_arguments_the_hopper_rung_gives(b, hq, hk, nq, nk, d, causal,
+                                                                                        window):  # fmt: skip
+    """Chunked prefill plans the repair pass for new lengths on every call, from integers (``repair_parts``); its
+    arguments must be those of the Hopper rung's own ``arguments`` and ``repair_shape``, for sliced views too."""
+    hopper = overlap.hopper
+    q_buf, k_buf, v_buf = make_qkv(b, hq, hk, nq + 5, nk + 7, d, torch.bfloat16, seed=1)
+    q, k, v = (OnGpu(x) for x in (q_buf[:, :, :nq], k_buf[:, :, :nk], v_buf[:, :, 2 : nk + 2]))
+    band = kernel_band(nq, nk, d, causal, window, None)[:4]
+    o_strides = (hq * nq * d, nq * d, d)
+    kernel, grid, rargs, rmeta = hopper.repair_parts(q, k, v, o_strides, causal, window, band)
+    scalars, _, meta = hopper.arguments(q, k, v, o_strides, causal, window, band, is_cuda=True)
+    tiles, want_grid, want_meta = hopper.repair_shape(q, meta, True)
+    assert kernel is hopper.repair_flagged and grid == want_grid
+    assert rargs == (*scalars, *tiles) and rmeta == want_meta

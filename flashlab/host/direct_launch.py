@@ -176,9 +176,7 @@ def map_values(shape, strides, element_size) -> tuple:
     """A tensor map runtime position's values for ``launch_with`` (``pack_runtime``'s order) for a tensor of this
     shape and these strides (elements; the last is 1): dims and byte strides innermost first, then the shape and
     the strides as the kernel's cells take them."""
-    dims = tuple(reversed(shape))
-    byte_strides = tuple(s * element_size for s in reversed(strides[:-1]))
-    return (*dims, *byte_strides, *shape, *strides)
+    return (*shape[::-1], *[s * element_size for s in strides[-2::-1]], *shape, *strides)
 
 
 def build(kernel, grid, values, tensor_slots, global_scratch=False, runtime=None):

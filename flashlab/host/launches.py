@@ -656,20 +656,25 @@ def overlap_call(q, k, v, causal, window, band) -> Call:
     runtime dims). Through Triton's JIT, building the four descriptors in Python and binding them cost 140-390 us of
     host time per call on the H200's host, more than the GPU time of a short call (docs/host-path.md). A call whose
     q, k, v or o is not 16-byte aligned, which the copy engine cannot take, runs skip and split instead."""
-    from flashlab.kernels.ladder import rung4_overlap as overlap
-
+    overlap = _OVERLAP or _import_overlap()
     b, hq, nq, d = q.shape
     hk = k.shape[1]
+    qs, ks, vs = q.stride(), k.stride(), v.stride()
     grid, table, scalars, meta = overlap.launch_shape(q, k, causal, window, band) if q.is_cuda else (None,) * 4
     o_strides = (hq * nq * d, nq * d, d)  # o is allocated contiguous
     repair = None
     if q.is_cuda and (causal or window is not None):
-        repair = overlap.hopper.repair_parts(q, k, v, o_strides, causal, window, band)
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+        repair = overlap.hopper.repair_parts(q, k, v, o_strides, causal, window, band, (qs, ks, vs))
+    strides = (*qs[:3], *ks[:3], *vs[:3])
     aligned = not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
+    classes = _CLASSES.get(strides)
+    if classes is None:
+        if len(_CLASSES) >= plans.MAX_PLANS:
+            _CLASSES.clear()
+        classes = _CLASSES[strides] = plans.int_classes(strides)
     key = (overlap.NAME, q.device, q.dtype, d, plans.mask_kind(causal, window), hq // hk,
-           None if meta is None else tuple(meta.items()), None if repair is None else tuple(repair[3].items()),
-           plans.int_classes(strides), plans.wide(scalars or ()), aligned)  # fmt: skip
+           None if meta is None else id(meta), None if repair is None else id(repair[3]), classes,
+           plans.wide(scalars or ()), aligned)  # fmt: skip  # the constexprs' dicts are kept, one per combination
 
     def make():
         plan = Plan(overlap.NAME, run_overlap)
@@ -684,16 +689,28 @@ def overlap_call(q, k, v, causal, window, band) -> Call:
     call.args = (band, table, repair)
     if q.is_cuda:
         elem = q.element_size()
-        maps = ()
-        for x, shape in ((q, q.shape), (k, k.shape), (v, v.shape)):
-            maps += direct_launch.map_values(tuple(shape), tuple(overlap._strides(x)), elem)
-        maps += direct_launch.map_values((b, hq, nq, d), (hq * nq * d, nq * d, d, 1), elem)  # o is contiguous
+        map_values = direct_launch.map_values
+        maps = (*map_values(q.shape, overlap._strides(q, qs), elem), *map_values(k.shape, overlap._strides(k, ks), elem),
+                *map_values(v.shape, overlap._strides(v, vs), elem),
+                *map_values((b, hq, nq, d), (hq * nq * d, nq * d, d, 1), elem))  # fmt: skip  # o is contiguous
         call.values = (*maps, *scalars)  # OVERLAP_RUNTIME's order
         if repair is not None:
             call.values = (call.values, repair[1], repair[2])  # the main kernel's, the repair's grid and values
         else:
             call.values = (call.values, None, None)
     return call
+
+
+_CLASSES = {}  # q's, k's and v's strides -> their integer classes (plan.int_classes), for overlap_call
+_OVERLAP = None  # rung 4's module, imported on its first call (it imports Gluon)
+
+
+def _import_overlap():
+    global _OVERLAP
+    from flashlab.kernels.ladder import rung4_overlap
+
+    _OVERLAP = rung4_overlap
+    return rung4_overlap
 
 
 def overlap_plan(q, k, v, causal, window, band) -> Plan:

@@ -80,8 +80,9 @@ def fits_smem(resident_rows: int, streamed_rows: int, stages: int, block_d: int,
 
 
 @functools.cache
+@functools.cache
 def sm_count(device_index: int) -> int:
-    """Streaming multiprocessors on this GPU (132 on an H200)."""
+    """Streaming multiprocessors on this GPU (132 on an H200); asked of the driver once per device."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 

@@ -480,13 +480,28 @@ def repair(args, q, meta) -> None:
         _repair_flagged[grid](*args, *tiles, **rmeta)
 
 
-def repair_parts(q, k, v, strides_o, causal, window, band):
+def repair_parts(q, k, v, strides_o, causal, window, band, strides=None):
     """The repair pass over another kernel's output ``o`` (strides ``strides_o``) and lse, for one call signature:
     ``(kernel, grid, arguments after the five tensors, constexprs)``. How rung 4, whose programs cannot redo a
-    tile, gets its non-finite rows redone."""
-    scalars, _, meta = arguments(q, k, v, strides_o, causal, window, band, is_cuda=True)
-    tiles, grid, rmeta = repair_shape(q, meta, True)
-    return _repair_flagged, grid, (*scalars, *tiles), rmeta
+    tile, gets its non-finite rows redone. ``strides``: q's, k's and v's ``stride()``, where the caller has them.
+
+    Chunked prefill plans this for new lengths on every call, so it is worked out from integers here: the same
+    arguments as ``arguments`` and ``repair_shape`` give (a test checks they agree), the constexprs kept per head
+    dim and dtype."""
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    qs, ks, vs = strides or (q.stride(), k.stride(), v.stride())
+    scalars = (*qs[:3], *ks[:3], *vs[:3], *strides_o, hq, hq // hk, nq, nk, *band)
+    m_tiles = cdiv(nq, REPAIR_CONFIG["BLOCK_M"])
+    num_tiles = b * hq * m_tiles
+    rmeta = _REPAIR_METAS.get((d, q.dtype))
+    if rmeta is None:
+        rmeta = _REPAIR_METAS[(d, q.dtype)] = repair_shape(q, arguments(q, k, v, strides_o, causal, window, band,
+                                                                        is_cuda=True)[2], True)[2]  # fmt: skip
+    return _repair_flagged, (cdiv(num_tiles, REPAIR_TILES_PER_PROGRAM),), (*scalars, num_tiles, m_tiles), rmeta
+
+
+_REPAIR_METAS = {}  # (head dim, dtype) -> the repair pass's constexprs on a GPU (repair_shape's)
 
 
 

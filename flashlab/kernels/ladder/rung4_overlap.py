@@ -546,11 +546,16 @@ def unavailable(q, k, v, causal, window) -> str | None:
     return None
 
 
-def _strides(x) -> list[int]:
-    """``x``'s strides as its descriptor takes them: a dimension of size 1 is only ever read at 0, so its stride is
-    free; it gets a contiguous tensor's (an expanded or sliced tensor may carry any stride there)."""
-    contiguous = [x.shape[1] * x.shape[2] * x.shape[3], x.shape[2] * x.shape[3], x.shape[3], 1]
-    return [s if n > 1 else c for s, n, c in zip(x.stride(), x.shape, contiguous, strict=True)]
+def _strides(x, strides=None) -> list[int]:
+    """``x``'s strides (``strides``: its ``stride()``, where the caller has them) as its descriptor takes them: a
+    dimension of size 1 is only ever read at 0, so its stride is free; it gets a contiguous tensor's (an expanded or
+    sliced tensor may carry any stride there)."""
+    shape = x.shape
+    strides = x.stride() if strides is None else strides
+    if 1 not in shape:
+        return list(strides)
+    contiguous = [shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1]
+    return [s if n > 1 else c for s, n, c in zip(strides, shape, contiguous, strict=True)]
 
 
 def not_describable(x) -> str | None:
@@ -591,21 +596,22 @@ def _descriptor(x, block_rows):
 
 def launch_shape(q, k, causal, window, band):
     """The kernel's ``(grid, schedule table, scalar arguments, constexprs)`` for one call signature; the table is
-    None where the programs walk the tiles in a fixed stride (a launch then passes lse in its place, never read)."""
+    None where the programs walk the tiles in a fixed stride (a launch then passes lse in its place, never read).
+    Chunked prefill meets new lengths on every call: the constexprs are one dict per combination, kept."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     offset, win_left, win_right, qk_scale = band
     num_wg, block_n, stages = tiles(d, nq, nk, causal, window)
     block_m = num_wg * WG_ROWS
     n_m = cdiv(nq, block_m)
-    lengths = None
+    programs = min(n_m * b * hq, sm_count(device_index(q)) * PROGRAMS_PER_SM[num_wg])
+    table = None
     if causal and d in SCHEDULED_HEAD_DIMS:
         lengths = tuple(tile_schedule.key_tiles(m * block_m, block_m, block_n, nq, nk, offset, win_left, win_right,
                                                 causal, window is not None) for m in range(n_m))  # fmt: skip
-    programs = min(n_m * b * hq, sm_count(device_index(q)) * PROGRAMS_PER_SM[num_wg])
-    table = None
-    if lengths is not None and (tile_schedule.has_table(lengths, b * hq, programs, q.device) or not stream_capturing()):
-        table = tile_schedule.table(lengths, b * hq, programs, q.device)
+        table = tile_schedule.kept_table(lengths, b * hq, programs, q.device)
+        if table is None and not stream_capturing():  # a CUDA graph's capture cannot copy a new one to the GPU
+            table = tile_schedule.table(lengths, b * hq, programs, q.device)
     # Causal and not scheduled (D = 256, or a first call inside a CUDA graph's capture, where the table cannot be
     # copied to the GPU), one program per tile: the GPU hands a tile to a multiprocessor as one finishes, which
     # balances tiles of unequal length in the order they come. Otherwise persistent, one program per multiprocessor.
@@ -613,15 +619,21 @@ def launch_shape(q, k, causal, window, band):
     if causal and not scheduled:
         programs = n_m * b * hq
     scalars = (hq, nq, nk, hq // hk, offset, win_left, win_right, qk_scale, b * hq)
-    meta = dict(
-        HEAD_DIM=d, NUM_WG=num_wg, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), WINDOW=window is not None,
-        KEY_TAIL=not causal and window is None and nk % block_n != 0, PINGPONG=PINGPONG and num_wg > 1,
-        O_IN_Q=d in O_THROUGH_Q,
-        SCHEDULED=scheduled, LATE_WAIT=d in LATE_WAIT_HEAD_DIMS, CONSUMER_REGS=CONSUMER_REGS[num_wg], num_warps=4,
-    )  # fmt: skip
-    if num_wg in LAUNCH_REGS:
-        meta["maxnreg"] = LAUNCH_REGS[num_wg]
+    kind = (d, num_wg, block_n, stages, bool(causal), window is not None,
+            not causal and window is None and nk % block_n != 0, scheduled)  # fmt: skip
+    meta = _METAS.get(kind)
+    if meta is None:
+        meta = _METAS[kind] = dict(
+            HEAD_DIM=d, NUM_WG=num_wg, BLOCK_N=block_n, STAGES=stages, CAUSAL=kind[4], WINDOW=kind[5],
+            KEY_TAIL=kind[6], PINGPONG=PINGPONG and num_wg > 1, O_IN_Q=d in O_THROUGH_Q, SCHEDULED=scheduled,
+            LATE_WAIT=d in LATE_WAIT_HEAD_DIMS, CONSUMER_REGS=CONSUMER_REGS[num_wg], num_warps=4,
+        )  # fmt: skip
+        if num_wg in LAUNCH_REGS:
+            meta["maxnreg"] = LAUNCH_REGS[num_wg]
     return (programs,), table, scalars, meta
+
+
+_METAS = {}  # launch_shape's constexprs per (head dim, tiles, mask kind, key tail, scheduled): never changed
 
 
 def tiles(d, nq, nk, causal, window):

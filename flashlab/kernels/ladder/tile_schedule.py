@@ -116,13 +116,18 @@ MAX_TABLES = 1024
 
 
 def _table_key(lengths, heads, programs, device):
-    return tuple(lengths), heads, programs, torch.device(device)
+    return tuple(lengths), heads, programs, device if type(device) is torch.device else torch.device(device)
 
 
 def has_table(lengths, heads: int, programs: int, device) -> bool:
     """Whether ``table`` holds this schedule already (building one copies it to the GPU, which a CUDA graph's
     capture does not allow)."""
     return _table_key(lengths, heads, programs, device) in _TABLES
+
+
+def kept_table(lengths, heads: int, programs: int, device) -> torch.Tensor | None:
+    """The table ``table`` keeps for this schedule, or None where it has none yet."""
+    return _TABLES.get(_table_key(lengths, heads, programs, device))
 
 
 def table(lengths, heads: int, programs: int, device) -> torch.Tensor:
@@ -140,5 +145,5 @@ def table(lengths, heads: int, programs: int, device) -> torch.Tensor:
     return _TABLES[key]
 
 
-__all__ = ["MAX_TABLES", "TAIL_ROUNDS", "TILE_START_COST", "finish_times", "has_table", "key_tiles", "schedule",
+__all__ = ["MAX_TABLES", "TAIL_ROUNDS", "TILE_START_COST", "finish_times", "has_table", "kept_table", "key_tiles", "schedule",
            "table"]  # fmt: skip
