@@ -504,3 +504,60 @@ def test_the_repair_pass_planned_from_integers_has_the_arguments_the_hopper_rung
     tiles, want_grid, want_meta = hopper.repair_shape(q, meta, True)
     assert kernel is hopper.repair_flagged and grid == want_grid
     assert rargs == (*scalars, *tiles) and rmeta == want_meta
+
+
+class OnGpuView(OnGpu):
+    """``OnGpu`` with what the host engine's planning reads of a tensor: its device, contiguity, device index."""
+
+    device = torch.device("cuda", 0)
+
+    def get_device(self):
+        return 0
+
+    def is_contiguous(self):
+        return self.t.is_contiguous()
+
+
+@needs_gluon
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_a_chunked_prefill_family_plans_each_new_shape_as_overlap_call_does(monkeypatch, cpu_tables, causal,
+                                                                            contiguous):  # fmt: skip
+    """Rung 4's family makes a new (Nq, Nk)'s call from integers (``launches.OverlapFamily``); it must equal
+    ``overlap_call``'s for the same inputs -- plan, grid, schedule table, tensor maps and scalars, repair pass --
+    for views of one buffer and for contiguous chunks, across tile choices and lengths that are no multiple of a
+    tile. Planned on the CPU (nothing is launched)."""
+    monkeypatch.setattr(overlap, "sm_count", lambda index: 132)
+    monkeypatch.setattr(launches, "sm_count", lambda index: 132)
+    monkeypatch.setattr(overlap, "device_index", lambda x: 0)
+    monkeypatch.setattr(launches, "stream_capturing", lambda: False)
+    from test_buckets import same_args
+
+    q_buf, k_buf, v_buf = make_qkv(1, 16, 4, 1100, 5400, 128, torch.bfloat16, seed=2)
+    shapes = [(300, 4000), (307, 4013), (650, 4650), (1000, 5300), (129, 129), (1024, 1024), (700, 5301), (64, 64)]
+    family = None
+    for nq, nk in shapes:
+        parts = (q_buf[:, :, :nq], k_buf[:, :, :nk], v_buf[:, :, :nk])
+        q, k, v = (OnGpuView(x.contiguous() if contiguous else x) for x in parts)
+        band = kernel_band(nq, nk, 128, causal, None, None)[:4]
+        full = launches.overlap_call(q, k, v, causal, None, band)
+        full.o_like_q, full.o_shape, full.lse_shape = q.is_contiguous(), (1, 16, nq, 128), (1, 16, nq)
+        if family is None:
+            family = launches.OverlapFamily(full, q, k, causal, None, None, None)
+        derived = family.call(q, k, v)
+        assert derived.plan is full.plan and derived.grid == full.grid, (nq, nk)
+        assert derived.values == full.values and same_args(derived.args, full.args), (nq, nk)
+        assert (derived.o_like_q, derived.o_shape, derived.lse_shape) == (full.o_like_q, full.o_shape, full.lse_shape)
+        derived = family.call(q, k, v)  # the second time through the family's own kept plan, not overlap_call
+        assert derived is not family.prefill.last, "made from integers"
+        assert derived.plan is full.plan and derived.values == full.values and same_args(derived.args, full.args)
+    assert len(family.plans) == (1 if causal else 2), "one plan per key tail (non-causal)"
+
+
+@pytest.mark.parametrize("nq, nk, block_m, block_n", [(300, 4000, 128, 128), (1000, 1000, 64, 64), (7, 5, 128, 64)])
+def test_the_causal_key_tiles_in_one_expression_are_key_tiles(nq, nk, block_m, block_n):
+    ts = overlap.tile_schedule
+    n_m = -(-nq // block_m)
+    want = tuple(ts.key_tiles(m * block_m, block_m, block_n, nq, nk, nk - nq, nq + nk + 1, 0, True, False)
+                 for m in range(n_m))  # fmt: skip
+    assert ts.causal_key_tiles(n_m, block_m, block_n, nk, nk - nq) == want

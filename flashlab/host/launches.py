@@ -26,7 +26,7 @@ from flashlab.host.plan import BUILT, CHECKED, OFF, Call, Plan
 from flashlab.host.scratch import scratch, workspace
 from flashlab.kernels import configs, ladder, softmax_step
 from flashlab.kernels.decode import kvcache, split_kv
-from flashlab.kernels.device import CPU_CONFIG, current_device_index, kernel_band
+from flashlab.kernels.device import CPU_CONFIG, current_device_index, kernel_band, sm_count, stream_capturing
 from flashlab.kernels.interpreter import interpreted, interpreted_language
 from flashlab.kernels.ladder import rung2_skip_split as skip_split
 
@@ -286,6 +286,114 @@ class PrefillFamily:
         return call
 
 
+class OverlapFamily:
+    """Rung 4's prefill calls of one family (``PrefillFamily``'s, on Hopper), each new (Nq, Nk) made from integers:
+    what ``overlap_call`` works out, with what the family fixes -- the heads, head dim, dtype, mask, scale, the
+    repair pass's constexprs, strides that do not change (views of one buffer), their classes -- worked out once.
+    Chunked prefill meets a new pair on every call; through ``overlap_call`` its planning cost more host time than
+    the kernel's GPU time (H200, docs/host-path.md). A test checks every call against ``overlap_call``'s."""
+
+    __slots__ = ("prefill", "head", "qk_scale", "strides", "classes", "plans", "rmeta", "met", "last")
+
+    def __init__(self, call, q, k, causal, window, scale, rung):
+        self.prefill = PrefillFamily(overlap_call, True, causal, window, scale, rung)  # its checks, and windows
+        b, hq, _, d = q.shape
+        hk = k.shape[1]
+        self.head = (b, hq, hk, d, hq // hk, q.element_size(), b * hq, q.device, q.dtype, bool(causal))
+        self.qk_scale = kernel_band(1, 1, d, False, None, scale)[3]
+        self.strides = self.classes = None
+        self.plans = {}  # (the constexprs' dict, the strides' classes, wide) -> the bucket's plan
+        repair = call.args[2]
+        self.rmeta = None if repair is None else repair[3]
+        self.met = self.prefill.met
+        self.last = None
+
+    def call(self, q, k, v):
+        prefill = self.prefill
+        if prefill.window is not None:  # windows: overlap_call itself (its band is not the causal one)
+            call = prefill.call(q, k, v)
+            self.last = prefill.last
+            return call
+        b, hq, hk, d, group, elem, heads, device, dtype, causal = self.head
+        nq, nk = q.shape[2], k.shape[2]
+        if nq < 1 or nk < 1 or v.shape[2] != nk or (prefill.rung is None and nq <= split_kv.MAX_SPLIT_QUERY_ROWS):
+            return None
+        if causal and nq > nk:
+            return None  # rung 4's own rules (rung4_overlap.unavailable): the full path picks another rung
+        qs, ks, vs = q.stride(), k.stride(), v.stride()
+        if max(nq * qs[2], nk * ks[2], nk * vs[2]) >= 2**31:
+            return None
+        overlap = _OVERLAP
+        offset, big = nk - nq, nq + nk + 1  # kernel_band's band without a window, inline
+        band = (offset, big, 0 if causal else big, self.qk_scale)
+        num_wg, block_n, stages = overlap.tiles(d, nq, nk, causal, None)
+        block_m = num_wg * overlap.WG_ROWS
+        n_m = (nq + block_m - 1) // block_m
+        programs = min(n_m * heads, sm_count(q.get_device()) * overlap.PROGRAMS_PER_SM[num_wg])
+        table = None
+        if causal and d in overlap.SCHEDULED_HEAD_DIMS:
+            lengths = overlap.tile_schedule.causal_key_tiles(n_m, block_m, block_n, nk, offset)
+            table = overlap.tile_schedule.kept_table(lengths, heads, programs, device)
+            if table is None and not stream_capturing():
+                table = overlap.tile_schedule.table(lengths, heads, programs, device)
+        scheduled = table is not None
+        if causal and not scheduled:
+            programs = n_m * heads
+        kind = (d, num_wg, block_n, stages, causal, False, not causal and nk % block_n != 0, scheduled)
+        meta = overlap.kept_constexprs(kind)
+        if meta is None:  # a combination not met yet: overlap_call makes it
+            call = prefill.call(q, k, v)
+            self.last = prefill.last
+            return call
+        scalars = (hq, nq, nk, group, offset, band[1], band[2], band[3], heads)
+        strides = (qs, ks, vs)
+        if strides != self.strides:
+            flat = (*qs[:3], *ks[:3], *vs[:3])
+            self.strides, self.classes = strides, plans.int_classes(flat)
+        wide = nk + nq + 1 >= 2**31
+        local = (id(meta), self.classes, wide)
+        plan = self.plans.get(local)
+        if plan is None:  # overlap_call's plan of this bucket, found through its key once
+            call = prefill.call(q, k, v)
+            if call is not None:
+                self.plans[local] = call.plan
+            self.last = prefill.last
+            return call
+        o_strides = (hq * nq * d, nq * d, d)
+        maps = (*_map(b, hq, nq, d, qs, elem), *_map(b, hk, nk, d, ks, elem), *_map(b, hk, nk, d, vs, elem),
+                *_map(b, hq, nq, d, (*o_strides, 1), elem))  # fmt: skip
+        call = Call(plan)
+        call.grid = (programs,)
+        repair = None
+        if causal:
+            m_tiles = (nq + overlap.hopper.REPAIR_CONFIG["BLOCK_M"] - 1) // overlap.hopper.REPAIR_CONFIG["BLOCK_M"]
+            tiles = heads * m_tiles
+            rargs = (*qs[:3], *ks[:3], *vs[:3], *o_strides, hq, group, nq, nk, *band, tiles, m_tiles)
+            rgrid = ((tiles + overlap.hopper.REPAIR_TILES_PER_PROGRAM - 1) // overlap.hopper.REPAIR_TILES_PER_PROGRAM,)
+            repair = (overlap.hopper.repair_flagged, rgrid, rargs, self.rmeta)
+            call.values = ((*maps, *scalars), rgrid, rargs)
+        else:
+            call.values = ((*maps, *scalars), None, None)
+        call.args = (band, table, repair)
+        call.o_like_q = q.is_contiguous()
+        call.o_shape, call.lse_shape = (b, hq, nq, d), (b, hq, nq)
+        self.last = call
+        return call
+
+
+def _map(b, h, n, d, strides, elem) -> tuple:
+    """``direct_launch.map_values`` of a (b, h, n, d) tensor with these strides as rung 4's descriptors take them
+    (``rung4_overlap._strides``: a dimension of size 1 gets a contiguous tensor's stride), inline."""
+    s0, s1, s2 = strides[:3]
+    if b == 1:
+        s0 = h * n * d
+    if h == 1:
+        s1 = n * d
+    if n == 1:
+        s2 = d
+    return (d, n, h, b, s2 * elem, s1 * elem, s0 * elem, b, h, n, d, s0, s1, s2, 1)
+
+
 def family_of(call, q, k, v, causal, window, scale, num_splits, rung):
     """The family a checked call starts (``SplitFamily``, ``PrefillFamily``), or None where new lengths of it
     cannot skip the full path: copies, a negated q, a warning to repeat, the autotuner, a fixed config, a rung
@@ -298,7 +406,7 @@ def family_of(call, q, k, v, causal, window, scale, num_splits, rung):
     if num_splits is not None or call.plan.run is run_plain:
         return None
     if q.is_cuda and path == "overlap":
-        return PrefillFamily(overlap_call, True, causal, window, scale, rung)
+        return OverlapFamily(call, q, k, causal, window, scale, rung)
     if not q.is_cuda and path == skip_split.NAME:
         return PrefillFamily(skip_split_call, False, causal, window, scale, rung)
     return None
@@ -690,7 +798,8 @@ def overlap_call(q, k, v, causal, window, band) -> Call:
     if q.is_cuda:
         elem = q.element_size()
         map_values = direct_launch.map_values
-        maps = (*map_values(q.shape, overlap._strides(q, qs), elem), *map_values(k.shape, overlap._strides(k, ks), elem),
+        maps = (*map_values(q.shape, overlap._strides(q, qs), elem),
+                *map_values(k.shape, overlap._strides(k, ks), elem),
                 *map_values(v.shape, overlap._strides(v, vs), elem),
                 *map_values((b, hq, nq, d), (hq * nq * d, nq * d, d, 1), elem))  # fmt: skip  # o is contiguous
         call.values = (*maps, *scalars)  # OVERLAP_RUNTIME's order

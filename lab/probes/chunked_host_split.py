@@ -34,8 +34,10 @@ for label, fixed, offset in (("changing", False, 1000), ("repeated", True, 0), (
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     t2 = time.perf_counter()
-    print(f"{label:9s} queued {(t1 - t0) / 200 * 1e6:7.1f} us/call, finished {(t2 - t0) / 200 * 1e6:7.1f} us/call",
-          flush=True)
+    print(
+        f"{label:9s} queued {(t1 - t0) / 200 * 1e6:7.1f} us/call, finished {(t2 - t0) / 200 * 1e6:7.1f} us/call",
+        flush=True,
+    )
 # the GPU time of each shape alone, by events, a few shapes
 for g in (3000, 3001, 3002, 3003):
     x = inputs(g)
@@ -47,7 +49,8 @@ for g in (3000, 3001, 3002, 3003):
         flash_attention(*x, causal=True)
     e.record()
     torch.cuda.synchronize()
-    print("shape", tuple(x[0].shape[2:3]) + tuple(x[1].shape[2:3]), f"GPU {s.elapsed_time(e) / 20 * 1e3:.1f} us", flush=True)
+    shape = tuple(x[0].shape[2:3]) + tuple(x[1].shape[2:3])
+    print("shape", shape, f"GPU {s.elapsed_time(e) / 20 * 1e3:.1f} us", flush=True)
 # the host alone: planning 200 new signatures (no launch)
 xs = [inputs(g) for g in range(4000, 4200)]
 t0 = time.perf_counter()
@@ -55,3 +58,15 @@ for q, k, v in xs:
     key = forward.signature(q, k, v, True, None, None, None, None)
     forward.new_call(key, q, k, v, True, None, None, None, None)
 print(f"planning only {(time.perf_counter() - t0) / 200 * 1e6:.1f} us/call", flush=True)
+# where the planning goes
+import cProfile  # noqa: E402
+import pstats  # noqa: E402
+
+xs = [inputs(g) for g in range(6000, 6400)]
+prof = cProfile.Profile()
+prof.enable()
+for q, k, v in xs:
+    key = forward.signature(q, k, v, True, None, None, None, None)
+    forward.new_call(key, q, k, v, True, None, None, None, None)
+prof.disable()
+pstats.Stats(prof).sort_stats("tottime").print_stats(25)

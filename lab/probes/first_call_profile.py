@@ -41,12 +41,13 @@ def main(out: Path, indices):
         (out / f"profile-{i:02d}.txt").write_text(text)
         # the stages of Triton's compiler, summed
         per = {}
-        for (file, line, func), (cc, nc, tt, ct, callers) in stats.stats.items():
+        for (file, _line, func), (_cc, _nc, _tt, ct, _callers) in stats.stats.items():
             if func in ("make_ttir", "make_ttgir", "make_llir", "make_ptx", "make_cubin", "compile", "make_launcher",
                         "reproduces", "_build", "build") or "ptxas" in func:  # fmt: skip
                 per[f"{Path(file).name}:{func}"] = per.get(f"{Path(file).name}:{func}", 0) + ct
         summary = f"{i:2d} {call.name:36s} {total:6.2f} s  " + ", ".join(
-            f"{k} {v:.2f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1]) if v > 0.05)
+            f"{k} {v:.2f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1]) if v > 0.05
+        )
         print(summary, flush=True)
         lines.append(summary)
         (out / "summary.txt").write_text("\n".join(lines) + "\n")

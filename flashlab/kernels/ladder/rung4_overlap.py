@@ -636,6 +636,12 @@ def launch_shape(q, k, causal, window, band):
 _METAS = {}  # launch_shape's constexprs per (head dim, tiles, mask kind, key tail, scheduled): never changed
 
 
+def kept_constexprs(kind: tuple):
+    """``launch_shape``'s constexprs dict for ``kind`` (head dim, consumer warpgroups, BLOCK_N, STAGES, causal,
+    window, key tail, scheduled), or None where no call has made it yet."""
+    return _METAS.get(kind)
+
+
 def tiles(d, nq, nk, causal, window):
     """``(consumer warpgroups, BLOCK_N, STAGES)`` for a call: ``TILES``, or ``UNMASKED_LONG_TILES`` or
     ``SHORT_CAUSAL_TILES`` where they apply."""

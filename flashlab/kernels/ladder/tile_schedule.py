@@ -41,6 +41,14 @@ def key_tiles(row_lo, block_m, block_n, nq, nk, offset, win_left, win_right, cau
     return max(j1 - j0, 0)
 
 
+def causal_key_tiles(n_m: int, block_m: int, block_n: int, nk: int, offset: int) -> tuple:
+    """``key_tiles`` of query tiles ``0 .. n_m - 1`` under a causal mask without a window, in one expression: what
+    chunked prefill works out for its new lengths on every call (a test checks it against ``key_tiles``)."""
+    key_tiles_all = (nk + block_n - 1) // block_n
+    return tuple(max(min((m * block_m + block_m + offset + block_n - 1) // block_n, key_tiles_all), 0)
+                 for m in range(n_m))  # fmt: skip
+
+
 def schedule(lengths, heads: int, programs: int, start_cost: float = TILE_START_COST, tail_rounds: int = TAIL_ROUNDS):
     """Each program's list of tiles: ``(starts, tiles)``, program ``p`` taking ``tiles[starts[p]:starts[p + 1]]`` in
     that order. A tile is ``head * len(lengths) + m``; ``lengths[m]`` is query tile ``m``'s key tiles (the same in
@@ -145,5 +153,5 @@ def table(lengths, heads: int, programs: int, device) -> torch.Tensor:
     return _TABLES[key]
 
 
-__all__ = ["MAX_TABLES", "TAIL_ROUNDS", "TILE_START_COST", "finish_times", "has_table", "kept_table", "key_tiles", "schedule",
-           "table"]  # fmt: skip
+__all__ = ["MAX_TABLES", "TAIL_ROUNDS", "TILE_START_COST", "causal_key_tiles", "finish_times", "has_table",
+           "kept_table", "key_tiles", "schedule", "table"]  # fmt: skip
