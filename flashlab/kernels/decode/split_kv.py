@@ -315,18 +315,22 @@ class SplitArguments:
         # growing cache, where each Python call costs a share of a launch (tests check they agree)
         units, wanted, rows, grid_tail, q_strides, o_and_heads, nq = self.fixed
         # keys any query can see: the band of query 0's left edge to query nq-1's right edge, within [0, nk)
-        band_keys = max(0, min(nk, nq - 1 + offset + win_right + 1) - max(0, offset - win_left))
+        band_keys = min(nk, nq + offset + win_right) - max(0, offset - win_left)
         if num_splits is None:
-            num_splits = max(1, min(wanted, (max(band_keys, 1) + MIN_KEYS_PER_SPLIT - 1) // MIN_KEYS_PER_SPLIT))
-        keys_per_split = ((nk + num_splits - 1) // num_splits + KEY_ALIGN - 1) // KEY_ALIGN * KEY_ALIGN  # split_keys
+            num_splits = min(wanted, (band_keys + MIN_KEYS_PER_SPLIT - 1) // MIN_KEYS_PER_SPLIT) if band_keys > 0 else 1
+            if num_splits < 1:
+                num_splits = 1
+        # split_keys: chunks of whole KEY_ALIGN groups; those that would start past the last key dropped
+        keys_per_split = ((nk + num_splits - 1) // num_splits + KEY_ALIGN - 1) // KEY_ALIGN * KEY_ALIGN
         num_splits = (nk + keys_per_split - 1) // keys_per_split
         self.num_splits, self.direct = num_splits, num_splits == 1
         # scratch: partial outputs (b, hq, nq, num_splits, d), their log-sum-exps, then room for an lse the caller
         # did not ask for; the merge's counters for every block of rows
         self.parts, self.rows = rows * num_splits, rows
         self.grid = (num_splits, *grid_tail)
-        self.scalars = (*q_strides, *k_strides[:3], *v_strides[:3], *o_and_heads, nk, offset, win_left, win_right,
-                        keys_per_split, num_splits, qk_scale)  # fmt: skip
+        self.scalars = (*q_strides, k_strides[0], k_strides[1], k_strides[2], v_strides[0], v_strides[1],
+                        v_strides[2], *o_and_heads, nk, offset, win_left, win_right, keys_per_split, num_splits,
+                        qk_scale)  # fmt: skip
         self.tune = (1 << (nk - 1).bit_length(), 1 << (units * num_splits - 1).bit_length())  # next powers of two
         merged = self.metas.get(num_splits)
         if merged is None:
