@@ -64,6 +64,19 @@ def test_fp16_queries():
     check_8bit(*serving_case(11, 4, 8192, 16, dtype=torch.float16))
 
 
+@pytest.mark.parametrize("magnitude", [1e5, 3e7, 1e-6])
+def test_bf16_queries_outside_float16s_range(magnitude):
+    # the dots of an 8-bit cache take float16 operands: a bf16 q past float16's range (or deep in its subnormals)
+    # must neither overflow to inf nor flush to zero. Scaled keys keep the softmax from being one-hot
+    q, kc, vc, k8, v8, table, seqlens, ks, vs = serving_case(13, 2, 4096, 16)
+    q = (q.float() * magnitude).to(torch.bfloat16)
+    shrink = 1.0 / magnitude
+    kc = (kc.float() * shrink).to(torch.bfloat16)
+    k8, v8, ks, vs = quantize_kv(kc, vc, block_table=table, cache_seqlens=seqlens)
+    o = check_8bit(q, kc, vc, k8, v8, table, seqlens, ks, vs)
+    assert bool(torch.isfinite(o).all())
+
+
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_the_direct_launch_and_a_cuda_graph_give_the_same_bits(block_size):
     from flashlab.host.plan import CHECKED, PLANS, kvcache_signature

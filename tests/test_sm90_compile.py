@@ -28,16 +28,22 @@ def compile_sm90(kernel, args, constexprs, options):
         from triton.runtime.jit import mangle_type
     except ImportError as error:
         pytest.skip(f"this Triton cannot compile ahead of time here: {error}")
-    signature, constants = {}, {}
+    signature, constants, attrs = {}, {}, {}
     values = iter(args)
     for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params, strict=True)):
         if param.is_constexpr:
             signature[name], constants[(i,)] = "constexpr", constexprs[name]
         else:
-            signature[name] = mangle_type(next(values))
+            value = next(values)
+            signature[name] = mangle_type(value)
+            # as a GPU launch specialises: tensors (allocated 16-byte aligned) and integers divisible by 16, unless
+            # the kernel says not to; what lets the compiler vectorise loads
+            specialised = name not in kernel.do_not_specialize and name not in kernel.do_not_specialize_on_alignment
+            if specialised and (isinstance(value, torch.Tensor) or (type(value) is int and value % 16 == 0)):
+                attrs[(i,)] = [["tt.divisibility", 16]]
     assert next(values, None) is None, "more arguments than the kernel takes"
     try:
-        compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+        compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
                                   options=options)  # fmt: skip
     except RuntimeError as error:
         if "ptxas" in str(error) and "not found" in str(error).lower():
@@ -142,8 +148,8 @@ def test_ragged_kvcache_kernel_compiles_for_hopper(page_size):
 @pytest.mark.parametrize("page_size", [0, 16, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_8bit_kvcache_kernel_compiles_for_hopper(page_size, dtype):
-    """The paged kernel reading a float8 e4m3 cache (``KV_SCALED``): 8-bit loads widened to q's dtype, the dots
-    on 16-bit operands, the descales' report."""
+    """The paged kernel reading a float8 e4m3 cache (``KV_SCALED``): 8-bit loads widened to float16 whatever q's
+    16-bit dtype, the dots on float16 operands, the descales' report."""
     b, hq, hk, d, nq, capacity = 2, 8, 2, 128, 1, 1024
     q = torch.empty(b, hq, nq, d, dtype=dtype)
     if page_size:
@@ -166,4 +172,11 @@ def test_8bit_kvcache_kernel_compiles_for_hopper(page_size, dtype):
     ptx = compile_sm90(kvcache.kvcache_partial, (*tensors, *args.scalars, *args.tune), constexprs, options)
     assert "atom" in ptx
     assert "cvt.rn.f16x2.e4m3x2" in ptx  # e4m3 widened by the hardware's conversion, two at a time
-    assert "mma" in ptx  # the dots on the tensor cores, 16-bit operands
+    assert "mma" in ptx and "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx  # float16 operands
+    # and nothing more per loaded value: widening on to bfloat16 would take one more conversion per value, and
+    # those conversions (not the halved bytes) would bound the loop
+    assert "cvt.rn.bf16.f16" not in ptx and "cvt.bf16.f16" not in ptx
+    # V widened before it is transposed into the dot's operand layout: 16-bit transposed ldmatrix, never shared
+    # memory read a byte at a time (one instruction per value: that, not the halved bytes, would bound the loop)
+    assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx

@@ -124,6 +124,23 @@ def report_error(ERRORS, kind, batch, column, value, limit):
         tl.atomic_xchg(ERRORS + 1, kind, sem="release", scope="sys")
 
 
+@triton.jit
+def e4m3_to_float16(x):
+    """float8 e4m3 values widened to float16 in registers, four at a time, by the hardware's conversion
+    (``cvt.rn.f16x2.e4m3x2``, exact). Written out rather than ``x.to(tl.float16)`` so that the widening happens
+    where the tile was loaded: left to itself, Triton moves the tile into the dot's operand layout while it is
+    still 8-bit, and for V, which that layout transposes, it reads shared memory a byte at a time, which, not the
+    halved bytes from memory, then bounds the loop."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r",
+        [x.to(tl.uint8, bitcast=True)],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
 # fmt: off
 @triton.jit
 def _kvcache_partial(
@@ -210,6 +227,18 @@ def _kvcache_partial(
         # the scale joins the softmax scale, one multiply per score as before, none per loaded element. A bad scale
         # is replaced by 1 in the arithmetic (its rows are NaN after the loop), so no inf or NaN is computed with
         score_scale = qk_scale * tl.where(k_scale_bad, 1.0, k_scale)
+        if not DOT_UPCAST:
+            # the dots take float16 operands, whatever q's 16-bit dtype: e4m3 widens to float16 in one conversion
+            # per pair of values (to bfloat16 it takes a second one per value, and those conversions, not the
+            # bytes, then bound the loop). Every e4m3 value, and every p in [0, 1], is exact in float16. So is a
+            # bfloat16 q once scaled by the power of two that puts its largest |q| in [2^14, 2^15): inside float16's
+            # range, above its subnormals; the scores are scaled back by the same power of two (NaN and inf in q
+            # still reach the output)
+            q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
+            q_exp = (q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF  # its biased exponent
+            q_fit = (tl.minimum(tl.maximum(268 - q_exp, 1), 254) << 23).to(tl.float32, bitcast=True)  # 2^(141 - e)
+            q = (q.to(tl.float32) * q_fit).to(tl.float16)
+            score_scale = score_scale / q_fit
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -252,8 +281,8 @@ def _kvcache_partial(
         k = tl.load(k_head + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & key_ok[None, :], other=0.0)
         if DOT_UPCAST:
             k = k.to(tl.float32)
-        elif KV_SCALED:  # e4m3 -> q's 16-bit dtype, exactly: the dot runs on the tensor cores with 16-bit inputs
-            k = k.to(Q.dtype.element_ty)
+        elif KV_SCALED:  # e4m3 -> float16, exactly: the dot runs on the tensor cores with 16-bit inputs
+            k = k.to(tl.float16)
         s = tl.dot(q, k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         visible = softmax_step.band_mask(diag, cols, win_left, win_right, hi) & key_ok[None, :]
         s = tl.where(visible, s * score_scale, float("-inf"))
@@ -263,9 +292,9 @@ def _kvcache_partial(
         if DOT_UPCAST:
             v = v.to(tl.float32)
         elif KV_SCALED:
-            v = v.to(Q.dtype.element_ty)
+            v = e4m3_to_float16(v)
         acc = acc * alpha[:, None]
-        p = p.to(Q.dtype.element_ty)
+        p = p.to(tl.float16 if KV_SCALED and not DOT_UPCAST else Q.dtype.element_ty)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     if KV_SCALED:  # acc = sum_j p_j (v_scale * v8_j) = v_scale * sum_j p_j v8_j: one multiply per row, after the loop
@@ -325,6 +354,14 @@ TUNING_SPACE = [(64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 4, 3), (128, 8, 3)]
 SMALL_BLOCK_TOKENS = 128
 SMALL_BLOCK_CONFIG = (128, 4, 2)
 SMALL_BLOCK_TREE_PROGRAMS_PER_SM = 2
+# An 8-bit cache takes fixed tiles too. Its tiles carry half the bytes of a 16-bit one's, so with as many
+# programs in flight half as many bytes are on their way from memory, and the step waits on latency: a third stage
+# of tiles in flight took it from 0.81-0.85x to 0.71-0.76x of the 16-bit cache's step on the H200 (256-token
+# blocks, B = 1 and 8, 32K and 128K keys), where more chunks (programs an SM) or 128-key tiles did not help. In
+# 16-token blocks the third stage helps one sequence (0.74-0.76x) more than it costs eight (1.08x against 1.24x
+# with two stages) (docs/decode.md).
+EIGHT_BIT_CONFIG = (64, 4, 3)
+EIGHT_BIT_SMALL_BLOCK_CONFIG = (128, 4, 3)
 
 kvcache_partial_tuned = triton.autotune(
     configs=[
@@ -347,7 +384,8 @@ class KVCacheArguments:
     ``win_right``, ``qk_scale`` are the band as ``flashlab.kernels.device.kernel_band`` gives them for ``capacity``
     keys. Blocks smaller than ``SMALL_BLOCK_TOKENS`` tokens (16-bit inputs on a GPU) take ``SMALL_BLOCK_CONFIG``
     and fold their chunks in one level, or the tree at ``SMALL_BLOCK_TREE_PROGRAMS_PER_SM`` programs an SM past
-    ``split_kv.MAX_FOLD_SPLITS`` chunks.
+    ``split_kv.MAX_FOLD_SPLITS`` chunks. An 8-bit cache on a GPU takes ``EIGHT_BIT_CONFIG`` (or, in small blocks,
+    ``EIGHT_BIT_SMALL_BLOCK_CONFIG``).
 
     ``ragged`` ``(B, max_seqlen_q)`` says q is packed ``(total_q, Hq, D)``, sequence b's rows found on the device
     through ``cu_seqlens_q`` (``RAGGED_Q``): the row blocks and chunks are cut for ``max_seqlen_q`` rows a sequence,
@@ -410,7 +448,10 @@ class KVCacheArguments:
             RAGGED_Q=ragged is not None,
             KV_SCALED=descales is not None,
         )
-        if small_blocks:
+        if descales is not None and q.is_cuda:
+            bn, warps, stages = EIGHT_BIT_SMALL_BLOCK_CONFIG if small_blocks else EIGHT_BIT_CONFIG
+            self.meta.update(BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        elif small_blocks:
             bn, warps, stages = SMALL_BLOCK_CONFIG
             self.meta.update(BLOCK_N=bn, num_warps=warps, num_stages=stages)
         self.meta.update(merge.constexprs)
@@ -505,6 +546,8 @@ __all__ = [
     "PARTIAL_TENSORS",
     "SCALE_K",
     "SCALE_V",
+    "EIGHT_BIT_CONFIG",
+    "EIGHT_BIT_SMALL_BLOCK_CONFIG",
     "SMALL_BLOCK_CONFIG",
     "SMALL_BLOCK_TOKENS",
     "SMALL_BLOCK_TREE_PROGRAMS_PER_SM",
