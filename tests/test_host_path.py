@@ -618,3 +618,58 @@ def test_the_launcher_source_ships_with_the_package():
     assert "host/*.c" in patterns
     for pattern in patterns:
         assert list((ROOT / "flashlab").glob(pattern)), f"package data {pattern!r} names no file"
+
+
+def test_a_plans_second_kernel_compiles_beside_its_first(monkeypatch, capfd):
+    # rung 4's first causal call compiles two kernels (the forward and its repair pass): the second is compiled in
+    # a thread while the first compiles, through Triton's warmup (compiled, never launched), with the launch's
+    # grid and constexprs; a failure there is left for the launch itself to raise
+    import threading
+
+    calls = []
+
+    class Jit:
+        def warmup(self, *args, grid, **meta):
+            calls.append((threading.current_thread().name, args, grid, meta))
+
+    monkeypatch.setattr(launches, "COMPILE_BESIDE", True)
+    thread = launches.compile_beside(Jit(), (3, 1, 1), ("q", 7), {"BLOCK_N": 64}, torch.device("cpu"))
+    thread.join()
+    assert calls == [("flashlab-compile", ("q", 7), (3, 1, 1), {"BLOCK_N": 64})]
+    assert threading.current_thread().name != "flashlab-compile"
+
+    class Failing:
+        def warmup(self, *args, grid, **meta):
+            raise RuntimeError("ptxas: out of resources")
+
+    capfd.readouterr()
+    launches.compile_beside(Failing(), (1,), (), {}, torch.device("cpu")).join()
+    assert "out of resources" not in capfd.readouterr().err  # caught in the thread, not reported there
+    monkeypatch.setattr(launches, "COMPILE_BESIDE", False)
+    assert launches.compile_beside(Jit(), (1,), (), {}, torch.device("cpu")) is None
+    assert len(calls) == 1
+
+
+def test_the_direct_launchers_module_is_built_once_whichever_thread_asks(monkeypatch):
+    # a first GPU call starts building the C module in a thread (direct_launch.prepare) while its kernel compiles;
+    # the launch that then needs it waits for that build instead of starting a second one
+    import threading
+    import time
+
+    from flashlab.host import direct_launch
+
+    builds = []
+
+    def slow_build():
+        builds.append(threading.current_thread().name)
+        time.sleep(0.2)
+        return "module"
+
+    cached = direct_launch.functools.cache(slow_build)
+    monkeypatch.setattr(direct_launch, "_native", cached)
+    monkeypatch.setattr(direct_launch, "_PREPARED", [])
+    direct_launch.prepare()
+    direct_launch.prepare()  # once a process
+    time.sleep(0.05)
+    assert direct_launch.native() == "module"  # waits for the thread's build
+    assert builds == ["flashlab-launcher-build"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import struct
+import threading
 from importlib import resources
 
 import torch
@@ -39,9 +40,26 @@ _SCALAR_FORMATS = {
 }  # fmt: skip
 
 
-@functools.cache
+_NATIVE_LOCK = threading.Lock()  # one build, whichever thread asks first; the others wait for it
+_PREPARED = []
+
+
 def native():
     """The compiled ``launcher.c`` module, or None where it cannot be built here (no C compiler, no Triton)."""
+    with _NATIVE_LOCK:
+        return _native()
+
+
+def prepare():
+    """Start building ``native()``'s module in a thread, once a process: a first GPU call compiles its kernel
+    meanwhile (the C compiler's half second then overlaps Triton's compile instead of following it)."""
+    if not _PREPARED:
+        _PREPARED.append(True)
+        threading.Thread(target=native, name="flashlab-launcher-build", daemon=True).start()
+
+
+@functools.cache
+def _native():
     try:
         from triton.runtime.build import compile_module_from_src
 

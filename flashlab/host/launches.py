@@ -15,6 +15,8 @@ live in ``flashlab.kernels``; this module adds what makes a repeated call cheap.
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 
 import torch
 
@@ -69,6 +71,8 @@ def attention_call(q, k, v, causal, window, scale, num_splits, rung, config=None
     tiles: a plain launch every call (the small query tiles a differentiable decode-sized call runs with)."""
     b, hq, nq, d = q.shape
     nk = k.shape[2]
+    if q.is_cuda:
+        direct_launch.prepare()  # the direct launcher's C module, built while this call's kernel compiles
     copy = tuple(x.stride(-1) != 1 for x in (q, k, v))
     q, k, v = unit_stride_d(q, k, v)
     offset, win_left, win_right, qk_scale, negate = kernel_band(nq, nk, d, causal, window, scale)
@@ -476,6 +480,8 @@ def kvcache_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, window
     q is packed ``(total_q, Hq, D)`` (``cu_seqlens_q``), o is returned so and lse as ``(Hq, total_q)``.
     ``descales`` ``(k_descale, v_descale)``, each ``(B, Hk)``: an 8-bit cache and its scales."""
     capacity, _, page_size = checked
+    if q.is_cuda:
+        direct_launch.prepare()
     if ragged is None:
         b, hq, nq, d = q.shape
     else:
@@ -587,6 +593,32 @@ def _decode_jit(plan, jit_function, tuned, tensors, stream, names):
         return reproduces(into, tensors[out], tensors[out + 1])
 
     plan.advance(build, check)
+
+
+# FLASHLAB_COMPILE_BESIDE=0: a plan's second kernel compiles after its first, as a plain launch compiles them
+COMPILE_BESIDE = os.environ.get("FLASHLAB_COMPILE_BESIDE", "1") != "0"
+
+
+def compile_beside(jit_function, grid, args, meta, device):
+    """Start compiling ``jit_function`` for ``args`` and ``meta`` (``JITFunction.warmup``: compiled, not launched)
+    in a thread, while the caller's thread compiles and launches the plan's first kernel: a plan's first call then
+    waits for the longer of its two compiles instead of their sum (LLVM's optimiser and ptxas run without the GIL;
+    only Triton's Python front end takes turns). Returns the thread, to join before launching ``jit_function``
+    (a cache hit by then), or None where there is nothing to gain. A compile that fails here fails again, with
+    its error, at that launch."""
+    if not COMPILE_BESIDE:
+        return None
+
+    def compile_it():
+        try:
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                jit_function.warmup(*args, grid=grid, **meta)
+        except Exception:  # noqa: BLE001 -- the launch that needs this binary compiles it again and raises
+            pass
+
+    thread = threading.Thread(target=compile_it, name="flashlab-compile", daemon=True)
+    thread.start()
+    return thread
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -732,7 +764,13 @@ def _hopper_jit(plan, hopper, q, k, v, o, lse):
         plan.config = hopper.hopper_fwd_tuned.best_config.all_kwargs()
         plan.grid = (cdiv(nq, plan.config["BLOCK_M"]), bh)
     else:
+        beside = None
+        if plan.meta["FLAG_NONFINITE"] and plan.binary is None:  # its first launch: both kernels compile at once
+            beside = compile_beside(hopper.repair_flagged, repair_grid, (*tensors, *plan.args, *repair_args),
+                                    repair_meta, q.device)  # fmt: skip
         kernel = hopper.hopper_fwd[plan.grid](*args, **plan.meta, **plan.config)
+        if beside is not None:
+            beside.join()
     if plan.meta["FLAG_NONFINITE"]:
         repair_kernel = hopper.repair_flagged[repair_grid](*tensors, *plan.args, *repair_args, **repair_meta)
 
@@ -860,7 +898,13 @@ def _overlap_jit(plan, call, overlap, q, k, v, o, lse):
     band, table, repair = call.args
     args = (*overlap.descriptors(q, k, v, o, plan.meta["BLOCK_N"]), lse, lse if table is None else table,
             *call.values[0][-len(OVERLAP_RUNTIME) + 4 :])  # fmt: skip
+    beside = None
+    if repair is not None and plan.binary is None:  # the plan's first launch: both kernels compile, side by side
+        jit, rgrid, rargs, rmeta = repair
+        beside = compile_beside(jit, rgrid, (q, k, v, o, lse, *rargs), rmeta, q.device)
     kernel = overlap.attn_fwd_overlap[call.grid](*args, **plan.meta)
+    if beside is not None:
+        beside.join()
     repair_kernel = None
     if repair is not None:
         jit, rgrid, rargs, rmeta = repair
