@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import random
 
 import pytest
 import torch
@@ -195,3 +196,70 @@ def test_torch_varlen_attn_is_found_and_takes_this_torchs_mask_argument():
     cu = torch.tensor([0, 6], dtype=torch.int32)
     with pytest.raises((NotImplementedError, RuntimeError)):  # CUDA only: the CPU refuses it, not the arguments
         call(q, q, q, cu, 6, True)
+
+
+# --- the bar's batches: log-normal lengths, grouped-query heads, several sizes in one run -------------------------
+
+
+@pytest.mark.parametrize("count, sigma, total", [(32, 1.0, 16384), (32, 1.0, 65536), (5, 2.0, 48), (7, 0.0, 7)])
+def test_lognormal_lengths_sum_exactly_and_spread(count, sigma, total):
+    lengths = varlen.lognormal_lengths(count, sigma, total, random.Random(3))
+    assert len(lengths) == count and sum(lengths) == total and min(lengths) >= 1
+    if sigma == 0.0:  # every draw the same: lengths within one token of each other
+        assert max(lengths) - min(lengths) <= 1
+    if (count, total) == (32, 16384):  # sigma 1: a long tail, the longest many times the median
+        assert max(lengths) > 3 * sorted(lengths)[count // 2]
+    assert varlen.lognormal_lengths(count, sigma, total, random.Random(3)) == lengths
+
+
+def test_grouped_query_heads_are_checked_and_timed_in_every_variant(tmp_path):
+    prefix = tmp_path / "gqa"
+    argv = ["--mode", "varlen", "--device", "cpu", "--quick", "--mixes", "log-normal", "--kv-heads", "1",
+            "--causal", "yes", "--direction", "train", "--no-progress", "--out", str(prefix)]  # fmt: skip
+    results = bench_main(argv)
+    rows = {r["variant"]: r for r in results["rows"]}
+    for name in ("flashlab_varlen", "flashlab_padded", "flashlab_loop", "sdpa_flash_padded"):
+        r = rows[name]
+        assert r["status"] == "ok", r
+        assert r["kv_heads"] == 1 and r["heads"] == 2  # two query heads read one K/V head
+        assert r["grad_err"] <= r["grad_tol"] and r["rel_err"] <= r["tol"]
+    assert sum(results["meta"]["lengths"]["log-normal"]) == varlen.CPU_PLAN.tokens
+
+
+def _bar_row(variant, ms, mix="log-normal", direction="forward", causal=False, tokens=16384, head_dim=128):
+    return dict(variant=variant, time_ms=ms, status="ok", mix=mix, direction=direction, causal=causal,
+                tokens=tokens, head_dim=head_dim)  # fmt: skip
+
+
+def test_the_bar_lines_read_the_long_tailed_cells_only():
+    rows = [_bar_row("flashlab_varlen", 1.0), _bar_row("torch_varlen_attn", 1.2), _bar_row("flashlab_padded", 2.0),
+            _bar_row("flashlab_varlen", 1.0, causal=True), _bar_row("torch_varlen_attn", 0.95, causal=True),
+            _bar_row("flashlab_padded", 1.4, causal=True), _bar_row("flashlab_varlen", 1.0, mix="uniform"),
+            _bar_row("torch_varlen_attn", 0.1, mix="uniform")]  # fmt: skip
+    lines = "\n".join(varlen.bar_lines(rows))
+    assert "forward: geo-mean 1.07x over 2 cells (min 0.95x)" in lines and "0.9: PASS" in lines  # uniform left out
+    assert "min 1.4x over 2 cells" in lines and "every cell: FAIL" in lines  # 1.4 < 1.5
+    assert "forward + backward" not in lines  # no train cells given
+    rows.append(_bar_row("torch_varlen_attn", 0.85, causal=True, direction="train"))
+    rows.append(_bar_row("flashlab_varlen", 1.0, causal=True, direction="train"))
+    assert "forward + backward: geo-mean 0.85x over 1 cells (min 0.85x); bar >= 1.0, no cell below 0.9: FAIL" in (
+        "\n".join(varlen.bar_lines(rows))
+    )
+
+
+def test_several_batch_sizes_and_head_dims_are_listed_in_turn(capsys):
+    argv = ["--mode", "varlen", "--device", "cuda", "--dry-run", "--mixes", "log-normal", "--tokens", "16384,65536",
+            "--head-dim", "64,128", "--kv-heads", "4"]  # fmt: skip
+    assert bench_main(argv) is None
+    out = capsys.readouterr().out
+    heads = [line for line in out.splitlines() if "tokens a batch" in line]
+    assert [line.split(";")[0] for line in heads] == [
+        f"{t} tokens a batch, H = 16 (4 K/V heads), D = {d}, bf16" for t in (16384, 65536) for d in (64, 128)
+    ]
+    assert out.count("log-normal 32 sequences") == 4
+
+
+def test_kv_heads_must_divide_the_query_heads(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_main(["--mode", "varlen", "--device", "cpu", "--dry-run", "--heads", "6", "--kv-heads", "4"])
+    assert e.value.code == 2 and "must divide --heads" in capsys.readouterr().err

@@ -1,6 +1,8 @@
 """A packed batch of sequences of different lengths, timed the way it is used, beside the ways around packing.
 
     python -m flashlab.bench --mode varlen                       # on a GPU: three length mixes, 32K tokens a batch
+    python -m flashlab.bench --mode varlen --mixes log-normal --tokens 16384,65536 --head-dim 64,128 --kv-heads 4
+                                                                 # the bar's long-tailed batches, GQA 4:1
     python -m flashlab.bench --mode varlen --device cpu --quick  # tiny mixes through Triton's interpreter
     python -m flashlab.bench --mode varlen --dry-run             # list the mixes and what runs, run nothing
 
@@ -42,6 +44,10 @@ the variants of a mix, mask and direction are timed together with ``do_bench`` i
 median round reported); on the CPU, one call after the checked one (the interpreter's times say nothing about a
 GPU).
 
+The summary ends with the bar, read on the long-tailed mixes (``BAR_MIXES``): flashlab varlen against
+``varlen_attn``, forward and forward + backward (geo-mean at least 1.0, no cell below 0.9), and against the padded
+batch (at least 1.5 in every cell).
+
 Results: ``PREFIX.json`` (meta with the mixes' lengths, rows), ``PREFIX.csv`` (rows, stamp columns in each) and
 ``PREFIX.txt`` (the printed table); by default ``data/results/<gpu>-varlen-<date>`` on a GPU and
 ``test-artifacts/bench/cpu-varlen-<date>`` on the CPU.
@@ -79,14 +85,16 @@ from flashlab.calculators import roofline
 from flashlab.core.numerics import grad_tolerance, relative_error, tolerance
 from flashlab.reference.torch_float64 import attention_float64, attention_float64_grads
 
-MIXES = ("uniform", "long-tail", "documents")
+MIXES = ("uniform", "long-tail", "documents", "log-normal")
+DEFAULT_MIXES = MIXES[:3]
 VARIANTS = ("flashlab_varlen", "flashlab_padded", "flashlab_loop", "torch_varlen_attn", "sdpa_flash_padded")
 DIRECTIONS = {"both": ("forward", "train"), "forward": ("forward",), "train": ("train",)}
 TRAIN_FLOPS_FACTOR = 3.5  # forward + backward FLOPs / forward FLOPs: two matrix products, then five
 GRAD_CHECK_MAX_LEN = 4096  # the float64 gradient check materialises a sequence's n x n scores per head
 
 ROW_COLUMNS = (
-    "mix", "causal", "direction", "variant", "status", "reason", "exact", "dtype", "heads", "head_dim", "tokens",
+    "mix", "causal", "direction", "variant", "status", "reason", "exact", "dtype", "heads", "kv_heads", "head_dim",
+    "tokens",
     "sequences", "min_len", "max_len", "layout_tokens", "useful_flops", "layout_flops", "rel_err", "seq_err",
     "grad_err", "tol", "time_ms", "time_spread", "tflops", "varlen_speedup",
 ) + STAMP_COLUMNS  # fmt: skip
@@ -98,20 +106,24 @@ ROW_COLUMNS = (
 
 @dataclass(frozen=True)
 class VarlenPlan:
-    """What a run measures: ``tokens`` per batch in each mix, its heads, head dim and dtype, and the mixes' ranges.
+    """What a run measures: ``tokens`` per batch in each mix, its query heads, K/V heads (``kv_heads``, None: as
+    many as query heads; fewer: grouped-query attention), head dim and dtype, and the mixes' ranges.
 
     uniform: lengths uniform in ``uniform = (lo, hi)``; long-tail: ``long_tail = (long, lo, hi)``, one sequence of
     ``long`` tokens and the rest uniform in ``(lo, hi)``; documents: ``documents = (row, lo, hi)``, rows of
     ``row`` tokens each filled with documents of log-uniform length in ``(lo, hi)``, the last one cut at the row's
-    end (a pre-training batch, attention kept inside each document)."""
+    end (a pre-training batch, attention kept inside each document); log-normal: ``lognormal = (count, sigma)``,
+    ``count`` documents whose lengths are drawn from a log-normal of that sigma and scaled to ``tokens`` in all."""
 
     tokens: int = 32768
     heads: int = 16
     head_dim: int = 128
+    kv_heads: int | None = None
     dtype: str = "bf16"
     uniform: tuple[int, int] = (512, 4096)
     long_tail: tuple[int, int, int] = (16384, 128, 1024)
     documents: tuple[int, int, int] = (16384, 64, 8192)
+    lognormal: tuple[int, float] = (32, 1.0)
     warmup: float = 25.0  # ms, do_bench's warmup
     rep: float = 100.0  # ms, do_bench's rep, shared by the rounds
     rounds: int = 3
@@ -121,7 +133,8 @@ class VarlenPlan:
 GPU_PLAN = VarlenPlan()
 # On the CPU every call runs in Triton's interpreter: a few sequences of tiny, awkward lengths test the code path.
 CPU_PLAN = VarlenPlan(tokens=48, heads=2, head_dim=16, dtype="fp32", uniform=(7, 19), long_tail=(29, 3, 8),
-                      documents=(24, 2, 17), warmup=0.0, rep=0.0, rounds=1, check_rows=8)  # fmt: skip
+                      documents=(24, 2, 17), lognormal=(5, 1.0), warmup=0.0, rep=0.0, rounds=1,
+                      check_rows=8)  # fmt: skip
 
 
 def uniform_lengths(lo: int, hi: int, total: int, rng: random.Random) -> list[int]:
@@ -132,6 +145,18 @@ def uniform_lengths(lo: int, hi: int, total: int, rng: random.Random) -> list[in
         out.append(rng.randint(lo, min(hi, left - lo)))
         left -= out[-1]
     return out + [left]
+
+
+def lognormal_lengths(count: int, sigma: float, total: int, rng: random.Random) -> list[int]:
+    """``count`` lengths of at least 1 summing to ``total`` exactly, in proportion to draws from a log-normal of
+    ``sigma`` (the remainder of the rounding goes to the largest fractions; needs ``total >= count``)."""
+    draws = [math.exp(rng.gauss(0.0, sigma)) for _ in range(count)]
+    spare = total - count  # every length is 1 plus its share of the rest
+    shares = [spare * x / sum(draws) for x in draws]
+    out = [1 + int(x) for x in shares]
+    for i in sorted(range(count), key=lambda i: int(shares[i]) - shares[i])[: total - sum(out)]:
+        out[i] += 1
+    return out
 
 
 def mix_lengths(mix: str, plan: VarlenPlan, seed: int = 0) -> list[int]:
@@ -145,6 +170,8 @@ def mix_lengths(mix: str, plan: VarlenPlan, seed: int = 0) -> list[int]:
         out = uniform_lengths(lo, hi, plan.tokens - long, rng)
         out.insert(rng.randint(0, len(out)), long)  # the long sequence anywhere in the batch
         return out
+    if mix == "log-normal":
+        return lognormal_lengths(*plan.lognormal, plan.tokens, rng)
     if mix == "documents":
         row, lo, hi = plan.documents
         out = []
@@ -158,17 +185,23 @@ def mix_lengths(mix: str, plan: VarlenPlan, seed: int = 0) -> list[int]:
     raise ValueError(f"unknown mix {mix!r}; choose from {', '.join(MIXES)}")
 
 
-def plan_problem(plan: VarlenPlan) -> str | None:
-    """Why ``plan``'s mixes cannot be drawn, or None."""
+def plan_problem(plan: VarlenPlan, mixes=MIXES) -> str | None:
+    """Why ``plan``'s ``mixes`` cannot be drawn, or its heads not grouped, or None."""
     lo, hi = plan.uniform
-    if not (1 <= lo and hi >= 2 * lo and plan.tokens >= lo):
+    if "uniform" in mixes and not (1 <= lo and hi >= 2 * lo and plan.tokens >= lo):
         return f"uniform lengths ({lo}, {hi}) need 1 <= lo, hi >= 2 lo and --tokens ({plan.tokens}) >= lo"
     long, lo, hi = plan.long_tail
-    if not (1 <= lo and hi >= 2 * lo and plan.tokens - long >= lo):
+    if "long-tail" in mixes and not (1 <= lo and hi >= 2 * lo and plan.tokens - long >= lo):
         return f"long-tail ({long}, {lo}, {hi}) needs hi >= 2 lo and --tokens ({plan.tokens}) >= {long} + {lo}"
     row, lo, hi = plan.documents
-    if not (1 <= lo <= hi and plan.tokens % row == 0):
+    if "documents" in mixes and not (1 <= lo <= hi and plan.tokens % row == 0):
         return f"documents rows of {row} must divide --tokens ({plan.tokens}) and 1 <= lo ({lo}) <= hi ({hi})"
+    count, sigma = plan.lognormal
+    if "log-normal" in mixes and not (1 <= count <= plan.tokens and sigma >= 0):
+        return f"log-normal ({count} documents, sigma {sigma}) needs --tokens ({plan.tokens}) >= {count}"
+    kv = plan.heads if plan.kv_heads is None else plan.kv_heads
+    if not (1 <= kv <= plan.heads and plan.heads % kv == 0):
+        return f"--kv-heads ({kv}) must divide --heads ({plan.heads})"
     return None
 
 
@@ -240,8 +273,9 @@ def layouts(q, k, v, do, lengths: Sequence[int]) -> dict[str, Layout]:
 def _sdpa_flash(q, k, v, causal):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}  # grouped-query heads, without copying K/V
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
 
 
 def torch_varlen_attn():
@@ -291,10 +325,11 @@ def variant_runs(lengths: Sequence[int], device: str) -> dict[str, tuple[str, Ca
 
 
 def _inputs(lengths, plan: VarlenPlan, device: str, seed: int):
-    """q, k, v and the upstream gradient dO, packed: ``(T, H, D)`` each."""
+    """q, k, v and the upstream gradient dO, packed: q and dO ``(T, H, D)``, k and v ``(T, Hk, D)``."""
     gen = torch.Generator().manual_seed(seed)
-    shape = (sum(lengths), plan.heads, plan.head_dim)
-    return [torch.randn(shape, generator=gen).to(device=device, dtype=DTYPES[plan.dtype]) for _ in range(4)]
+    kv = plan.heads if plan.kv_heads is None else plan.kv_heads
+    shapes = [(sum(lengths), h, plan.head_dim) for h in (plan.heads, kv, kv, plan.heads)]
+    return [torch.randn(shape, generator=gen).to(device=device, dtype=DTYPES[plan.dtype]) for shape in shapes]
 
 
 def _leaves(layout: Layout) -> tuple[list, list, list]:
@@ -377,7 +412,9 @@ def check_variant(out, grads, layout: Layout, refs: References, dtype) -> dict:
     grad_rel = []
     if grads is not None:
         for b in refs.grad_seqs:
-            got = [layout.seq(g, b)[:, :1] for g in grads]  # K/V head 0 reads query head 0 (no GQA here)
+            dq, dk, dv = (layout.seq(g, b) for g in grads)
+            group = dq.shape[1] // dk.shape[1]  # K/V head 0 and the query heads that read it
+            got = [dq[:, :group], dk[:, :1], dv[:, :1]]
             grad_rel += [relative_error(x, r) for x, r in zip(got, refs.grads(b, layout.padded), strict=True)]
     worst = lambda xs: float("nan") if any(x != x for x in xs) else max(xs, default=0.0)  # noqa: E731 -- NaN stays
     return dict(rel_err=worst(rel), seq_err=worst(seq), grad_err=worst(grad_rel) if grads is not None else None,
@@ -395,7 +432,8 @@ def run_group(mix: str, lengths, causal: bool, direction: str, variants, lays, r
     for name in variants:
         padded = name.endswith("padded")
         row = dict(mix=mix, causal=causal, direction=direction, variant=name, status="ok", reason=None, exact=None,
-                   dtype=plan.dtype, heads=plan.heads, head_dim=plan.head_dim, tokens=sum(lengths),
+                   dtype=plan.dtype, heads=plan.heads, kv_heads=plan.heads if plan.kv_heads is None else plan.kv_heads,
+                   head_dim=plan.head_dim, tokens=sum(lengths),
                    sequences=len(lengths), min_len=min(lengths), max_len=max(lengths),
                    layout_tokens=len(lengths) * max(lengths) if padded else sum(lengths), useful_flops=factor * useful,
                    layout_flops=factor * (padded_flops(lengths, plan.heads, plan.head_dim, causal) if padded else
@@ -455,9 +493,9 @@ def run_group(mix: str, lengths, causal: bool, direction: str, variants, lays, r
 
 
 def run_varlen(
-    plan: VarlenPlan,
+    plan,
     device: str,
-    mixes=MIXES,
+    mixes=DEFAULT_MIXES,
     causals=(False, True),
     directions=("forward", "train"),
     variants=VARIANTS,
@@ -465,14 +503,18 @@ def run_varlen(
     progress: bool = True,
     command: str | None = None,
 ) -> dict:
-    """Every mix, mask, direction and variant of ``plan`` on ``device``; returns ``{"meta", "rows"}``."""
+    """Every mix, mask, direction and variant of ``plan`` on ``device`` (a ``VarlenPlan``, or a list of them: one
+    per batch size and head dim, run one after the other); returns ``{"meta", "rows"}``."""
     from tqdm import tqdm
 
+    plans = [plan] if isinstance(plan, VarlenPlan) else list(plan)
     meta = environment_stamp(device)
-    lengths_of = {mix: mix_lengths(mix, plan, seed) for mix in mixes}
-    meta.update(mode="varlen", command=command, config=dict(mode="varlen", plan=_plan_dict(plan), mixes=list(mixes),
+    by_tokens = {p.tokens: {mix: mix_lengths(mix, p, seed) for mix in mixes} for p in plans}
+    meta.update(mode="varlen", command=command, config=dict(mode="varlen", plan=_plan_dict(plans[0]),
+                shapes=[dict(tokens=p.tokens, head_dim=p.head_dim) for p in plans], mixes=list(mixes),
                 causal=list(causals), directions=list(directions), variants=list(variants), seed=seed),
-                lengths=lengths_of)  # fmt: skip
+                lengths=by_tokens[plans[0].tokens],
+                lengths_by_tokens={str(t): ls for t, ls in by_tokens.items()})  # fmt: skip
     meta["timing"] = ("do_bench median per call, variants timed together in rounds whose order turns; median round"
                       if device == "cuda" else "one call after the checked one (Triton's interpreter)")  # fmt: skip
     meta["flops"] = (f"useful FLOPs only: per sequence 4 n^2 D per head, causal half; forward + backward "
@@ -482,31 +524,31 @@ def run_varlen(
         "exact under the causal mask, not without it (exact = False, timed as the least padding costs); padding "
         "copies made before timing"
     )
-    groups = [(m, c, d) for m in mixes for c in causals for d in directions]
-    bar = tqdm(total=len(groups), desc="flashlab.bench varlen", unit="group", disable=not progress)
+    total = len(plans) * len(mixes) * len(causals) * len(directions)
+    bar = tqdm(total=total, desc="flashlab.bench varlen", unit="group", disable=not progress)
     rows = []
     start = time.perf_counter()
-    for mix in mixes:
-        lengths = lengths_of[mix]
-        lays = layouts(*_inputs(lengths, plan, device, seed), lengths)
-        for causal in causals:
-            refs = References(lays, lengths, causal, plan.check_rows)
-            for direction in directions:
-                bar.set_postfix_str(f"{mix} {'causal' if causal else 'full'} {direction}")
-                group = run_group(mix, lengths, causal, direction, variants, lays, refs, plan, device, meta)
-                rows += group
-                bar.update(1)
-                if not progress:  # one line per group, so a log shows where the run is
-                    done = len(rows) // max(len(variants), 1)
-                    times = ", ".join(f"{r['variant']} {_fmt(r['time_ms'], '.3f')}" if r["status"] == "ok" else
-                                      f"{r['variant']} {r['status']}" for r in group)  # fmt: skip
-                    print(
-                        f"[{done}/{len(groups)}] {mix} {'causal' if causal else 'full'} {direction} (ms): {times}",
-                        flush=True,
-                    )
-        del lays, refs
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    for shape in plans:
+        where = f"{shape.tokens} tokens D={shape.head_dim} " if len(plans) > 1 else ""
+        for mix in mixes:
+            lengths = by_tokens[shape.tokens][mix]
+            lays = layouts(*_inputs(lengths, shape, device, seed), lengths)
+            for causal in causals:
+                refs = References(lays, lengths, causal, shape.check_rows)
+                for direction in directions:
+                    bar.set_postfix_str(f"{where}{mix} {'causal' if causal else 'full'} {direction}")
+                    group = run_group(mix, lengths, causal, direction, variants, lays, refs, shape, device, meta)
+                    rows += group
+                    bar.update(1)
+                    if not progress:  # one line per group, so a log shows where the run is
+                        done = len(rows) // max(len(variants), 1)
+                        times = ", ".join(f"{r['variant']} {_fmt(r['time_ms'], '.3f')}" if r["status"] == "ok"
+                                          else f"{r['variant']} {r['status']}" for r in group)  # fmt: skip
+                        print(f"[{done}/{total}] {where}{mix} {'causal' if causal else 'full'} {direction} (ms): "
+                              f"{times}", flush=True)  # fmt: skip
+            del lays, refs
+            if device == "cuda":
+                torch.cuda.empty_cache()
     bar.close()
     meta["elapsed_s"] = round(time.perf_counter() - start, 1)
     return dict(meta=meta, rows=rows)
@@ -524,20 +566,67 @@ def _fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+BAR_MIXES = ("long-tail", "log-normal")  # the long-tailed batches the varlen bar is set on
+
+
+def _geomean(xs) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def bar_lines(rows) -> list[str]:
+    """The varlen bar on the long-tailed mixes' cells (``BAR_MIXES``): flashlab varlen against torch's
+    ``varlen_attn``, forward and forward + backward (geo-mean >= 1.0, no cell below 0.9), and against flashlab on
+    the padded batch (>= 1.5 in every cell)."""
+    cells: dict = {}
+    for r in rows:
+        if r["mix"] in BAR_MIXES and r["status"] == "ok" and r["time_ms"]:
+            key = (r["tokens"], r["head_dim"], r["mix"], r["causal"], r["direction"])
+            cells.setdefault(key, {})[r["variant"]] = r["time_ms"]
+    out = []
+    for direction, what in (("forward", "forward"), ("train", "forward + backward")):
+        ratios = [c["torch_varlen_attn"] / c["flashlab_varlen"] for k, c in cells.items()
+                  if k[4] == direction and "torch_varlen_attn" in c and "flashlab_varlen" in c]  # fmt: skip
+        if ratios:
+            ok = _geomean(ratios) >= 1.0 and min(ratios) >= 0.9
+            out.append(f"flashlab varlen / torch varlen_attn, {what}: geo-mean {_geomean(ratios):.3g}x over "
+                       f"{len(ratios)} cells (min {min(ratios):.3g}x); bar >= 1.0, no cell below 0.9: "
+                       f"{'PASS' if ok else 'FAIL'}")  # fmt: skip
+    padded = [c["flashlab_padded"] / c["flashlab_varlen"] for c in cells.values()
+              if "flashlab_padded" in c and "flashlab_varlen" in c]  # fmt: skip
+    if padded:
+        out.append(f"flashlab padded / flashlab varlen: min {min(padded):.3g}x over {len(padded)} cells "
+                   f"(geo-mean {_geomean(padded):.3g}x); bar >= 1.5 in every cell: "
+                   f"{'PASS' if min(padded) >= 1.5 else 'FAIL'}")  # fmt: skip
+    if out:
+        out.insert(0, f"the bar, on the {' and '.join(BAR_MIXES)} cells:")
+    return out
+
+
 def summary(results: dict) -> str:
-    """Per mix, mask and direction: each variant's time, useful TFLOP/s and how much faster flashlab varlen is."""
+    """Per batch size, head dim, mix, mask and direction: each variant's time, useful TFLOP/s and how much faster
+    flashlab varlen is; then the bar's lines (``bar_lines``)."""
     m = results["meta"]
+    plan = m["config"]["plan"]
+    shapes = m["config"].get("shapes") or [dict(tokens=plan["tokens"], head_dim=plan["head_dim"])]
+    kv = plan.get("kv_heads") or plan["heads"]
+    dims = ", ".join(str(d) for d in dict.fromkeys(s_["head_dim"] for s_ in shapes))
+    heads = f"H = {plan['heads']}" + (f", {kv} K/V heads" if kv != plan["heads"] else "")
     out = [f"{m['device_name']}, torch {m['torch']}, triton {m['triton']}, {m['date']} -- packed variable-length "
-           f"attention, {m['config']['plan']['dtype']}, H = {m['config']['plan']['heads']}, "
-           f"D = {m['config']['plan']['head_dim']}; useful TFLOP/s (real tokens only, causal half)"]  # fmt: skip
-    for mix, lengths in m["lengths"].items():
-        out.append(f"{mix}: {mix_summary(lengths)}")
+           f"attention, {plan['dtype']}, {heads}, D = {dims}; useful TFLOP/s (real tokens only, causal "
+           "half)"]  # fmt: skip
+    by_tokens = m.get("lengths_by_tokens") or {str(plan["tokens"]): m["lengths"]}
+    several = len(shapes) > 1
+    for tokens, lengths_of in by_tokens.items():
+        for mix, lengths in lengths_of.items():
+            out.append(f"{mix}{f' ({tokens} tokens)' if len(by_tokens) > 1 else ''}: {mix_summary(lengths)}")
     head = f"{'variant':<20} {'ms':>10} {'TFLOP/s':>9} {'varlen faster':>14} {'exact':>6}  status"
-    for key in dict.fromkeys((r["mix"], r["causal"], r["direction"]) for r in results["rows"]):
-        mix, causal, direction = key
+    group_of = lambda r: (r["tokens"], r["head_dim"], r["mix"], r["causal"], r["direction"])  # noqa: E731
+    for key in dict.fromkeys(group_of(r) for r in results["rows"]):
+        tokens, d, mix, causal, direction = key
         what = "forward" if direction == "forward" else "forward + backward"
-        out += ["", f"{mix}, {'causal' if causal else 'no mask'}, {what}", head]
-        for r in (r for r in results["rows"] if (r["mix"], r["causal"], r["direction"]) == key):
+        where = f"{tokens} tokens, D = {d}, " if several else ""
+        out += ["", f"{where}{mix}, {'causal' if causal else 'no mask'}, {what}", head]
+        for r in (r for r in results["rows"] if group_of(r) == key):
             speed = "-" if r["varlen_speedup"] is None else ratio_text(r["varlen_speedup"]) + "x"
             exact = "-" if r["exact"] is None else "yes" if r["exact"] else "no"
             status = r["status"] if not r["reason"] else f"{r['status']}: {r['reason']}"
@@ -545,26 +634,35 @@ def summary(results: dict) -> str:
                        f"{speed:>14} {exact:>6}  {status}")  # fmt: skip
     out += ["", "varlen faster: the variant's time over flashlab varlen's (above 1: varlen is faster); exact: the "
             "real rows equal each sequence's own attention"]  # fmt: skip
+    bars = bar_lines(results["rows"])
+    if bars:
+        out += ["", *bars]
     return "\n".join(out)
 
 
-def dry_run_lines(plan: VarlenPlan, mixes=MIXES, causals=(False, True), directions=("forward", "train"),
+def dry_run_lines(plan, mixes=DEFAULT_MIXES, causals=(False, True), directions=("forward", "train"),
                   variants=VARIANTS, seed: int = 0) -> list[str]:  # fmt: skip
-    """What a run would measure, without allocating anything."""
+    """What a run would measure (``plan``: one ``VarlenPlan`` or a list, as ``run_varlen`` takes), without
+    allocating anything."""
+    plans = [plan] if isinstance(plan, VarlenPlan) else list(plan)
     masks = "/".join("causal" if c else "no mask" for c in causals)
-    lines = [f"{plan.tokens} tokens a batch, H = {plan.heads}, D = {plan.head_dim}, {plan.dtype}; {masks}; "
-             f"{' and '.join(directions)}; variants {', '.join(variants)}"]  # fmt: skip
-    for mix in mixes:
-        lengths = mix_lengths(mix, plan, seed)
-        waste = 1 - useful_flops(lengths, 1, 1, False) / padded_flops(lengths, 1, 1, False)
-        lines.append(f"{mix:<10} {mix_summary(lengths)}; padding wastes {waste:.0%} of the padded FLOPs")
-        for causal in causals:
-            for direction in directions:
-                flops = useful_flops(lengths, plan.heads, plan.head_dim, causal) * (
-                    TRAIN_FLOPS_FACTOR if direction == "train" else 1.0
-                )
-                lines.append(f"{'':<10} {'causal' if causal else 'no mask':<8} {direction:<8} "
-                             f"{flops / 1e9:.4g} useful GFLOP")  # fmt: skip
+    lines = []
+    for p in plans:
+        kv = p.heads if p.kv_heads is None else p.kv_heads
+        heads = f"H = {p.heads}" + (f" ({kv} K/V heads)" if kv != p.heads else "")
+        lines.append(f"{p.tokens} tokens a batch, {heads}, D = {p.head_dim}, {p.dtype}; {masks}; "
+                     f"{' and '.join(directions)}; variants {', '.join(variants)}")  # fmt: skip
+        for mix in mixes:
+            lengths = mix_lengths(mix, p, seed)
+            waste = 1 - useful_flops(lengths, 1, 1, False) / padded_flops(lengths, 1, 1, False)
+            lines.append(f"{mix:<10} {mix_summary(lengths)}; padding wastes {waste:.0%} of the padded FLOPs")
+            for causal in causals:
+                for direction in directions:
+                    flops = useful_flops(lengths, p.heads, p.head_dim, causal) * (
+                        TRAIN_FLOPS_FACTOR if direction == "train" else 1.0
+                    )
+                    lines.append(f"{'':<10} {'causal' if causal else 'no mask':<8} {direction:<8} "
+                                 f"{flops / 1e9:.4g} useful GFLOP")  # fmt: skip
     return lines
 
 
@@ -583,12 +681,22 @@ def _choice_list(choices):
     return parse
 
 
+def _numbers(lo: int, hi: int | None = None):
+    """A comma-separated list of whole numbers in ``[lo, hi]``, repeats dropped."""
+    one = whole_number(lo, hi) if hi is not None else whole_number(lo)
+
+    def parse(text: str) -> list[int]:
+        return list(dict.fromkeys(one(x) for x in name_list(text)))
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m flashlab.bench --mode varlen", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--mode", default="varlen", help=argparse.SUPPRESS)
-    p.add_argument("--mixes", type=_choice_list(MIXES), default=",".join(MIXES), help="length mixes, comma-separated, "
-                   f"from {','.join(MIXES)}")  # fmt: skip
+    p.add_argument("--mixes", type=_choice_list(MIXES), default=",".join(DEFAULT_MIXES), help="length mixes, "
+                   f"comma-separated, from {','.join(MIXES)}")  # fmt: skip
     p.add_argument(
         "--variants",
         type=_choice_list(VARIANTS),
@@ -599,9 +707,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--direction", choices=sorted(DIRECTIONS), default="both", help="forward, train (forward + backward) or both"
     )
-    p.add_argument("--tokens", type=whole_number(1), help="tokens per batch (default 32768 on a GPU, 48 CPU)")
-    p.add_argument("--heads", type=whole_number(1), help="attention heads (default 16 on a GPU, 2 CPU)")
-    p.add_argument("--head-dim", type=whole_number(16, 256), help="head dim D (default 128 on a GPU, 16 CPU)")
+    p.add_argument("--tokens", type=_numbers(1), help="tokens per batch, or several comma-separated, each run in "
+                   "turn (default 32768 on a GPU, 48 CPU)")  # fmt: skip
+    p.add_argument("--heads", type=whole_number(1), help="query heads (default 16 on a GPU, 2 CPU)")
+    p.add_argument("--kv-heads", type=whole_number(1), help="K/V heads, dividing --heads: fewer than the query "
+                   "heads is grouped-query attention (default: as many)")  # fmt: skip
+    p.add_argument("--head-dim", type=_numbers(16, 256), help="head dim D, or several comma-separated, each run in "
+                   "turn (default 128 on a GPU, 16 CPU)")  # fmt: skip
     p.add_argument("--dtype", choices=sorted(DTYPES), help="dtype (default bf16 on a GPU, fp32 CPU)")
     p.add_argument("--warmup", type=finite_number(0.0), help="warm-up per measurement, ms (default 25)")
     p.add_argument("--rep", type=finite_number(0.0, above=True), help="timed ms per measurement, shared by the "
@@ -640,17 +752,21 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     plan = CPU_PLAN if (args.quick or device == "cpu") else GPU_PLAN
     if plan is CPU_PLAN and device == "cuda":  # the tiny mixes on a GPU: SDPA's FLASH kernel takes 16-bit inputs
         plan = replace(plan, dtype="bf16", head_dim=32)
-    given = dict(tokens=args.tokens, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype, warmup=args.warmup,
-                 rep=args.rep, rounds=args.rounds, check_rows=args.check_rows)  # fmt: skip
+    given = dict(heads=args.heads, kv_heads=args.kv_heads, dtype=args.dtype, warmup=args.warmup, rep=args.rep,
+                 rounds=args.rounds, check_rows=args.check_rows)  # fmt: skip
     plan = replace(plan, **{k: v for k, v in given.items() if v is not None})
-    if args.head_dim is not None and args.head_dim % 8:
-        parser.error(f"--head-dim must be a multiple of 8; got {args.head_dim}")
-    problem = plan_problem(plan)
-    if problem:
-        parser.error(problem)
+    bad = [d for d in args.head_dim or () if d % 8]
+    if bad:
+        parser.error(f"--head-dim must be a multiple of 8; got {bad[0]}")
+    plans = [replace(plan, tokens=t, head_dim=d) for t in args.tokens or [plan.tokens]
+             for d in args.head_dim or [plan.head_dim]]  # fmt: skip
+    for shape in plans:
+        problem = plan_problem(shape, args.mixes)
+        if problem:
+            parser.error(problem)
     causals, directions = CAUSAL_CHOICES[args.causal], DIRECTIONS[args.direction]
     if args.dry_run:
-        print("\n".join(dry_run_lines(plan, args.mixes, causals, directions, args.variants, args.seed)))
+        print("\n".join(dry_run_lines(plans, args.mixes, causals, directions, args.variants, args.seed)))
         return None
     problem = output_problem(args.out, args.overwrite) if args.out else folder_problem(default_folder(
         device == "cuda"))  # fmt: skip
@@ -658,7 +774,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         parser.error(f"--out {args.out}: {problem}" if args.out else f"{problem} (or pass --out)")
     mode = [] if "--mode" in argv else ["--mode", "varlen"]
     command = shlex.join(["python", "-m", "flashlab.bench", *mode, *argv])
-    results = run_varlen(plan, device, args.mixes, causals, directions, args.variants, args.seed,
+    results = run_varlen(plans, device, args.mixes, causals, directions, args.variants, args.seed,
                          progress=not args.no_progress, command=command)  # fmt: skip
     table = summary(results)
     prefix = args.out or default_prefix(results["meta"])
