@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -263,3 +264,45 @@ def test_kv_heads_must_divide_the_query_heads(capsys):
     with pytest.raises(SystemExit) as e:
         bench_main(["--mode", "varlen", "--device", "cpu", "--dry-run", "--heads", "6", "--kv-heads", "4"])
     assert e.value.code == 2 and "must divide --heads" in capsys.readouterr().err
+
+
+# --- a serving step: prefill chunks and decode rows over one paged cache ----------------------------------------
+
+
+def test_a_mixed_batch_runs_in_one_launch_and_as_separate_calls(tmp_path):
+    argv = ["--mode", "varlen", "--device", "cpu", "--quick", "--mixed-batch", "--kv-heads", "1", "--no-progress",
+            "--out", str(tmp_path / "mixed")]  # fmt: skip
+    results = bench_main(argv)
+    rows = {r["variant"]: r for r in results["rows"]}
+    assert list(rows) == list(varlen.MIXED_VARIANTS)
+    mixed = results["meta"]["mixed_batch"]
+    batch = varlen.CPU_MIXED
+    assert len(mixed["rows"]) == batch.prefills + batch.decodes and mixed["rows"][batch.prefills :] == [1] * 3
+    assert all(n <= k for n, k in zip(mixed["rows"], mixed["lengths"], strict=True))  # a chunk is in its cache
+    # causal, aligned to each sequence's end: query j of a chunk of n sees k - n + j + 1 of its k keys
+    pairs = zip(mixed["rows"], mixed["lengths"], strict=True)
+    flops = sum(2 * 4 * 16 * sum(k - n + j + 1 for j in range(n)) for n, k in pairs)  # 2 heads, D = 16
+    for r in rows.values():
+        assert r["status"] == "ok" and r["exact"] and r["rel_err"] <= r["tol"] and r["time_ms"] > 0, r
+        assert r["useful_flops"] == flops and r["kv_heads"] == 1
+    assert rows["separate_calls"]["varlen_speedup"] == pytest.approx(
+        rows["separate_calls"]["time_ms"] / rows["one_launch"]["time_ms"]
+    )
+    assert "separate prefill and decode calls / one launch" in (tmp_path / "mixed.txt").read_text()
+
+
+def test_a_wrong_mixed_launch_is_caught_before_timing(monkeypatch, tmp_path):
+    import flashlab.host
+
+    right = flashlab.host.flash_attention_with_kvcache
+
+    def one_launch_off(q, *args, cu_seqlens_q=None, **kwargs):  # the packed call 1 % off, the separate ones right
+        o = right(q, *args, cu_seqlens_q=cu_seqlens_q, **kwargs)
+        return o * 1.01 if cu_seqlens_q is not None else o
+
+    monkeypatch.setattr(flashlab.host, "flash_attention_with_kvcache", one_launch_off)
+    plan = replace(varlen.CPU_PLAN, kv_heads=1)
+    rows = {r["variant"]: r for r in varlen.run_mixed_batch(plan, varlen.CPU_MIXED, "cpu",
+                                                                dict.fromkeys(varlen.STAMP_COLUMNS))}  # fmt: skip
+    assert rows["one_launch"]["status"] == "wrong" and rows["one_launch"]["time_ms"] is None
+    assert rows["separate_calls"]["status"] == "ok" and rows["separate_calls"]["exact"]

@@ -3,6 +3,7 @@
     python -m flashlab.bench --mode varlen                       # on a GPU: three length mixes, 32K tokens a batch
     python -m flashlab.bench --mode varlen --mixes log-normal --tokens 16384,65536 --head-dim 64,128 --kv-heads 4
                                                                  # the bar's long-tailed batches, GQA 4:1
+    python -m flashlab.bench --mode varlen --mixed-batch --kv-heads 4   # a serving step: prefill chunks + decode rows
     python -m flashlab.bench --mode varlen --device cpu --quick  # tiny mixes through Triton's interpreter
     python -m flashlab.bench --mode varlen --dry-run             # list the mixes and what runs, run nothing
 
@@ -43,6 +44,11 @@ the longest of at most ``GRAD_CHECK_MAX_LEN`` rows). A variant that fails is ``w
 the variants of a mix, mask and direction are timed together with ``do_bench`` in rounds whose order turns (the
 median round reported); on the CPU, one call after the checked one (the interpreter's times say nothing about a
 GPU).
+
+``--mixed-batch`` times a serving engine's step instead (``MixedBatch``): 8 sequences' prefill chunks of 256-2048
+tokens and 56 sequences' single decode rows against one paged cache (1K-32K tokens a sequence, 16-token blocks,
+causal), as one ``flash_attention_with_kvcache`` launch with ``cu_seqlens_q`` against one call per chunk and one for
+the decode rows; both checked against float64 per sequence first.
 
 The summary ends with the bar, read on the long-tailed mixes (``BAR_MIXES``): flashlab varlen against
 ``varlen_attn``, forward and forward + backward (geo-mean at least 1.0, no cell below 0.9), and against the padded
@@ -502,9 +508,11 @@ def run_varlen(
     seed: int = 0,
     progress: bool = True,
     command: str | None = None,
+    mixed_batch: MixedBatch | None = None,
 ) -> dict:
     """Every mix, mask, direction and variant of ``plan`` on ``device`` (a ``VarlenPlan``, or a list of them: one
-    per batch size and head dim, run one after the other); returns ``{"meta", "rows"}``."""
+    per batch size and head dim, run one after the other); returns ``{"meta", "rows"}``. With ``mixed_batch``, the
+    serving step ``run_mixed_batch`` instead of the mixes, once per head dim."""
     from tqdm import tqdm
 
     plans = [plan] if isinstance(plan, VarlenPlan) else list(plan)
@@ -519,17 +527,33 @@ def run_varlen(
                       if device == "cuda" else "one call after the checked one (Triton's interpreter)")  # fmt: skip
     meta["flops"] = (f"useful FLOPs only: per sequence 4 n^2 D per head, causal half; forward + backward "
                      f"{TRAIN_FLOPS_FACTOR}x the forward")  # fmt: skip
+    if mixed_batch is not None:
+        mixes, rows_of = (), mixed_batch_lengths(mixed_batch, seed)
+        meta["mixed_batch"] = dict(batch={k: getattr(mixed_batch, k) for k in mixed_batch.__dataclass_fields__},
+                                   rows=rows_of[0], lengths=rows_of[1])  # fmt: skip
+        meta["lengths"], meta["lengths_by_tokens"] = {}, {}
+        meta["config"]["mixes"] = ["mixed-batch"]
+        plans = list({p.head_dim: p for p in plans}.values())  # its sizes are the batch's, not --tokens
     meta["padded_fairness"] = (
         "padded runs: right padding with zeros, no key-padding mask (flashlab's dense API and SDPA FLASH take none); "
         "exact under the causal mask, not without it (exact = False, timed as the least padding costs); padding "
         "copies made before timing"
     )
-    total = len(plans) * len(mixes) * len(causals) * len(directions)
+    total = len(plans) * (len(mixes) * len(causals) * len(directions) if mixed_batch is None else 1)
     bar = tqdm(total=total, desc="flashlab.bench varlen", unit="group", disable=not progress)
     rows = []
     start = time.perf_counter()
     for shape in plans:
         where = f"{shape.tokens} tokens D={shape.head_dim} " if len(plans) > 1 else ""
+        if mixed_batch is not None:
+            bar.set_postfix_str(f"mixed batch D={shape.head_dim}")
+            group = run_mixed_batch(shape, mixed_batch, device, meta, seed)
+            rows += group
+            bar.update(1)
+            if not progress:
+                times = ", ".join(f"{r['variant']} {_fmt(r['time_ms'], '.3f')}" if r["status"] == "ok" else
+                                  f"{r['variant']} {r['status']}" for r in group)  # fmt: skip
+                print(f"[{len(rows) // 2}/{total}] mixed batch D={shape.head_dim} (ms): {times}", flush=True)
         for mix in mixes:
             lengths = by_tokens[shape.tokens][mix]
             lays = layouts(*_inputs(lengths, shape, device, seed), lengths)
@@ -556,6 +580,132 @@ def run_varlen(
 
 def _plan_dict(plan: VarlenPlan) -> dict:
     return {k: getattr(plan, k) for k in plan.__dataclass_fields__}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A serving step: prefill chunks and decode rows over one paged cache
+
+
+@dataclass(frozen=True)
+class MixedBatch:
+    """A serving engine's step: ``prefills`` sequences each adding a chunk of ``chunk = (lo, hi)`` new tokens
+    (uniform), ``decodes`` sequences each adding one, every sequence's cache (its new tokens included) uniform in
+    ``cache = (lo, hi)`` tokens, in shuffled blocks of ``block_size`` tokens; causal, each sequence aligned to its
+    own end."""
+
+    prefills: int = 8
+    decodes: int = 56
+    chunk: tuple[int, int] = (256, 2048)
+    cache: tuple[int, int] = (1024, 32768)
+    block_size: int = 16
+
+
+GPU_MIXED = MixedBatch()
+CPU_MIXED = MixedBatch(prefills=2, decodes=3, chunk=(3, 9), cache=(12, 40), block_size=16)
+MIXED_VARIANTS = ("one_launch", "separate_calls")
+
+
+def mixed_batch_lengths(batch: MixedBatch, seed: int = 0) -> tuple[list[int], list[int]]:
+    """``(rows, lengths)``: each sequence's new query rows and its cache length (prefills first); the same for the
+    same seed."""
+    rng = random.Random(f"mixed-batch-{seed}")
+    rows = [rng.randint(*batch.chunk) for _ in range(batch.prefills)] + [1] * batch.decodes
+    lengths = [max(n, rng.randint(*batch.cache)) for n in rows]
+    return rows, lengths
+
+
+def run_mixed_batch(plan: VarlenPlan, batch: MixedBatch, device: str, meta: dict, seed: int = 0) -> list[dict]:
+    """One step of ``batch`` through ``flash_attention_with_kvcache``: in one launch (q packed ``(total_q, Hq,
+    D)`` with ``cu_seqlens_q``) and as separate calls (one per prefill chunk, one for all decode rows), both
+    checked against float64 per sequence on sampled rows, then timed; one row each."""
+    from flashlab.host import flash_attention_with_kvcache
+    from flashlab.kernels.decode.kvcache import paged_kv_cache
+
+    rows_of, lengths = mixed_batch_lengths(batch, seed)
+    dtype, kv = DTYPES[plan.dtype], plan.heads if plan.kv_heads is None else plan.kv_heads
+    gen = torch.Generator().manual_seed(seed)
+    b, nmax, d = len(lengths), max(lengths), plan.head_dim
+    k, v = (torch.randn(b, kv, nmax, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    kc, vc, table, seqlens = paged_kv_cache(k, v, batch.block_size, lengths=lengths, seed=seed)
+    del k, v
+    q = torch.randn(sum(rows_of), plan.heads, d, generator=gen).to(device=device, dtype=dtype)
+    bounds = [0]
+    for n in rows_of:
+        bounds.append(bounds[-1] + n)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    p = batch.prefills
+    chunks = [q[bounds[i] : bounds[i + 1]].transpose(0, 1).unsqueeze(0).contiguous() for i in range(p)]
+    q_decode = q[bounds[p] :].unsqueeze(2).contiguous()  # (decodes, Hq, 1, D)
+
+    def one_launch():
+        return flash_attention_with_kvcache(q, kc, vc, seqlens, table, causal=True, cu_seqlens_q=cu,
+                                            max_seqlen_q=max(rows_of), check_values=False)  # fmt: skip
+
+    def separate_calls():
+        outs = [flash_attention_with_kvcache(c, kc, vc, seqlens[i : i + 1], table[i : i + 1], causal=True,
+                                             check_values=False) for i, c in enumerate(chunks)]  # fmt: skip
+        if batch.decodes:
+            outs.append(flash_attention_with_kvcache(q_decode, kc, vc, seqlens[p:], table[p:], causal=True,
+                                                     check_values=False))  # fmt: skip
+        return outs
+
+    def per_sequence(name, out):  # sequence i's rows as (1, Hq, n, D)
+        if name == "one_launch":
+            return [out[bounds[i] : bounds[i + 1]].transpose(0, 1).unsqueeze(0) for i in range(b)]
+        return [*out[:p], *(out[p][j : j + 1] for j in range(batch.decodes))]
+
+    pool_k, pool_v = (x[table.long()].flatten(1, 2) for x in (kc, vc))  # (B, blocks * block_size, Hk, D)
+    refs = []
+    for i in range(b):
+        sample = check_rows(rows_of[i], plan.check_rows)
+        keys, values = (x[i : i + 1, : lengths[i]].transpose(1, 2) for x in (pool_k, pool_v))
+        qi = q[bounds[i] : bounds[i + 1]].transpose(0, 1).unsqueeze(0)
+        refs.append((sample, attention_float64(qi, keys, values, True, rows=sample.to(device))[0]))
+    del pool_k, pool_v
+    flops = float(sum(plan.heads * 4 * d * sum(n_k - n_q + j + 1 for j in range(n_q))
+                      for n_q, n_k in zip(rows_of, lengths, strict=True)))  # fmt: skip
+    steps, rows = {"one_launch": one_launch, "separate_calls": separate_calls}, []
+    for name in MIXED_VARIANTS:
+        row = dict(mix="mixed-batch", causal=True, direction="forward", variant=name, status="ok", reason=None,
+                   exact=None, dtype=plan.dtype, heads=plan.heads, kv_heads=kv, head_dim=d, tokens=sum(rows_of),
+                   sequences=b, min_len=min(lengths), max_len=max(lengths), layout_tokens=sum(rows_of),
+                   useful_flops=flops, layout_flops=flops, rel_err=None, seq_err=None, grad_err=None,
+                   tol=tolerance(dtype), time_ms=None, round_ms=[], time_spread=None, tflops=None,
+                   varlen_speedup=None)  # fmt: skip
+        row.update({col: meta[col] for col in STAMP_COLUMNS})
+        rows.append(row)
+        try:
+            got = per_sequence(name, steps[name]())
+            errs = [relative_error(g[:, :, s.to(g.device)], r) for g, (s, r) in zip(got, refs, strict=True)]
+        except (NotImplementedError, RuntimeError, ValueError, TypeError) as e:
+            row.update(status="skipped", reason=one_line(f"{type(e).__name__}: {e}"))
+            continue
+        row["rel_err"] = row["seq_err"] = float("nan") if any(e != e for e in errs) else max(errs)
+        row["exact"] = bool(row["rel_err"] <= row["tol"])
+        if not row["exact"]:
+            row.update(status="wrong", reason=f"relative error against float64 {row['rel_err']:.3g}; not timed")
+    timed = [r["variant"] for r in rows if r["status"] == "ok"]
+    if device == "cuda":
+        times, failed = time_rounds([steps[n] for n in timed], device, plan.warmup, plan.rep, plan.rounds)
+    else:  # the interpreter: one call after the checked one
+        times, failed = [], {}
+        for n in timed:
+            start = time.perf_counter()
+            steps[n]()
+            times.append([(time.perf_counter() - start) * 1e3])
+    by_name = {r["variant"]: r for r in rows}
+    for i, n in enumerate(timed):
+        if i in failed:
+            by_name[n].update(status="error", reason=one_line(f"{type(failed[i]).__name__}: {failed[i]}"))
+            continue
+        ms = statistics.median(times[i])
+        by_name[n].update(time_ms=ms, round_ms=times[i], time_spread=(max(times[i]) - min(times[i])) / ms,
+                          tflops=flops / (ms * 1e-3) / 1e12)  # fmt: skip
+    base = by_name["one_launch"]["time_ms"]
+    for row in rows:
+        if base and row["time_ms"]:
+            row["varlen_speedup"] = row["time_ms"] / base
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -599,6 +749,11 @@ def bar_lines(rows) -> list[str]:
                    f"{'PASS' if min(padded) >= 1.5 else 'FAIL'}")  # fmt: skip
     if out:
         out.insert(0, f"the bar, on the {' and '.join(BAR_MIXES)} cells:")
+    for r in rows:
+        if r["mix"] == "mixed-batch" and r["variant"] == "separate_calls" and r["varlen_speedup"]:
+            x = r["varlen_speedup"]
+            out.append(f"mixed batch, D = {r['head_dim']}: separate prefill and decode calls / one launch {x:.3g}x; "
+                       f"bar >= 1.2: {'PASS' if x >= 1.2 else 'FAIL'}")  # fmt: skip
     return out
 
 
@@ -619,6 +774,13 @@ def summary(results: dict) -> str:
     for tokens, lengths_of in by_tokens.items():
         for mix, lengths in lengths_of.items():
             out.append(f"{mix}{f' ({tokens} tokens)' if len(by_tokens) > 1 else ''}: {mix_summary(lengths)}")
+    if m.get("mixed_batch"):
+        mb, rows_of, lengths = m["mixed_batch"]["batch"], m["mixed_batch"]["rows"], m["mixed_batch"]["lengths"]
+        chunks = rows_of[: mb["prefills"]]
+        out.append(f"mixed batch: {mb['prefills']} prefill chunks of {min(chunks, default=0)}-{max(chunks, default=0)} "
+                   f"tokens and {mb['decodes']} decode rows, caches of {min(lengths)}-{max(lengths)} tokens in "
+                   f"{mb['block_size']}-token blocks, causal; one launch (cu_seqlens_q) against one call per chunk "
+                   "and one for the decode rows")  # fmt: skip
     head = f"{'variant':<20} {'ms':>10} {'TFLOP/s':>9} {'varlen faster':>14} {'exact':>6}  status"
     group_of = lambda r: (r["tokens"], r["head_dim"], r["mix"], r["causal"], r["direction"])  # noqa: E731
     for key in dict.fromkeys(group_of(r) for r in results["rows"]):
@@ -632,8 +794,8 @@ def summary(results: dict) -> str:
             status = r["status"] if not r["reason"] else f"{r['status']}: {r['reason']}"
             out.append(f"{r['variant']:<20} {_fmt(r['time_ms'], '.3f'):>10} {_fmt(r['tflops'], '.3g'):>9} "
                        f"{speed:>14} {exact:>6}  {status}")  # fmt: skip
-    out += ["", "varlen faster: the variant's time over flashlab varlen's (above 1: varlen is faster); exact: the "
-            "real rows equal each sequence's own attention"]  # fmt: skip
+    out += ["", "varlen faster: the variant's time over flashlab varlen's (above 1: varlen is faster; in the mixed "
+            "batch, over the one launch's); exact: the real rows equal each sequence's own attention"]  # fmt: skip
     bars = bar_lines(results["rows"])
     if bars:
         out += ["", *bars]
@@ -723,6 +885,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 64 on a GPU, 8 CPU)")  # fmt: skip
     p.add_argument("--device", choices=["cuda", "cpu"], help="where to run (default: cuda if torch sees a GPU)")
     p.add_argument("--quick", action="store_true", help="the CPU's tiny mixes, on any device")
+    p.add_argument("--mixed-batch", action="store_true", help="instead of the mixes: a serving step of prefill "
+                   "chunks and decode rows over one paged cache (8 chunks of 256-2048 tokens and 56 decode rows, "
+                   "caches of 1K-32K tokens in 16-token blocks; tiny on the CPU), in one launch against separate "
+                   "calls")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="list the mixes and what runs; run nothing")
     p.add_argument("--seed", type=whole_number(0), default=0, help="random seed for the lengths and q, k, v")
     p.add_argument(
@@ -749,7 +915,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available() and not args.dry_run:
         parser.error("--device cuda: torch sees no CUDA GPU here")
-    plan = CPU_PLAN if (args.quick or device == "cpu") else GPU_PLAN
+    tiny = args.quick or device == "cpu"
+    plan = CPU_PLAN if tiny else GPU_PLAN
     if plan is CPU_PLAN and device == "cuda":  # the tiny mixes on a GPU: SDPA's FLASH kernel takes 16-bit inputs
         plan = replace(plan, dtype="bf16", head_dim=32)
     given = dict(heads=args.heads, kv_heads=args.kv_heads, dtype=args.dtype, warmup=args.warmup, rep=args.rep,
@@ -765,6 +932,16 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         if problem:
             parser.error(problem)
     causals, directions = CAUSAL_CHOICES[args.causal], DIRECTIONS[args.direction]
+    mixed = None if not args.mixed_batch else CPU_MIXED if tiny else GPU_MIXED
+    if args.dry_run and mixed is not None:
+        rows_of, lengths = mixed_batch_lengths(mixed, args.seed)
+        chunks = rows_of[: mixed.prefills]
+        print(f"mixed batch: {mixed.prefills} prefill chunks of {min(chunks)}-{max(chunks)} tokens and "
+              f"{mixed.decodes} decode rows, caches of {min(lengths)}-{max(lengths)} tokens in "
+              f"{mixed.block_size}-token blocks, causal, H = {plan.heads} ({plan.kv_heads or plan.heads} K/V "
+              f"heads), D = {', '.join(str(p.head_dim) for p in plans)}, {plan.dtype}; "
+              f"{', '.join(MIXED_VARIANTS)}")  # fmt: skip
+        return None
     if args.dry_run:
         print("\n".join(dry_run_lines(plans, args.mixes, causals, directions, args.variants, args.seed)))
         return None
@@ -775,7 +952,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     mode = [] if "--mode" in argv else ["--mode", "varlen"]
     command = shlex.join(["python", "-m", "flashlab.bench", *mode, *argv])
     results = run_varlen(plans, device, args.mixes, causals, directions, args.variants, args.seed,
-                         progress=not args.no_progress, command=command)  # fmt: skip
+                         progress=not args.no_progress, command=command, mixed_batch=mixed)  # fmt: skip
     table = summary(results)
     prefix = args.out or default_prefix(results["meta"])
     json_path, csv_path = save_tables(prefix, results, results["rows"], ROW_COLUMNS, overwrite=args.overwrite)
