@@ -52,11 +52,15 @@ def ratios(data: dict, fast: str, other: str) -> list[float]:
 # -- kinds of recording: a predicate on a file's JSON
 
 
-def bench_file(mode: str):
+def bench_file(mode: str, kv_dtype: str | None = None):
+    """A benchmark recording of ``mode`` made on a GPU; decode runs of an 8-bit cache only when ``kv_dtype`` says
+    (as ``flashlab.bench.newest_gpu_results`` picks them)."""
+
     def kind(data):
         meta = data.get("meta", {}) if isinstance(data, dict) else {}
         config = meta.get("config") or {}
-        return meta.get("tool") == "flashlab.bench" and bool(meta.get("is_cuda_gpu")) and config.get("mode") == mode
+        return (meta.get("tool") == "flashlab.bench" and bool(meta.get("is_cuda_gpu")) and config.get("mode") == mode
+                and config.get("kv_dtype") == kv_dtype)  # fmt: skip
 
     return kind
 
@@ -108,6 +112,7 @@ class Drawn:
         return newest_of_kind(self.kind)
 
 
+EIGHT_BIT = "h200-decode-fp8-2026-12-04.json"  # an 8-bit paged cache beside the 16-bit one, one run
 LADDER = "h200-ladder-bf16-2026-12-02-all-rungs.json"  # every rung of the ladder and SDPA's kernels, one run
 FULL_GRID = "h200-bf16-2026-11-29.json"  # the whole grid, naive attention and every SDPA kernel included
 SDPA_KERNELS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math")
@@ -223,6 +228,21 @@ def check_08(text: str, markdown: str) -> None:
     assert sentence in markdown, f"notebook 08 should display {sentence!r}"
 
 
+def check_08_bytes(text: str, markdown: str) -> None:
+    """What half the bytes buys: each cell's times as the recording has them, and the prose's reading of them (the
+    8-bit step faster than the 16-bit one, slower than the 16-bit step's bandwidth would make it)."""
+    data = load(EIGHT_BIT)
+    by = {(r["backend"], r["batch"], r["seq_len"]): r for r in ok_rows(data)}
+    printed = re.findall(r"^B = (\d+), ([\d,]+) keys: 16-bit ([\d.]+) us, 8-bit ([\d.]+) us \(([\d.]+)x\), "
+                         r"promised ([\d.]+) us \(([\d.]+)x\)$", text, re.MULTILINE)  # fmt: skip
+    cells = {(b, n) for name, b, n in by if name == "paged256" and ("paged256_fp8", b, n) in by}
+    assert len(printed) == len(cells), f"notebook 08 should print one line per recorded cell ({len(cells)})"
+    for b, n, t16, t8, _, promised, _ in printed:
+        sixteen, eight = (by[name, int(b), int(n.replace(",", ""))] for name in ("paged256", "paged256_fp8"))
+        assert float(t16) == round(sixteen["time_ms"] * 1e3, 1) and float(t8) == round(eight["time_ms"] * 1e3, 1)
+        assert float(promised) < float(t8) < float(t16), f"notebook 08's prose does not fit B = {b}, {n} keys"
+
+
 CLAIMS = {
     "02_score_matrix_and_traffic.ipynb": Claims([Drawn(traffic_file)]),
     "04_triton_kernel.ipynb": Claims(
@@ -239,7 +259,10 @@ CLAIMS = {
     ),
     "06_decode.ipynb": Claims([Drawn(bench_file("decode"))], [check_06]),
     "07_paged_gqa_mla.ipynb": Claims([Drawn(bench_file("decode"))]),
-    "08_exactness.ipynb": Claims([Drawn(made_by("flashlab.sdpa"), "h200-sdpa-backends.json")], [check_08]),
+    "08_exactness.ipynb": Claims(
+        [Drawn(made_by("flashlab.sdpa"), "h200-sdpa-backends.json"), Drawn(bench_file("decode", "fp8"), EIGHT_BIT)],
+        [check_08, check_08_bytes],
+    ),
     "10_longer_than_one_gpu.ipynb": Claims([Drawn(prefill_with("flashlab", "sdpa_flash", "sdpa_cudnn"), LADDER)]),
     "09_backward.ipynb": Claims(
         [Drawn(made_by("scripts/backward_memory.py"), "h200-backward-memory.json")], [check_09]

@@ -255,6 +255,12 @@ def test_newest_gpu_results_ignores_cpu_runs(tmp_path):
     (tmp_path / "h200-decode.json").write_text(json.dumps(dict(meta=meta, rows=[])))
     assert bench.newest_gpu_results(tmp_path).name == "h200-new.json"  # prefill by default
     assert bench.newest_gpu_results(tmp_path, mode="decode").name == "h200-decode.json"
+    # a newer 8-bit cache recording (only paged backends) is found only when asked for
+    meta = dict(tool="flashlab.bench", date="2026-12-04T00:00:00Z", is_cuda_gpu=True,
+                config=dict(mode="decode", kv_dtype="fp8"))  # fmt: skip
+    (tmp_path / "h200-decode-fp8.json").write_text(json.dumps(dict(meta=meta, rows=[])))
+    assert bench.newest_gpu_results(tmp_path, mode="decode").name == "h200-decode.json"
+    assert bench.newest_gpu_results(tmp_path, mode="decode", kv_dtype="fp8").name == "h200-decode-fp8.json"
 
 
 def test_default_file_names():

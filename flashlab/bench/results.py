@@ -274,9 +274,10 @@ def default_folder(is_cuda_gpu: bool) -> Path:
     return Path("data/results") if is_cuda_gpu else Path("test-artifacts/bench")
 
 
-def newest_gpu_results(directory="data/results", mode: str = "prefill") -> Path | None:
+def newest_gpu_results(directory="data/results", mode: str = "prefill", kv_dtype: str | None = None) -> Path | None:
     """The newest ``*.json`` in ``directory`` whose stamp says a CUDA GPU produced it in ``mode`` (by stamp date),
-    or None."""
+    or None. Decode recordings of an 8-bit cache (``--kv-dtype fp8``) are only found when ``kv_dtype`` names it:
+    their grid is the paged backends' alone."""
     found = []
     for path in Path(directory).glob("*.json"):
         try:
@@ -284,6 +285,7 @@ def newest_gpu_results(directory="data/results", mode: str = "prefill") -> Path 
         except (OSError, ValueError, KeyError, TypeError):
             continue
         file_mode = meta.get("mode") or (meta.get("config") or {}).get("mode", "prefill")  # traffic files: "traffic"
-        if meta.get("tool") == "flashlab.bench" and meta.get("is_cuda_gpu") and file_mode == mode:
+        kv_matches = (meta.get("config") or {}).get("kv_dtype") == kv_dtype
+        if meta.get("tool") == "flashlab.bench" and meta.get("is_cuda_gpu") and file_mode == mode and kv_matches:
             found.append((meta.get("date", ""), path.name, path))
     return max(found)[2] if found else None
