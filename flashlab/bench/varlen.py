@@ -472,6 +472,15 @@ def run_group(mix: str, lengths, causal: bool, direction: str, variants, lays, r
             row["reason"] = ("no key-padding mask: real rows also attend to the padded keys; timed as the least "
                              "padding costs")  # fmt: skip
         steps[name] = step
+    time_variants(rows, steps, "flashlab_varlen", plan, device)
+    del steps
+    return rows
+
+
+def time_variants(rows: list[dict], steps: dict[str, Callable], base: str, plan: VarlenPlan, device: str) -> None:
+    """Time the checked ``steps`` (variant name -> call) and fill their ``rows``: the median milliseconds, the
+    rounds, their spread, useful TFLOP/s, and each row's time over the ``base`` variant's (``varlen_speedup``). On
+    a GPU in rounds whose order turns (``time_rounds``); on the interpreter one call after the checked one."""
     timed = list(steps)
     if device == "cuda":
         times, failed = time_rounds([steps[n] for n in timed], device, plan.warmup, plan.rep, plan.rounds)
@@ -490,12 +499,10 @@ def run_group(mix: str, lengths, causal: bool, direction: str, variants, lays, r
         ms = statistics.median(times[i])
         row.update(time_ms=ms, round_ms=times[i], time_spread=(max(times[i]) - min(times[i])) / ms,
                    tflops=row["useful_flops"] / (ms * 1e-3) / 1e12)  # fmt: skip
-    base = by_name.get("flashlab_varlen", {}).get("time_ms")
+    base_ms = by_name.get(base, {}).get("time_ms")
     for row in rows:
-        if base and row["time_ms"]:
-            row["varlen_speedup"] = row["time_ms"] / base
-    del steps
-    return rows
+        if base_ms and row["time_ms"]:
+            row["varlen_speedup"] = row["time_ms"] / base_ms
 
 
 def run_varlen(
@@ -684,27 +691,8 @@ def run_mixed_batch(plan: VarlenPlan, batch: MixedBatch, device: str, meta: dict
         row["exact"] = bool(row["rel_err"] <= row["tol"])
         if not row["exact"]:
             row.update(status="wrong", reason=f"relative error against float64 {row['rel_err']:.3g}; not timed")
-    timed = [r["variant"] for r in rows if r["status"] == "ok"]
-    if device == "cuda":
-        times, failed = time_rounds([steps[n] for n in timed], device, plan.warmup, plan.rep, plan.rounds)
-    else:  # the interpreter: one call after the checked one
-        times, failed = [], {}
-        for n in timed:
-            start = time.perf_counter()
-            steps[n]()
-            times.append([(time.perf_counter() - start) * 1e3])
-    by_name = {r["variant"]: r for r in rows}
-    for i, n in enumerate(timed):
-        if i in failed:
-            by_name[n].update(status="error", reason=one_line(f"{type(failed[i]).__name__}: {failed[i]}"))
-            continue
-        ms = statistics.median(times[i])
-        by_name[n].update(time_ms=ms, round_ms=times[i], time_spread=(max(times[i]) - min(times[i])) / ms,
-                          tflops=flops / (ms * 1e-3) / 1e12)  # fmt: skip
-    base = by_name["one_launch"]["time_ms"]
-    for row in rows:
-        if base and row["time_ms"]:
-            row["varlen_speedup"] = row["time_ms"] / base
+    checked = {r["variant"]: steps[r["variant"]] for r in rows if r["status"] == "ok"}
+    time_variants(rows, checked, "one_launch", plan, device)
     return rows
 
 
