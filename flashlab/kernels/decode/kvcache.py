@@ -448,11 +448,13 @@ class KVCacheArguments:
             RAGGED_Q=ragged is not None,
             KV_SCALED=descales is not None,
         )
+        fixed = None  # tiles fixed without the table: an 8-bit cache's, small blocks'
         if descales is not None and q.is_cuda:
-            bn, warps, stages = EIGHT_BIT_SMALL_BLOCK_CONFIG if small_blocks else EIGHT_BIT_CONFIG
-            self.meta.update(BLOCK_N=bn, num_warps=warps, num_stages=stages)
+            fixed = EIGHT_BIT_SMALL_BLOCK_CONFIG if small_blocks else EIGHT_BIT_CONFIG
         elif small_blocks:
-            bn, warps, stages = SMALL_BLOCK_CONFIG
+            fixed = SMALL_BLOCK_CONFIG
+        if fixed is not None:
+            bn, warps, stages = fixed
             self.meta.update(BLOCK_N=bn, num_warps=warps, num_stages=stages)
         self.meta.update(merge.constexprs)
         self.grid = (num_splits, b * hk, row_blocks)
