@@ -365,8 +365,38 @@ def test_a_family_makes_each_new_length_as_the_full_path_would(causal, window, h
         assert_same_call(derived, full_call(q, k, v, causal, window, None, num_splits))
 
 
+@pytest.mark.parametrize("causal, b, hq, hk", [(False, 1, 8, 2), (True, 2, 4, 4)])
+def test_a_growing_cache_step_by_step_makes_each_call_as_the_full_path_would(causal, b, hq, hk):
+    """One key more every step, across chunk-count and length-bucket boundaries: a step whose chunk count and
+    length bucket the family has met shares that slot's plan and arguments, and still equals the full path's call
+    (plan, runtime values, grid, scratch)."""
+    forward.FAMILIES.clear()
+    g = torch.Generator().manual_seed(17)
+    q = torch.randn(b, hq, 1, 32, generator=g)
+    kb, vb = torch.randn(2, b, hk, 1100, 32, generator=g).unbind(0)
+    runs = [range(120, 140), range(250, 262), range(380, 390), range(1020, 1030)]
+    key = forward.signature(q, kb[:, :, :100], vb[:, :, :100], causal, None, None, None, None)
+    forward.new_call(key, q, kb[:, :, :100], vb[:, :, :100], causal, None, None, None, None)  # starts the family
+    shared = 0
+    for run in runs:
+        previous = None
+        for n in run:
+            k, v = kb[:, :, :n], vb[:, :, :n]
+            key = forward.signature(q, k, v, causal, None, None, None, None)
+            derived = forward.new_call(key, q, k, v, causal, None, None, None, None)
+            full = full_call(q, k, v, causal)
+            assert_same_call(derived, full)
+            same_slot = previous is not None and (previous.args.num_splits, previous.args.tune[0]) == (
+                full.args.num_splits, full.args.tune[0])  # fmt: skip
+            if same_slot:
+                assert derived.args is previous.args, f"step {n} did not take its slot's arguments"
+                shared += 1
+            previous = derived
+    assert shared > sum(len(r) for r in runs) // 2
+
+
 def test_a_cache_grown_by_concatenation_keeps_one_family():
-    """A contiguous cache of a new length has new strides: its family key keeps "contiguous" instead of them."""
+    """A contiguous cache of a new length has new strides: its family key holds None in their place."""
     forward.FAMILIES.clear()
     g = torch.Generator().manual_seed(8)
     q = torch.randn(2, 4, 1, 32, generator=g)

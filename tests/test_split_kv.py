@@ -129,6 +129,25 @@ def test_choose_splits():
         choose_splits(units=8, band_keys=10, sm_count=132, programs_per_sm=0)
 
 
+@pytest.mark.parametrize("b, hq, hk, nq, causal", [(1, 4, 2, 1, False), (1, 8, 8, 1, True), (3, 6, 2, 3, True),
+                                                   (64, 16, 8, 1, False)])  # fmt: skip
+def test_a_growing_caches_chunks_are_the_ones_split_arguments_chooses(b, hq, hk, nq, causal):
+    """``unwindowed_chunks``, the chunking a growing cache's step works out from two integers, against the general
+    rule (every band, every window) for lengths around every chunk and alignment boundary; the last case has more
+    programs than the chip wants split, so its chunk count is capped at one."""
+    q = torch.zeros(b, hq, nq, 16)
+    o = torch.empty_like(q)
+    lengths = sorted({n for m in (1, 2, 64, 127, 128, 129, 256, 1000, 4096, 40000) for n in (m - 1, m, m + 1)} - {0})
+    for nk in lengths:
+        if causal and nk < nq:
+            continue
+        k = torch.zeros(b, hk, nk, 16)
+        band = kernel_band(nq, nk, 16, causal, None, None)[:4]
+        general = split_kv.SplitArguments(q, k, k, o, *band, None)
+        chunks = split_kv.unwindowed_chunks(nk, general.fixed[1])
+        assert chunks == (general.num_splits, general.scalars[-3]), nk  # (chunks, keys per chunk)
+
+
 def test_bad_num_splits_raise_clear_errors():
     q, k, v = make_qkv(1, 2, 1, 1, 50, 16, torch.float32, seed=8)
     with pytest.raises(TypeError, match="num_splits must be an int"):

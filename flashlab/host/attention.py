@@ -137,9 +137,9 @@ def new_call(key, q, k, v, causal, window, scale, num_splits, rung):
     family_key = plan_family_key(key, q, k, v)
     family = FAMILIES.get(family_key)
     if family is not None:
-        call = family.call(q, k, v)
+        call = family.call(q, k, v, key)
         if call is not None:
-            return remember_call(key, call) if met_before(family.met, key) else call
+            return remember_call(key, call) if met_before(family.met, key[0][2], key[2][2]) else call
     call = remember_call(key, checked_call(q, k, v, causal, window, scale, num_splits, rung))
     if family_key is not None:
         remember_family(family_key, family_of(call, q, k, v, causal, window, scale, num_splits, rung))

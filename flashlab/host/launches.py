@@ -171,6 +171,14 @@ def _split_call_of(head, args, config, config_key, tune, aligned, classes) -> Ca
     return call
 
 
+def _shapes(q, k, v, key):
+    """``(q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride())``, from the signature ``key``
+    (``flashlab.host.plan.signature``, which opens with them) where given."""
+    if key is None:
+        return q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride()
+    return key[:6]
+
+
 class SplitFamily:
     """The split-KV calls of one family (``flashlab.host.plan.family_key``: one signature but for its keys'
     count), made from integers alone. A decode loop over a growing cache would otherwise check and plan every
@@ -184,7 +192,7 @@ class SplitFamily:
     tiles by table."""
 
     __slots__ = ("last", "head", "aligned", "band", "num_splits", "configs", "cuda", "strides", "classes", "plans",
-                 "met")  # fmt: skip
+                 "met", "slots")  # fmt: skip
 
     def __init__(self, call, q, k, causal, window, scale, num_splits, aligned):
         self.last = call  # the family's latest call: its outputs' shapes, its scratch views
@@ -196,7 +204,13 @@ class SplitFamily:
         self.cuda = q.is_cuda
         self.strides = self.classes = None
         self.plans = {}  # (the meta dict's id, the config, the strides' classes, wide) -> the bucket's plan
-        self.met = set()  # the hashes of the signatures it made calls for (plan.met_before)
+        self.met = set()  # the (nq, nk) pairs it made calls for, as ints (plan.met_before)
+        # a growing cache's steps, by slot -- the chunk count and nk's power-of-two bucket, as one int -- the latest
+        # call there (for the strides in self.strides; cleared when they change). A step of a known slot takes its
+        # plan, its cut of the scratch and its arguments object (the chunks, grid, constexprs and scratch sizes,
+        # which only the slot decides); its own runtime scalars are its values
+        # (so ``args.scalars`` are those of the slot's first length)
+        self.slots = {}
 
     @staticmethod
     def of(call, q, k, v, causal, window, scale, num_splits):
@@ -204,18 +218,37 @@ class SplitFamily:
         aligned = not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
         return SplitFamily(call, q, k, causal, window, scale, num_splits, aligned)
 
-    def call(self, q, k, v):
-        nk = k.shape[2]
+    def call(self, q, k, v, key=None):
+        """The call of ``q``, ``k``, ``v`` (``key``, where given, their signature: its shapes and strides are read
+        instead of asking the tensors again), or None."""
+        if key is None:  # _shapes, inline: a growing cache's step runs through here
+            q_shape, k_shape, v_shape, k_strides, v_strides = q.shape, k.shape, v.shape, k.stride(), v.stride()
+        else:
+            q_shape, _, k_shape, k_strides, v_shape, v_strides = key[:6]
+        nk = k_shape[2]
         nq, d, causal, window, scale = self.band
         splits = self.num_splits
-        if q.shape[2] != nq or nk < 1 or v.shape[2] != nk:
+        if q_shape[2] != nq or nk < 1 or v_shape[2] != nk:
             return None
         if splits is not None and splits > min(nk, split_kv.MAX_SPLITS):
             return None
-        k_strides, v_strides = k.stride(), v.stride()
         if nk * k_strides[2] >= 2**31 or nk * v_strides[2] >= 2**31:
             return None
         last = self.last
+        if window is None and splits is None and nk < 2**30 and self.strides == (k_strides, v_strides):
+            # a growing cache's step: no window, the chunks chosen, the strides of the last call
+            num_splits, keys_per_split = split_kv.unwindowed_chunks(nk, last.args.fixed[1])
+            slot = self.slots.get(num_splits << 32 | (nk - 1).bit_length())
+            if slot is not None:
+                args = slot.args
+                win_left = nq + nk + 1
+                call = Call(slot.plan)
+                call.args, call.grid, call.views = args, args.grid, slot.views
+                call.values = (*args.scalars[:16], nk, nk - nq, win_left, 0 if causal else win_left, keys_per_split,
+                               num_splits, *args.scalars[-1:], *args.tune)  # fmt: skip
+                call.o_like_q, call.o_shape, call.lse_shape = last.o_like_q, last.o_shape, last.lse_shape
+                self.last = self.slots[num_splits << 32 | (nk - 1).bit_length()] = call
+                return call
         if window is None:  # kernel_band's band, inline: an unbounded side is wider than the matrix
             offset, win_left = nk - nq, nq + nk + 1
             win_right = 0 if causal else win_left
@@ -238,6 +271,7 @@ class SplitFamily:
         strides = (k_strides, v_strides)
         if strides != self.strides:  # a cache that torch.cat grows: new strides every step, mostly of one class
             self.strides, self.classes = strides, plans.int_classes(scalars[:12])
+            self.slots.clear()
         # plans.wide of the runtime lengths and the tuning key: nothing in them exceeds these (offset >= 1 - nq)
         wide = max(nk, win_left, win_right, scalars[-3], *args.tune) >= 2**31
         local = (id(args.meta), picked[1], self.classes, wide)  # args.meta: one dict per chunk count, kept
@@ -250,6 +284,8 @@ class SplitFamily:
         call.o_like_q, call.o_shape, call.lse_shape = last.o_like_q, last.o_shape, last.lse_shape
         if args.parts == last.args.parts:
             call.views = last.views  # the same cut of the stream's scratch (workspace checks it is still current)
+        if window is None and splits is None and not wide:
+            self.slots[args.num_splits << 32 | (nk - 1).bit_length()] = call
         self.last = call
         return call
 
@@ -269,16 +305,18 @@ class PrefillFamily:
     def __init__(self, make, overlap, causal, window, scale, rung):
         self.make, self.overlap = make, overlap  # the rung's call maker (overlap_call, skip_split_call)
         self.causal, self.window, self.scale, self.rung = causal, window, scale, rung
-        self.met = set()  # the hashes of the signatures it made calls for (plan.met_before)
+        self.met = set()  # the (nq, nk) pairs it made calls for, as ints (plan.met_before)
         self.last = None  # the family's latest call
 
-    def call(self, q, k, v):
-        b, hq, nq, d = q.shape
-        nk = k.shape[2]
+    def call(self, q, k, v, key=None):
+        """The call of ``q``, ``k``, ``v`` (``key`` as ``SplitFamily.call`` takes it), or None."""
+        q_shape, qs, k_shape, ks, v_shape, vs = _shapes(q, k, v, key)
+        b, hq, nq, d = q_shape
+        nk = k_shape[2]
         causal, window = self.causal, self.window
-        if nq < 1 or nk < 1 or v.shape[2] != nk or (self.rung is None and nq <= split_kv.MAX_SPLIT_QUERY_ROWS):
+        if nq < 1 or nk < 1 or v_shape[2] != nk or (self.rung is None and nq <= split_kv.MAX_SPLIT_QUERY_ROWS):
             return None
-        if max(nq * q.stride(2), nk * k.stride(2), nk * v.stride(2)) >= 2**31:
+        if max(nq * qs[2], nk * ks[2], nk * vs[2]) >= 2**31:
             return None
         offset, win_left, win_right, qk_scale, _ = kernel_band(nq, nk, d, causal, window, self.scale)
         if self.overlap and ((causal and nq > nk) or (window is not None and offset + win_right < 0)):
@@ -312,19 +350,20 @@ class OverlapFamily:
         self.met = self.prefill.met
         self.last = None
 
-    def call(self, q, k, v):
+    def call(self, q, k, v, key=None):
+        """The call of ``q``, ``k``, ``v`` (``key`` as ``SplitFamily.call`` takes it), or None."""
         prefill = self.prefill
         if prefill.window is not None:  # windows: overlap_call itself (its band is not the causal one)
-            call = prefill.call(q, k, v)
+            call = prefill.call(q, k, v, key)
             self.last = prefill.last
             return call
         b, hq, hk, d, group, elem, heads, device, dtype, causal = self.head
-        nq, nk = q.shape[2], k.shape[2]
-        if nq < 1 or nk < 1 or v.shape[2] != nk or (prefill.rung is None and nq <= split_kv.MAX_SPLIT_QUERY_ROWS):
+        q_shape, qs, k_shape, ks, v_shape, vs = _shapes(q, k, v, key)
+        nq, nk = q_shape[2], k_shape[2]
+        if nq < 1 or nk < 1 or v_shape[2] != nk or (prefill.rung is None and nq <= split_kv.MAX_SPLIT_QUERY_ROWS):
             return None
         if causal and nq > nk:
             return None  # rung 4's own rules (rung4_overlap.unavailable): the full path picks another rung
-        qs, ks, vs = q.stride(), k.stride(), v.stride()
         if max(nq * qs[2], nk * ks[2], nk * vs[2]) >= 2**31:
             return None
         overlap = _OVERLAP
@@ -346,7 +385,7 @@ class OverlapFamily:
         kind = (d, num_wg, block_n, stages, causal, False, not causal and nk % block_n != 0, scheduled)
         meta = overlap.kept_constexprs(kind)
         if meta is None:  # a combination not met yet: overlap_call makes it
-            call = prefill.call(q, k, v)
+            call = prefill.call(q, k, v, key)
             self.last = prefill.last
             return call
         scalars = (hq, nq, nk, group, offset, band[1], band[2], band[3], heads)
@@ -358,7 +397,7 @@ class OverlapFamily:
         local = (id(meta), self.classes, wide)
         plan = self.plans.get(local)
         if plan is None:  # overlap_call's plan of this bucket, found through its key once
-            call = prefill.call(q, k, v)
+            call = prefill.call(q, k, v, key)
             if call is not None:
                 self.plans[local] = call.plan
             self.last = prefill.last
@@ -422,7 +461,7 @@ def run_split(call, q, k, v, o, lse):
     if not q.is_cuda:
         o_part, lse_part, spare, counters = workspace(call, q.device, 0)
         tensors = (q, k, v, o_part, lse_part, o, spare if lse is None else lse, counters)
-        _interpreted_launch(split_kv.split_kv_partial, args, tensors)
+        _interpreted_launch(split_kv.split_kv_partial, call, tensors)
         return
     with torch.cuda.device(q.device) if q.get_device() != current_device_index() else _NO_CONTEXT:
         stream = current_stream(q.get_device())
@@ -556,9 +595,11 @@ def run_kvcache(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, nee
     return o, lse
 
 
-def _interpreted_launch(jit_function, args, tensors):
+def _interpreted_launch(jit_function, call, tensors):
+    """A split-KV call through Triton's interpreter: its grid, its runtime values (``call.values``: the calls of
+    one growing-cache slot share their arguments object, not their values) and its constexprs."""
     with interpreted_language(softmax_step):
-        interpreted(jit_function)[args.grid](*tensors, *args.scalars, *args.tune, **args.meta,
+        interpreted(jit_function)[call.grid](*tensors, *call.values, **call.args.meta,
                                              BLOCK_N=CPU_CONFIG["BLOCK_N"])  # fmt: skip
 
 

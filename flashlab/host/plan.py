@@ -44,7 +44,7 @@ CALLS: dict = {}  # call signature -> Call
 MAX_CALLS = 4096
 FAMILIES: dict = {}  # family key (a signature but its lengths) -> its family (launches.SplitFamily, PrefillFamily)
 MAX_FAMILIES = 1024
-MAX_MET = 4096  # the signatures' hashes a family remembers having met (``met_before``)
+MAX_MET = 4096  # the (nq, nk) pairs a family remembers having met (``met_before``)
 
 
 class Plan:
@@ -164,19 +164,20 @@ def remember_family(key, family):
     return family
 
 
-def met_before(met: set, key) -> bool:
-    """Whether the signature ``key`` is in ``met``, a family's set of the hashes of the signatures it has made
-    calls for; it joins them if not. A family's call is kept in ``CALLS`` only from its signature's second meeting:
-    a decode loop over a growing cache, or chunked prefill, meets each signature once, and keeping each of those
-    calls would fill the heap with objects that outlive Python's young generations, whose full collections then
-    cost the loop a share of every step. A hash stands for its signature (ints are not tracked by the collector); a
-    collision only keeps a call early."""
-    h = hash(key)
-    if h in met:
+def met_before(met: set, nq: int, nk: int) -> bool:
+    """Whether a family has met the signature of ``nq`` queries and ``nk`` keys before, ``met`` being its set of
+    the pairs it has made calls for; it joins them if not. Within one family (``family_key``) the two counts are
+    all that tells its signatures apart. A family's call is kept in ``CALLS`` only from its signature's second
+    meeting: a decode loop over a growing cache, or chunked prefill, meets each signature once, and keeping each of
+    those calls would fill the heap with objects that outlive Python's young generations, whose full collections
+    then cost the loop a share of every step. The pair is held as one int (ints are not tracked by the collector;
+    the counts are below 2**32)."""
+    pair = nq << 32 | nk
+    if pair in met:
         return True
     if len(met) >= MAX_MET:
         met.clear()
-    met.add(h)
+    met.add(pair)
     return False
 
 
@@ -188,12 +189,12 @@ def family_key(key, q, k, v):
     if key is None:
         return None
     q_shape, q_stride, k_shape, k_stride, v_shape, v_stride = key[:6]
-    if not len(q_shape) == len(k_shape) == len(v_shape) == 4:
+    if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
         return None  # not a (batch, heads, tokens, head dim) call: checked_call's checks say what is wrong
-    return ((q_shape[0], q_shape[1], q_shape[3]), "contiguous" if q.is_contiguous() else q_stride,
-            (k_shape[0], k_shape[1], k_shape[3]), "contiguous" if k.is_contiguous() else k_stride,
-            (v_shape[0], v_shape[1], v_shape[3]), "contiguous" if v.is_contiguous() else v_stride,
-            *key[6:])  # fmt: skip
+    # flat, a contiguous tensor's strides as None: a growing decode loop builds one of these every step
+    return (q_shape[0], q_shape[1], q_shape[3], k_shape[0], k_shape[1], k_shape[3], v_shape[0], v_shape[1],
+            v_shape[3], None if q.is_contiguous() else q_stride, None if k.is_contiguous() else k_stride,
+            None if v.is_contiguous() else v_stride, key[6:])  # fmt: skip
 
 
 def int_class(x: int) -> int:

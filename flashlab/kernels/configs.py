@@ -94,7 +94,7 @@ PREFILL_DEFAULTS = {
         "d<=64": [(128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 8, 3), *_SKIP_SPLIT_FALLBACKS],
         "d=128": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4), *_SKIP_SPLIT_FALLBACKS],
         "d=256": [(64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), *_SKIP_SPLIT_FALLBACKS],
-        "fp32": [(64, 32, 4, 2), (64, 64, 4, 2), *_SKIP_SPLIT_FALLBACKS],
+        "fp32": [(64, 32, 8, 2), (64, 32, 4, 2), *_SKIP_SPLIT_FALLBACKS],
     },
     "lesson_loop": {
         "d<=64": [(128, 64, 4, 3), (64, 64, 4, 3), *_LESSON_LOOP_FALLBACKS],

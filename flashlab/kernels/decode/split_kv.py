@@ -269,6 +269,18 @@ def merge_arguments(num_splits: int, blocks: int, tree: bool = True) -> Merge:
     return Merge(constexprs, blocks * softmax_step.merge_counters(num_splits, group))
 
 
+def unwindowed_chunks(nk: int, wanted: int) -> tuple[int, int]:
+    """``(num_splits, keys_per_split)`` that ``SplitArguments`` chooses for ``nk`` keys under no window (causal or
+    not), ``wanted`` the most chunks the chip wants for the launch (``SplitArguments.fixed[1]``): every key is then
+    visible to some query, so the chunking reads ``nk`` alone. A growing cache's step works it out from two
+    integers (tests check it against ``SplitArguments``)."""
+    num_splits = (nk + MIN_KEYS_PER_SPLIT - 1) // MIN_KEYS_PER_SPLIT
+    if num_splits > wanted:
+        num_splits = wanted if wanted > 1 else 1
+    keys_per_split = ((nk + num_splits - 1) // num_splits + KEY_ALIGN - 1) // KEY_ALIGN * KEY_ALIGN
+    return (nk + keys_per_split - 1) // keys_per_split, keys_per_split
+
+
 class SplitArguments:
     """The arguments of one split-KV launch, from a call's shapes, strides and band: the chunks, the grid, the
     scalar arguments after the tensors (``scalars``, then the autotuner's key ``tune``), the constexprs

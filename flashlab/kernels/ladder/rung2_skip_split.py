@@ -232,7 +232,10 @@ TUNING_SPACE = {
     "d<=64": [(128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 8, 3)],
     "d=128": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4)],
     "d=256": [(64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2)],
-    "fp32": [(64, 32, 4, 2), (64, 64, 4, 2)],
+    # fp32's dots are exact ("ieee"): FMA loops that each thread unrolls, and ptxas's time grows faster than their
+    # count; eight warps share a tile's FMAs between twice the threads (a cold compile of the D = 128 causal kernel
+    # for sm_90: 9.7 s with four warps, 3.7 s with eight; docs/host-path.md)
+    "fp32": [(64, 32, 8, 2), (64, 32, 4, 2)],
 }
 
 
