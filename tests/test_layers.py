@@ -253,6 +253,7 @@ def test_the_lower_layers_do_not_need_torch(name):
 KERNEL_BASE = (
     "flashlab.kernels.configs",
     "flashlab.kernels.device",
+    "flashlab.kernels.error_record",
     "flashlab.kernels.interpreter",
     "flashlab.kernels.interpreter_rounding",
     "flashlab.kernels.softmax_step",

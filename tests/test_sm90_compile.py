@@ -180,3 +180,20 @@ def test_8bit_kvcache_kernel_compiles_for_hopper(page_size, dtype):
     # memory read a byte at a time (one instruction per value: that, not the halved bytes, would bound the loop)
     assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_varlen_boundary_check_compiles_for_hopper(dtype):
+    """The device check of ``flash_attention_varlen``'s boundaries (``varlen._check_boundaries``): its error record
+    written with system-scope atomics, its NaN fill of 16- and 32-bit outputs."""
+    from flashlab.kernels import varlen
+
+    b = 5
+    cu = torch.zeros(b + 1, dtype=torch.int32)
+    safe = torch.zeros(2 * (b + 1), dtype=torch.int32)
+    errors = torch.zeros(kvcache.ERROR_RECORD_INTS, dtype=torch.int32)
+    o, lse = torch.empty(64, 4, 16, dtype=dtype), torch.empty(4, 64)
+    args = (cu, cu, safe, errors, o, lse, o, o.numel(), lse.numel(), 0, b, 64, 64, 32, 32)
+    ptx = compile_sm90(varlen.check_boundaries, args, {"BLOCK": varlen.CHECK_BLOCK, "FILL": varlen.FILL_BLOCK},
+                       {"num_warps": 4, "num_stages": 1})  # fmt: skip
+    assert "atom" in ptx and ".sys" in ptx  # the record claimed and published where the host reads it

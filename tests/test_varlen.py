@@ -292,3 +292,95 @@ def test_bad_input_is_a_clear_error(args, error, message):
 def test_bad_mask_or_scale_is_a_clear_error(kwargs, error, message):
     with pytest.raises(error, match=message):
         flash_attention_varlen(**good_args(), **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad boundaries checked on the device: the same words as the host's check, no host read, NaN out, nothing read
+# outside the tensors
+# ----------------------------------------------------------------------------------------------------------------
+
+BAD_BOUNDARIES = [
+    (dict(cu_seqlens_q=torch.tensor([1, 3, 5], dtype=torch.int32)), "cu_seqlens_q must start at 0; got 1"),
+    (dict(cu_seqlens_k=torch.tensor([0, 4, 3], dtype=torch.int32)), r"cu_seqlens_k must not decrease: entry 2 \(3\)"),
+    (dict(cu_seqlens_q=cu_seqlens([3, 1])), r"cu_seqlens_q's last entry \(4\) must equal the packed rows' count \(5\)"),
+    (dict(max_seqlen_q=2), "sequence 0 has 3 rows in cu_seqlens_q, more than max_seqlen_q = 2"),
+    (dict(max_seqlen_k=3), "sequence 0 has 4 rows in cu_seqlens_k, more than max_seqlen_k = 3"),
+    (dict(cu_seqlens_k=torch.tensor([0, 10**6, 5], dtype=torch.int32)), r"must not decrease: entry 2 \(5\)"),
+    (dict(cu_seqlens_q=torch.tensor([0, -7, 5], dtype=torch.int32)), r"must not decrease: entry 1 \(-7\)"),
+]
+
+
+@pytest.mark.parametrize("changes, message", BAD_BOUNDARIES, ids=[m for _, m in BAD_BOUNDARIES])
+@pytest.mark.parametrize("check_values", [True, "sync"])
+def test_the_device_check_and_the_hosts_name_the_same_bad_boundary(changes, message, check_values):
+    """On the CPU the interpreter has run the device's check by the time the call returns: it raises at once, with
+    the words of the host's check, and so does ``check_values="sync"``."""
+    with pytest.raises(ValueError, match=message):
+        flash_attention_varlen(**{**good_args(), **changes}, check_values=check_values)
+
+
+@pytest.mark.parametrize("changes, message", BAD_BOUNDARIES, ids=[m for _, m in BAD_BOUNDARIES])
+def test_unchecked_bad_boundaries_give_nan_and_read_nothing_outside(changes, message):
+    """With ``check_values=False`` nothing is raised, and the outputs and gradients are NaN: the kernels walked no
+    sequence (entries far outside the tensors, a negative one, included)."""
+    args = {**good_args(), **changes}
+    for name in ("q", "k", "v"):
+        args[name] = args[name].clone().requires_grad_()
+    o, lse = flash_attention_varlen(**args, return_lse=True, check_values=False)
+    assert torch.isnan(o).all() and torch.isnan(lse).all()
+    o.sum().backward()
+    for name in ("q", "k", "v"):
+        assert torch.isnan(args[name].grad).all(), name
+
+
+def test_the_default_check_never_reads_the_boundaries_on_the_host(monkeypatch):
+    """The default path makes no host read of cu_seqlens (which on a GPU is a synchronisation per call)."""
+    from flashlab.host import varlen as host_varlen
+
+    def host_read(*args):
+        raise AssertionError("the boundaries were read on the host")
+
+    monkeypatch.setattr(host_varlen, "check_cu_seqlens_values", host_read)
+    monkeypatch.setattr(torch.Tensor, "tolist", host_read)
+    flash_attention_varlen(**good_args())
+    with pytest.raises(AssertionError, match="read on the host"):
+        flash_attention_varlen(**good_args(), check_values="sync")
+
+
+def test_a_bad_boundary_recorded_earlier_is_raised_by_the_next_checked_call():
+    """What a GPU launch leaves in the device's record (here written by the check itself, as a GPU would before the
+    host reads it) is raised by the next call that checks on that device, naming the earlier call."""
+    from flashlab.host.kvcache_errors import error_record
+
+    args = {**good_args(), "cu_seqlens_q": torch.tensor([0, 4, 3], dtype=torch.int32)}
+    o = torch.empty(5, 2, 16)
+    lse = torch.empty(2, 5)
+    record = error_record(torch.device("cpu"))
+    varlen.checked_boundaries(args["cu_seqlens_q"], args["cu_seqlens_k"], 5, 5, 3, 4, record.tensor, (o, lse))
+    assert torch.isnan(o).all() and torch.isnan(lse).all()
+    with pytest.raises(ValueError, match=r"an earlier flash_attention_varlen call on cpu met bad boundaries: "
+                                         r"cu_seqlens_q must not decrease: entry 2 \(3\) < entry 1 \(4\)"):  # fmt: skip
+        flash_attention_varlen(**good_args())
+    flash_attention_varlen(**good_args())  # raised once, then cleared
+
+
+def test_the_device_check_reads_boundaries_across_several_of_its_blocks():
+    """More sequences than one block of the check holds (``CHECK_BLOCK``): a decrease past the first block and the
+    longest sequence in a later block are found, with their indices."""
+    b = varlen.CHECK_BLOCK + 300
+    lengths = [1] * b
+    lengths[b - 5] = 3
+    good = cu_seqlens(lengths)
+    safe_q, safe_k = varlen.checked_boundaries(good, good, b + 2, b + 2, 3, 3, torch.zeros(8, dtype=torch.int32), ())
+    assert torch.equal(safe_q, good) and torch.equal(safe_k, good)
+    from flashlab.host.kvcache_errors import ErrorRecord, raise_recorded
+
+    for cu, most, message in [
+        (torch.cat([good[: b - 100], good[b - 100 :] - 2]), 3, rf"cu_seqlens_q must not decrease: entry {b - 100} "),
+        (good, 2, rf"sequence {b - 5} has 3 rows in cu_seqlens_q, more than max_seqlen_q = 2"),
+    ]:
+        record = ErrorRecord(torch.device("cpu"))
+        safe_q, _ = varlen.checked_boundaries(cu, good, b + 2, b + 2, most, 3, record.tensor, ())
+        assert not safe_q.any(), "bad boundaries: every sequence empty for the kernels"
+        with pytest.raises(ValueError, match=message):
+            raise_recorded(record, earlier=False)

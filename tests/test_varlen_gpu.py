@@ -97,3 +97,48 @@ def test_inductor_compile_equals_eager():
     # kernel that rounds to bf16 once, where eager rounds after each, so the block agrees to bf16's rounding
     torch.testing.assert_close(o_compiled, o_eager, rtol=0, atol=0)
     torch.testing.assert_close(y_compiled, y_eager, rtol=1.6e-2, atol=1.6e-2)
+
+
+def test_bad_boundaries_are_raised_by_a_later_call_and_give_nan():
+    """The default check runs on the device: the faulty call returns at once, its output NaN; the error is raised by
+    ``check_kvcache_errors`` (which waits for the GPU) or by the next checked call after the launch has finished.
+    An entry far outside the tensors reads nothing there (the next launches run)."""
+    from flashlab import check_kvcache_errors
+
+    lq, lk = ragged_lengths(5, 6, 400)
+    q, k, v, _, cu_q, cu_k = on_gpu(*packed_case(lq, lk, 8, 2, 64, torch.bfloat16, seed=5))
+    good = flash_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk))
+    far = cu_k.clone()
+    far[2] = 2**30  # a decrease after it, and rows far past the packed keys
+    o = flash_attention_varlen(q, k, v, cu_q, far, max(lq), max(lk))
+    torch.cuda.synchronize()
+    assert torch.isnan(o).all()
+    with pytest.raises(ValueError, match=r"an earlier flash_attention_varlen call on cuda:\d met bad boundaries: "
+                                         r"cu_seqlens_k must not decrease: entry 3"):  # fmt: skip
+        check_kvcache_errors()
+    again = flash_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk))
+    assert torch.equal(again, good)
+    flash_attention_varlen(q, k, v, cu_q, far, max(lq), max(lk))
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="an earlier flash_attention_varlen call"):
+        flash_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk))
+
+
+def test_a_varlen_call_is_captured_in_a_cuda_graph():
+    """No host read of the boundaries: the default call can be captured and replayed, new boundaries and all."""
+    lq, lk = ragged_lengths(6, 6, 300)
+    q, k, v, _, cu_q, cu_k = on_gpu(*packed_case(lq, lk, 8, 2, 64, torch.bfloat16, seed=6))
+    expect = flash_attention_varlen(q, k, v, cu_q, cu_k, 400, 500)  # compiles, and makes the error record
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attention_varlen(q, k, v, cu_q, cu_k, 400, 500)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expect)
+    lq2 = [lq[1], lq[0], *lq[2:]]  # the same rows cut into other sequences
+    lk2 = [lk[1], lk[0], *lk[2:]]
+    cu_q.copy_(torch.tensor([0, *np.cumsum(lq2)], dtype=torch.int32))
+    cu_k.copy_(torch.tensor([0, *np.cumsum(lk2)], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, flash_attention_varlen(q, k, v, cu_q, cu_k, 400, 500))

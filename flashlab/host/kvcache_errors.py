@@ -1,5 +1,6 @@
-"""The values check of ``flash_attention_with_kvcache``, made on the device: where its kernel reports a bad length
-or block-table entry, and how the host raises it without waiting for the GPU.
+"""The values checks made on the device: where ``flash_attention_with_kvcache``'s kernel reports a bad length or
+block-table entry, or ``flash_attention_varlen``'s check bad boundaries (``cu_seqlens``), and how the host raises it
+without waiting for the GPU.
 
 The KV-cache kernel (``flashlab.kernels.decode.kvcache``) writes NaN into every output row of a sequence whose
 length lies outside ``[0, capacity]``, whose used block-table entries include one outside the pool, or (an 8-bit
@@ -33,6 +34,9 @@ from flashlab.kernels.decode.kvcache import (
     ERROR_SCALE,
     SCALE_K,
 )
+from flashlab.kernels.varlen import ERROR_CU_DECREASE, ERROR_CU_LAST, ERROR_CU_LONG, ERROR_CU_START
+
+BOUNDARY_KINDS = (ERROR_CU_START, ERROR_CU_DECREASE, ERROR_CU_LAST, ERROR_CU_LONG)  # flash_attention_varlen's
 
 _CLAIM, _KIND, _BATCH, _COLUMN, _VALUE, _LIMIT = (ERROR_FIELDS.index(f) for f in ERROR_FIELDS)
 
@@ -96,6 +100,20 @@ def scale_message(name: str, index: tuple, value: float) -> str:
     return f"{name}[{where}] = {value!r}: scales must be finite and > 0"
 
 
+def boundary_message(kind: int, which: int, column: int, value: int, limit: int) -> str:
+    """The words for bad ``cu_seqlens`` (``which`` 0: cu_seqlens_q, 1: cu_seqlens_k), the same for the device's
+    check (``flashlab.kernels.varlen.checked_boundaries``) and the host's (``flashlab.host.varlen``)."""
+    name = ("cu_seqlens_q", "cu_seqlens_k")[which]
+    if kind == ERROR_CU_START:
+        return f"{name} must start at 0; got {value}"
+    if kind == ERROR_CU_DECREASE:
+        return f"{name} must not decrease: entry {column} ({value}) < entry {column - 1} ({limit})"
+    if kind == ERROR_CU_LAST:
+        return f"{name}'s last entry ({value}) must equal the packed rows' count ({limit})"
+    most = ("max_seqlen_q", "max_seqlen_k")[which]
+    return f"sequence {column} has {value} rows in {name}, more than {most} = {limit}"
+
+
 def raise_recorded(record: ErrorRecord, earlier: bool) -> None:
     """A ValueError for what ``record`` holds (then cleared); nothing when it holds nothing. ``earlier``: the
     launch that wrote it was an earlier call's (the message says so, and which device)."""
@@ -105,6 +123,12 @@ def raise_recorded(record: ErrorRecord, earlier: bool) -> None:
         return
     b, column, value, limit = (int(x) for x in view[_BATCH : _LIMIT + 1])
     record.clear()
+    if kind in BOUNDARY_KINDS:  # b: which boundaries, column: the entry or sequence
+        what = boundary_message(kind, b, column, value, limit)
+        if earlier:
+            raise ValueError(f"an earlier flash_attention_varlen call on {record.device} met bad boundaries: {what}; "
+                             "that call's output (and its gradients) are NaN")  # fmt: skip
+        raise ValueError(what)
     if kind == ERROR_LENGTH:
         what = length_message(b, value, limit)
     elif kind == ERROR_ENTRY:
@@ -124,11 +148,12 @@ def raise_recorded(record: ErrorRecord, earlier: bool) -> None:
 
 
 def check_kvcache_errors(device=None) -> None:
-    """Wait for ``device`` (a CUDA device, or None: every device ``flash_attention_with_kvcache`` has run on) to
-    finish its work, then raise the ValueError of a bad length or block-table entry any of its launches met since
-    the last one raised (``flash_attention_with_kvcache``'s default ``check_values=True`` otherwise raises it at
-    the first call that begins after the faulty launch has finished on the GPU). On the CPU a bad value raises in
-    the call itself, so there is nothing left to raise here."""
+    """Wait for ``device`` (a CUDA device, or None: every device ``flash_attention_with_kvcache`` or
+    ``flash_attention_varlen`` has checked values on) to finish its work, then raise the ValueError of a bad
+    length, block-table entry, scale or ``cu_seqlens`` boundary any of its launches met since the last one raised
+    (the default ``check_values=True`` otherwise raises it at the first such call that begins after the faulty
+    launch has finished on the GPU). On the CPU a bad value raises in the call itself, so there is nothing left to
+    raise here."""
     if device is None:
         devices = list(_RECORDS)
     else:
@@ -143,7 +168,9 @@ def check_kvcache_errors(device=None) -> None:
 
 
 __all__ = [
+    "BOUNDARY_KINDS",
     "ErrorRecord",
+    "boundary_message",
     "check_kvcache_errors",
     "entry_message",
     "error_record",

@@ -7,7 +7,9 @@ int32 running sums of the lengths. flashlab's other entry points take ``(B, H, N
 - ``flash_attention_varlen``: the entry point (eager, autograd, or one ``torch.ops.flashlab.attention_varlen``
   node under ``torch.compile``).
 - ``check_varlen_inputs``: what the call signature fixes (shapes, dtypes, devices, mask, scale);
-  ``check_cu_seqlens_values``: the boundaries themselves, read on the host (one synchronisation on a GPU).
+  the boundaries themselves are checked on the device by default (``flashlab.kernels.varlen.checked_boundaries``,
+  reported through the device's error record, ``flashlab.host.kvcache_errors``), or read on the host with
+  ``check_values="sync"`` (``check_cu_seqlens_values``: one synchronisation on a GPU).
 - ``varlen_forward`` and ``varlen_backward``: the forward kernel (``flashlab.kernels.varlen``) and the gradients.
 
 The backward is FlashAttention-2's (``flashlab.kernels.flash_backward``'s three kernels, in the varlen variants of
@@ -25,9 +27,19 @@ from torch.autograd.function import once_differentiable
 from flashlab.core.masking import visible_band
 from flashlab.host.attention import window_to_ints
 from flashlab.host.autograd import check_no_lse_gradient
-from flashlab.host.checks import check_causal, check_dense, check_head_dim, check_scale
+from flashlab.host.checks import (
+    DEVICE_CHECK,
+    NO_CHECK,
+    SYNC_CHECK,
+    check_causal,
+    check_dense,
+    check_head_dim,
+    check_scale,
+    check_values_flag,
+)
+from flashlab.host.kvcache_errors import boundary_message, error_record, raise_recorded, unreported_record
 from flashlab.kernels import flash_backward, varlen
-from flashlab.kernels.device import DTYPES, block_d, device_index, fits_smem, kernel_band, smem_limit
+from flashlab.kernels.device import DTYPES, block_d, device_index, fits_smem, kernel_band, smem_limit, stream_capturing
 
 MAX_ROW_OFFSET = 2**31  # the kernel's offsets inside one sequence are 32-bit
 
@@ -88,35 +100,53 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 
 def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k):
     """A ValueError for boundaries that are not running sums of lengths: first entry not 0, a decrease, last entry
-    not the packed total, or a sequence longer than ``max_seqlen``. Read on the host (one synchronisation on a
-    GPU); returns the two lists of boundaries."""
+    not the packed total, or a sequence longer than ``max_seqlen`` (``check_values="sync"``: read on the host, one
+    synchronisation on a GPU; the device's check, ``flashlab.kernels.varlen.checked_boundaries``, tests the same
+    in the same order). Returns the two lists of boundaries."""
     bounds = torch.stack([cu_seqlens_q, cu_seqlens_k]).tolist()
-    for name, cu, total, most in (("cu_seqlens_q", bounds[0], total_q, max_seqlen_q),
-                                  ("cu_seqlens_k", bounds[1], total_k, max_seqlen_k)):  # fmt: skip
+    for which, (cu, total, most) in enumerate(((bounds[0], total_q, max_seqlen_q), (bounds[1], total_k, max_seqlen_k))):
         if cu[0] != 0:
-            raise ValueError(f"{name} must start at 0; got {cu[0]}")
+            raise ValueError(boundary_message(varlen.ERROR_CU_START, which, 0, cu[0], total))
         lengths = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
         for i, n in enumerate(lengths):
             if n < 0:
-                raise ValueError(f"{name} must not decrease: entry {i + 1} ({cu[i + 1]}) < entry {i} ({cu[i]})")
+                raise ValueError(boundary_message(varlen.ERROR_CU_DECREASE, which, i + 1, cu[i + 1], cu[i]))
         if cu[-1] != total:
-            raise ValueError(f"{name}'s last entry ({cu[-1]}) must equal the packed rows' count ({total})")
+            raise ValueError(boundary_message(varlen.ERROR_CU_LAST, which, len(lengths), cu[-1], total))
         longest = max(lengths)
         if longest > most:
-            i = lengths.index(longest)
-            kind = "max_seqlen_q" if name == "cu_seqlens_q" else "max_seqlen_k"
-            raise ValueError(f"sequence {i} has {longest} rows in {name}, more than {kind} = {most}")
+            raise ValueError(boundary_message(varlen.ERROR_CU_LONG, which, lengths.index(longest), longest, most))
     return bounds
+
+
+def boundary_record(device, mode):
+    """The error record a call's device check writes (``check_values``' ``mode``): the device's own, after
+    raising what an earlier call left in it (``DEVICE_CHECK``); one nobody reads (``NO_CHECK``); None where the host
+    has read the boundaries itself (``SYNC_CHECK``)."""
+    if mode is SYNC_CHECK:
+        return None
+    if mode is NO_CHECK:
+        return unreported_record(device)
+    record = error_record(device)
+    if record.holds_error() and not (device.type == "cuda" and stream_capturing()):
+        raise_recorded(record, earlier=True)
+    return record
 
 
 def _unit_stride(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
-    """``(o (total_q, Hq, D), lse (Hq, total_q) float32)`` on inputs ``check_varlen_inputs`` passed; checks the
-    boundaries' values first (``check_cu_seqlens_values``)."""
-    check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale,
+                   check_values=True):  # fmt: skip
+    """``(o (total_q, Hq, D), lse (Hq, total_q) float32)`` on inputs ``check_varlen_inputs`` passed; the
+    boundaries' values checked as ``check_values`` says (``flash_attention_varlen``)."""
+    mode = check_values_flag(check_values)
+    if mode is SYNC_CHECK and not (q.is_cuda and stream_capturing()):
+        check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+        record = None
+    else:
+        record = boundary_record(q.device, DEVICE_CHECK if mode is SYNC_CHECK else mode)
     q, k, v = (_unit_stride(x) for x in (q, k, v))
     total_q, hq, d = q.shape
     # the band's sides for every sequence at once (an unbounded side wider than the longest sequence); the offset
@@ -128,7 +158,10 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
     q_run = -q if negate else q  # the running max needs a positive scale: (-q) . k * |scale| is exact
     band = (win_left, win_right, qk_scale)
-    varlen.launch(q_run, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, band)
+    varlen.launch(q_run, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, band,
+                  errors=None if record is None else record.tensor)  # fmt: skip
+    if mode is DEVICE_CHECK and not q.is_cuda:  # the interpreter has finished: this call's own error
+        raise_recorded(record, earlier=False)
     return o, lse
 
 
@@ -155,17 +188,22 @@ def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     """Gradients ``(dq, dk, dv)`` shaped like q, k, v (``flashlab.kernels.varlen.backward``: three launches for
     the whole batch). A sequence with no queries or no keys gets zero gradients. Deterministic."""
     config = {name: backward_config(name, q) for name in ("dkdv", "dq")} if q.is_cuda else None
+    # the boundaries checked on the device again (the forward reported them): what the kernels walk is in bounds
+    # even for boundaries changed since, and bad ones give NaN gradients
+    errors = unreported_record(q.device).tensor
     return varlen.backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                           window, scale, config)  # fmt: skip
+                           window, scale, config, errors)  # fmt: skip
 
 
 class VarlenAttentionFunction(torch.autograd.Function):
-    """``(o, lse) = VarlenAttentionFunction.apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale)`` on
-    checked inputs; lse is not differentiable (``check_no_lse_gradient``)."""
+    """``(o, lse) = VarlenAttentionFunction.apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale,
+    check_values)`` on checked inputs; lse is not differentiable (``check_no_lse_gradient``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
-        o, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale)
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale,
+                check_values=True):  # fmt: skip
+        o, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale,
+                                check_values)  # fmt: skip
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.band = (max_seqlen_q, max_seqlen_k, causal, window, scale)
         ctx.set_materialize_grads(False)
@@ -176,14 +214,14 @@ class VarlenAttentionFunction(torch.autograd.Function):
     def backward(ctx, do, dlse):
         check_no_lse_gradient(dlse)
         if do is None:
-            return (None,) * 10
+            return (None,) * 11
         q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
         dq, dk, dv = varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, *ctx.band)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-                           window=None, scale=None, return_lse=False):  # fmt: skip
+                           window=None, scale=None, return_lse=False, *, check_values=True):  # fmt: skip
     """FlashAttention over a packed batch of sequences of different lengths (FlashAttention's
     ``flash_attn_varlen_func`` layout): ``softmax(q k^T * scale + mask) v`` per sequence, never padded.
 
@@ -200,9 +238,19 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     lse ``(Hq, total_q)`` float32, the natural log-sum-exp of each row (FlashAttention's layout); a row that sees
     no key (e.g. a query sequence with no keys) gives zeros and lse = -inf.
 
-    The boundaries are checked on the host (a first entry of 0, no decrease, a last entry equal to the packed
-    rows, no sequence longer than its ``max_seqlen``): one synchronisation per call on a GPU, which also keeps a
-    call out of CUDA-graph capture (``torch.compile(mode="reduce-overhead")``) in this version.
+    The boundaries must start at 0, never decrease, end at the packed rows' count, and give no sequence more rows
+    than its ``max_seqlen``. ``check_values`` says how a bad one is reported, as a ValueError naming it:
+
+    - ``True`` (the default): one small kernel checks them on the device before the attention kernel and records
+      what is wrong where the host reads it without waiting for the GPU; the call's output (and its gradients)
+      come out NaN and nothing outside the tensors is read or written. On a GPU the error is raised by the first
+      later checked call on the same device that begins after the faulty launch has finished (or at once by
+      ``flashlab.check_kvcache_errors()``, which waits for the GPU; the device's error record is shared with
+      ``flash_attention_with_kvcache``); on the CPU by the call itself. No synchronisation, so a training loop
+      never stalls on it, and a call can be captured in a CUDA graph.
+    - ``"sync"``: read on the host before the launch, so the same call raises: one synchronisation per call on
+      a GPU.
+    - ``False``: nothing is reported (the NaN output stays the only sign).
 
     Differentiable in q, k and v (not lse). The backward recomputes the probabilities from the saved lse with the
     FlashAttention-2 kernels in varlen form (``flashlab.kernels.varlen.backward``: preprocess, dK/dV, dQ, one
@@ -211,14 +259,15 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (``flashlab.kernels.varlen``), CPU tensors the same kernel through Triton's interpreter.
     """
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale)
+    check_values_flag(check_values)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
     if torch.compiler.is_compiling():  # one opaque operator in the graph; its boundary checks run inside it
         left, right = window_to_ints(window)
         o, lse = torch.ops.flashlab.attention_varlen(*args, causal, left, right, scale)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, lse = VarlenAttentionFunction.apply(*args, causal, window, scale)
+        o, lse = VarlenAttentionFunction.apply(*args, causal, window, scale, check_values)
     else:
-        o, lse = varlen_forward(*args, causal, window, scale)
+        o, lse = varlen_forward(*args, causal, window, scale, check_values)
     return (o, lse) if return_lse else o
 
 

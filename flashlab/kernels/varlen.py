@@ -26,14 +26,16 @@ bucket; CPU tensors run the same source through Triton's interpreter with ``CPU_
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import triton
 import triton.language as tl
 
 from flashlab.core.integers import cdiv
-from flashlab.kernels import configs, softmax_step
+from flashlab.kernels import configs, error_record, softmax_step
 from flashlab.kernels.device import CPU_CONFIG, LOG2_E, block_d, dot_precision, dot_upcast, kernel_band
+from flashlab.kernels.error_record import report_error
 from flashlab.kernels.interpreter import interpreted, interpreted_language
 
 # Lengths, the band and the row counts are runtime values: a new batch of lengths never compiles another binary.
@@ -177,6 +179,116 @@ def _attn_fwd_varlen(
              mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The boundaries, checked on the device: no host read, no synchronisation
+# ----------------------------------------------------------------------------------------------------------------
+
+# Bad boundaries are recorded in the device's error record (``flashlab.kernels.error_record``'s ERROR_FIELDS;
+# "batch" says which: 0 cu_seqlens_q, 1 cu_seqlens_k), in the order the host's check tests them:
+ERROR_CU_START = 4  # entry 0 is value, not 0
+ERROR_CU_DECREASE = 5  # entry column (value) < entry column - 1 (limit)
+ERROR_CU_LAST = 6  # the last entry is value, not the packed rows' count (limit)
+ERROR_CU_LONG = 7  # sequence column has value rows, more than max_seqlen (limit)
+CHECK_BLOCK = 1024  # boundaries a program reads a step
+FILL_BLOCK = 1024  # elements a program sets to NaN a step, where the boundaries are bad
+CHECK_PROGRAMS = 256  # programs of the check on a GPU: what fills the outputs quickly where they are bad
+_NO = tl.constexpr(2**31 - 1)
+_START, _DECREASE = tl.constexpr(ERROR_CU_START), tl.constexpr(ERROR_CU_DECREASE)
+_LAST, _LONG = tl.constexpr(ERROR_CU_LAST), tl.constexpr(ERROR_CU_LONG)
+
+
+@triton.jit
+def _first_bad(CU, B, TOTAL, MOST, BLOCK: tl.constexpr):
+    """``(kind, column, value, limit)`` of the first thing wrong with the boundaries ``CU`` (``B + 1`` int32) in the
+    host check's order -- entry 0 not 0, a decrease, a last entry other than ``TOTAL``, a sequence longer than
+    ``MOST`` (the first of the longest) -- or kind 0."""
+    decrease = tl.zeros([], dtype=tl.int32) + _NO
+    longest = tl.zeros([], dtype=tl.int32) - 1
+    longest_at = tl.zeros([], dtype=tl.int32)
+    for start in range(0, B, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        inside = i < B
+        lo = tl.load(CU + i, mask=inside, other=0)
+        hi = tl.load(CU + i + 1, mask=inside, other=0)
+        n = tl.where(inside, hi - lo, -1)
+        decrease = tl.minimum(decrease, tl.min(tl.where(inside & (n < 0), i + 1, _NO), 0))
+        block_longest = tl.max(n, 0)
+        at = tl.min(tl.where(n == block_longest, i, _NO), 0)
+        longest_at = tl.where(block_longest > longest, at, longest_at)
+        longest = tl.maximum(longest, block_longest)
+    first = tl.load(CU)
+    last = tl.load(CU + B)
+    at = tl.minimum(decrease, B)
+    after, before = tl.load(CU + at), tl.load(CU + tl.maximum(at - 1, 0))
+    kind = tl.where(first != 0, _START, tl.where(decrease != _NO, _DECREASE,
+                    tl.where(last != TOTAL, _LAST, tl.where(longest > MOST, _LONG, 0))))  # fmt: skip
+    column = tl.where(kind == _DECREASE, decrease, tl.where(kind == _LONG, longest_at, tl.where(kind == _LAST, B, 0)))
+    value = tl.where(kind == _DECREASE, after, tl.where(kind == _LONG, longest, tl.where(kind == _LAST, last, first)))
+    limit = tl.where(kind == _DECREASE, before, tl.where(kind == _LONG, MOST, TOTAL))
+    return kind, column, value, limit
+
+
+@triton.jit
+def _check_boundaries(
+    CU_Q, CU_K,  # the caller's boundaries, int32 (B + 1,) each
+    SAFE,  # int32 (2 * (B + 1),): the boundaries the attention kernels walk (q's, then k's), written here
+    ERRORS,  # the device's error record
+    FILL0, FILL1, FILL2,  # outputs set to NaN where the boundaries are bad (flat; FILL2 may repeat FILL0)
+    N0, N1, N2,  # their element counts (0: not filled)
+    B, TOTAL_Q, TOTAL_K, MOST_Q, MOST_K,  # sequences, packed rows of q and k, max_seqlen_q and max_seqlen_k
+    BLOCK: tl.constexpr, FILL: tl.constexpr,
+):
+    """Every program tests the boundaries; program 0 copies them into ``SAFE`` where they are good, or writes
+    zeros there (every sequence empty: the attention kernels then read and write nothing) and fills the error
+    record where they are not; then every program sets its share of the outputs to NaN if they are bad."""
+    kind_q, column_q, value_q, limit_q = _first_bad(CU_Q, B, TOTAL_Q, MOST_Q, BLOCK)
+    kind_k, column_k, value_k, limit_k = _first_bad(CU_K, B, TOTAL_K, MOST_K, BLOCK)
+    bad = (kind_q != 0) | (kind_k != 0)
+    pid = tl.program_id(0)
+    if pid == 0:
+        for start in range(0, B + 1, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            inside = i < B + 1
+            tl.store(SAFE + i, tl.where(bad, 0, tl.load(CU_Q + i, mask=inside, other=0)), mask=inside)
+            tl.store(SAFE + B + 1 + i, tl.where(bad, 0, tl.load(CU_K + i, mask=inside, other=0)), mask=inside)
+        if bad:
+            of_q = kind_q != 0
+            report_error(ERRORS, tl.where(of_q, kind_q, kind_k), tl.where(of_q, 0, 1),
+                         tl.where(of_q, column_q, column_k), tl.where(of_q, value_q, value_k),
+                         tl.where(of_q, limit_q, limit_k))  # fmt: skip
+    if bad:
+        step = tl.num_programs(0) * FILL
+        for start in range(pid * FILL, N0, step):
+            i = start + tl.arange(0, FILL)
+            tl.store(FILL0 + i, tl.full([FILL], float("nan"), FILL0.dtype.element_ty), mask=i < N0)
+        for start in range(pid * FILL, N1, step):
+            i = start + tl.arange(0, FILL)
+            tl.store(FILL1 + i, tl.full([FILL], float("nan"), FILL1.dtype.element_ty), mask=i < N1)
+        for start in range(pid * FILL, N2, step):
+            i = start + tl.arange(0, FILL)
+            tl.store(FILL2 + i, tl.full([FILL], float("nan"), FILL2.dtype.element_ty), mask=i < N2)
+
+
+def checked_boundaries(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, errors, fills):
+    """``(cu_q, cu_k)`` for the attention kernels: the caller's boundaries where they are good, zeros where not,
+    worked out on the device by one small launch (``_check_boundaries``) that also records what is bad in
+    ``errors`` (an int32 error record) and sets every tensor of ``fills`` (up to three, contiguous) to NaN. The
+    host reads nothing, so a call never waits for the GPU."""
+    b = cu_seqlens_q.shape[0] - 1
+    safe = torch.empty(2 * (b + 1), dtype=torch.int32, device=cu_seqlens_q.device)
+    spare = fills[0] if fills else torch.empty(1, device=cu_seqlens_q.device)  # an unused slot's pointer
+    flat = [x.view(-1) for x in fills] + [spare.view(-1)] * (3 - len(fills))
+    counts = [x.numel() for x in fills] + [0] * (3 - len(fills))
+    args = (cu_seqlens_q, cu_seqlens_k, safe, errors, *flat, *counts, b, total_q, total_k, max_seqlen_q, max_seqlen_k)
+    if not cu_seqlens_q.is_cuda:  # the device functions it calls: this module's and the error record's
+        with interpreted_language(sys.modules[__name__], error_record):
+            interpreted(_check_boundaries)[(1,)](*args, BLOCK=CHECK_BLOCK, FILL=FILL_BLOCK)
+    else:
+        with torch.cuda.device(cu_seqlens_q.device):
+            _check_boundaries[(CHECK_PROGRAMS,)](*args, BLOCK=CHECK_BLOCK, FILL=FILL_BLOCK, num_warps=4)
+    return safe[: b + 1], safe[b + 1 :]
+
+
 def mask_kind(causal: bool, window) -> str:
     """The tuned table's mask name for a varlen call: what its band can hide in general ("none", "causal",
     "window"), since the lengths differ from sequence to sequence."""
@@ -186,7 +298,7 @@ def mask_kind(causal: bool, window) -> str:
 
 
 def launch(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, band,
-           config=None, tiles=None):  # fmt: skip
+           config=None, tiles=None, errors=None):  # fmt: skip
     """Run the kernel once on prepared inputs, writing ``o (total_q, Hq, D)`` and ``lse (Hq, total_q)``.
 
     q ``(total_q, Hq, D)``, k and v ``(total_k, Hk, D)`` with unit stride along D (negated q for a negative
@@ -194,11 +306,16 @@ def launch(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     the grid and the tuned table's bucket); ``band = (win_left, win_right, qk_scale)`` (``kernel_band``'s, the
     per-sequence offset is computed in the kernel). ``config`` fixes the tiles on a GPU (None: the tuned table's,
     ``configs.pick("skip_split", ...)``). ``tiles``, an int32 tensor of ``B * Hq`` zeros, turns on the count of
-    the key tiles each (sequence, head) visits.
+    the key tiles each (sequence, head) visits. ``errors``, an error record, has the boundaries checked on the
+    device first (``checked_boundaries``: bad ones are recorded there, o and lse come out NaN, nothing is read
+    outside the tensors); None trusts them (the host has checked them).
     """
     total_q, hq, d = q.shape
     hk = k.shape[1]
     b = cu_seqlens_q.shape[0] - 1
+    if errors is not None:
+        cu_seqlens_q, cu_seqlens_k = checked_boundaries(cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0], max_seqlen_q,
+                                                        max_seqlen_k, errors, (o, lse))  # fmt: skip
     if max_seqlen_q == 0 or b == 0:
         return
     win_left, win_right, qk_scale = band
@@ -469,13 +586,14 @@ def _bwd_dq_varlen(
 
 
 def backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale,
-             config=None):  # fmt: skip
+             config=None, errors=None):  # fmt: skip
     """Gradients ``(dq, dk, dv)`` shaped like the packed q, k, v, of the forward's ``o`` and ``lse (Hq, total_q)``
     given ``do``: three launches for the whole batch (preprocess, dK/dV, dQ), each program reading its sequence
     from cu_seqlens. A sequence with no queries or no keys gets zero gradients. Deterministic (no atomics).
 
     ``config`` is required on a GPU: ``{"dkdv": {...}, "dq": {...}}``, each a dict of BLOCK_M, BLOCK_N, num_warps,
-    num_stages (the host engine picks them); the interpreter uses ``CPU_CONFIG``."""
+    num_stages (the host engine picks them); the interpreter uses ``CPU_CONFIG``. ``errors``: as ``launch`` takes
+    it (bad boundaries give NaN gradients)."""
     total_q, hq, d = q.shape
     total_k, hk, _ = k.shape
     b = cu_seqlens_q.shape[0] - 1
@@ -485,7 +603,10 @@ def backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                                                            window, scale)  # fmt: skip
     q_run = -q if negate else q  # as the forward: dK = |scale| dS^T (-q), dQ = scale dS K
     if b == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:  # no query sees a key: every gradient is zero
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        if errors is not None:
+            checked_boundaries(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, errors, grads)
+        return grads
     # every packed row is written: by its query tile (dq, even without keys) or its key tile (dk, dv, even without
     # queries)
     delta = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
@@ -493,6 +614,9 @@ def backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     dq = torch.empty((total_q, hq, d), dtype=q.dtype, device=q.device)
     dk = torch.empty((total_k, hk, d), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
+    if errors is not None:
+        cu_seqlens_q, cu_seqlens_k = checked_boundaries(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
+                                                        max_seqlen_k, errors, (dq, dk, dv))  # fmt: skip
     bd = block_d(d)
     common = dict(HEAD_DIM=d, BLOCK_D=bd, DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
                   DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda))  # fmt: skip
@@ -529,9 +653,16 @@ bwd_dq_varlen = _bwd_dq_varlen
 
 # The kernel under a public name (the @triton.jit function keeps ``_attn_fwd_varlen``, what profilers show).
 attn_fwd_varlen = _attn_fwd_varlen
+check_boundaries = _check_boundaries
 
 __all__ = [
     "BWD_RUNTIME",
+    "ERROR_CU_DECREASE",
+    "ERROR_CU_LAST",
+    "ERROR_CU_LONG",
+    "ERROR_CU_START",
+    "check_boundaries",
+    "checked_boundaries",
     "RUNTIME_LENGTHS",
     "attn_fwd_varlen",
     "PREPROCESS_BLOCK_M",

@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from flashlab.core.integers import cdiv, next_power_of_2
-from flashlab.kernels import configs, softmax_step
+from flashlab.kernels import configs, error_record, softmax_step
 from flashlab.kernels.decode import split_kv
 from flashlab.kernels.device import (
     CPU_CONFIG,
@@ -71,16 +71,13 @@ from flashlab.kernels.device import (
     dot_upcast,
     sm_count,
 )
+from flashlab.kernels.error_record import ERROR_FIELDS, ERROR_RECORD_INTS, report_error
 from flashlab.kernels.interpreter import interpreted, interpreted_language
 
 # Block sizes must be multiples of this: the smallest key tile, so a tile never straddles a block unevenly.
 BLOCK_SIZE_MULTIPLE = 16
 
-# The error record: int32 fields, in this order. "claim" is 0 until a program takes the record; "kind" (0: none,
-# else ERROR_ENTRY, ERROR_LENGTH or ERROR_SCALE) is written last, after the others, so a reader that sees it sees
-# them too.
-ERROR_FIELDS = ("claim", "kind", "batch", "column", "value", "limit")
-ERROR_RECORD_INTS = 8  # the fields, padded to 32 bytes
+# The kinds of the device's error record (flashlab.kernels.error_record) this kernel writes:
 ERROR_ENTRY = 1  # block_table[batch, column] = value is outside [0, limit): limit is the pool's block count
 ERROR_LENGTH = 2  # cache_seqlens[batch] = value is outside [0, limit]: limit is the capacity (column is -1)
 ERROR_SCALE = 3  # a descale of (sequence batch, K/V head column) is not finite and > 0: value is its float32 bits,
@@ -108,20 +105,6 @@ def first_bad_column(table, key_lo, key_hi, NUM_PAGES, PAGE_SIZE: tl.constexpr, 
         bad = inside & ((entry < 0) | (entry >= NUM_PAGES))
         first = tl.minimum(first, tl.min(tl.where(bad, cols, _NO_COLUMN), 0))
     return first
-
-
-@triton.jit
-def report_error(ERRORS, kind, batch, column, value, limit):
-    """Fill the error record ``ERRORS`` (``ERROR_FIELDS``) unless another program claimed it first. The fields
-    are stored before the kind, with a system-scope release: a host reading the kind of a record in page-locked
-    memory then reads the fields this program wrote."""
-    if tl.atomic_cas(ERRORS, 0, 1, sem="acq_rel", scope="sys") == 0:  # the first program to fail
-        tl.store(ERRORS + 2, batch)
-        tl.store(ERRORS + 3, column)
-        tl.store(ERRORS + 4, value)
-        tl.store(ERRORS + 5, limit)
-        tl.debug_barrier()  # every thread's stores are in before the kind is published
-        tl.atomic_xchg(ERRORS + 1, kind, sem="release", scope="sys")
 
 
 @triton.jit
@@ -461,7 +444,7 @@ class KVCacheArguments:
 
 
 # the modules whose device functions the kernel calls: what a CPU launch lets the interpreter call
-DEVICE_MODULES = (softmax_step, sys.modules[__name__])
+DEVICE_MODULES = (softmax_step, error_record, sys.modules[__name__])
 # the kernel's tensor parameters, in order
 PARTIAL_TENSORS = ("Q", "K", "V", "BLOCK_TABLE", "SEQLENS", "K_DESCALE", "V_DESCALE", "CU_SEQLENS_Q", "O_PART",
                    "LSE_PART", "O", "LSE", "COUNTERS", "ERRORS")  # fmt: skip
