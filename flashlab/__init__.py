@@ -13,7 +13,8 @@ The package in layers; every import points down the list, never up (``tests/test
 4. ``flashlab.host`` -- the host engine: ``flashlab.flash_attention``, ``flashlab.flash_attention_with_kvcache``
    (attention against a serving engine's paged KV cache, 16-bit or 8-bit: ``flashlab.quantize_kv``) and
    ``flashlab.flash_attention_varlen`` (sequences of different lengths packed without padding), their checks, one
-   plan per call signature, the direct launches, autograd and the ``torch.ops.flashlab`` operators.
+   plan per call signature, the direct launches, autograd and the ``torch.ops.flashlab`` operators;
+   ``flashlab.flash_attention`` on float8 inputs runs the FP8 forward (``flashlab.quantize_qkv`` makes them).
 5. The tools: ``flashlab.bench`` (``python -m flashlab.bench``, the checked benchmark), ``flashlab.sdpa`` (which
    PyTorch SDPA backend runs, and why the others refuse), ``flashlab.exercises`` and ``flashlab.grade`` (the
    notebooks' exercises and their grader), ``flashlab.widgets`` (the sequence-length explorer),
@@ -47,6 +48,10 @@ def __getattr__(name):
         from flashlab.host.quantize import dequantize_kv
 
         return dequantize_kv
+    if name in ("quantize_qkv", "dequantize_qkv"):
+        from flashlab.host import fp8
+
+        return getattr(fp8, name)
     if name == "check_kvcache_errors":
         from flashlab.host import check_kvcache_errors
 

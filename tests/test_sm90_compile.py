@@ -197,3 +197,28 @@ def test_the_varlen_boundary_check_compiles_for_hopper(dtype):
     ptx = compile_sm90(varlen.check_boundaries, args, {"BLOCK": varlen.CHECK_BLOCK, "FILL": varlen.FILL_BLOCK},
                        {"num_warps": 4, "num_stages": 1})  # fmt: skip
     assert "atom" in ptx and ".sys" in ptx  # the record claimed and published where the host reads it
+
+
+@pytest.mark.parametrize("d, causal", [(128, False), (64, True), (256, True)])
+def test_the_fp8_forward_compiles_to_8_bit_tensor_core_products(d, causal):
+    """The FP8 forward for sm_90 with the tiles a GPU launch takes: both products are wgmma on e4m3 operands
+    (P rounded to e4m3 in registers), nothing widened to 16 bits first."""
+    from flashlab.kernels import fp8_forward
+    from flashlab.kernels.device import block_d
+
+    b, hq, hk, n = 1, 4, 2, 1024
+    q = torch.empty(b, hq, n, d, dtype=torch.float8_e4m3fn)
+    k = torch.empty(b, hk, n, d, dtype=torch.float8_e4m3fn)
+    o, lse = torch.empty(b, hq, n, d, dtype=torch.bfloat16), torch.empty(b, hq, n)
+    vt = fp8_forward.transposed_v(k)  # V as the kernel reads it: (B, Hk, D, Nk), keys contiguous
+    scales = torch.ones(b, hk)
+    offset, win_left, win_right, sm_scale_log2, _ = kernel_band(n, n, d, causal, None, None)
+    args = (q, k, vt, o, lse, scales, scales, scales, *q.stride()[:3], *k.stride()[:3], *vt.stride()[:3],
+            *o.stride()[:3], hq, hk, hq // hk, n, n, offset, win_left, win_right, sm_scale_log2)  # fmt: skip
+    bm, bn, warps, stages = fp8_forward.GPU_TILES[d]
+    constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=bm, BLOCK_N=bn, UPCAST=False)
+    ptx = compile_sm90(fp8_forward.attn_fwd_fp8, args, constexprs, {"num_warps": warps, "num_stages": stages})
+    assert "e4m3.e4m3" in ptx and "wgmma.mma_async" in ptx  # 8-bit operands on Hopper's tensor cores
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # P rounded to e4m3, two at a time
+    assert ".f16.f16" not in ptx and ".bf16.bf16" not in ptx  # no 16-bit product anywhere
+    assert "st.shared.b8" not in ptx and "st.shared.u8" not in ptx  # V^T's tile not transposed a byte at a time

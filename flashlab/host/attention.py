@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from flashlab.host import autograd
+from flashlab.host import autograd, fp8
 from flashlab.host.checks import (
     DEVICE_CHECK,
     NO_CHECK,
@@ -68,7 +68,8 @@ def ints_to_window(left: int, right: int):
     return (None if left < 0 else left), (None if right < 0 else right)
 
 
-def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=False, *, num_splits=None, rung=None):
+def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=False, *, num_splits=None, rung=None,
+                    q_descale=None, k_descale=None, v_descale=None):  # fmt: skip
     """FlashAttention forward: ``softmax(q k^T * scale + mask) v``, never materialising the score matrix.
 
     q ``(B, Hq, Nq, D)``, k and v ``(B, Hk, Nk, D)`` with Hq a multiple of Hk (grouped-query attention: query head h
@@ -103,7 +104,21 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
     Must equal ``flashlab.reference.tiled_attention`` (the NumPy tiled loop) and ``flashlab.reference.attention``
     (the float64 definition) to within the input dtype's rounding (``flashlab.core.numerics.TOLERANCE``). CUDA
     tensors run the compiled, autotuned kernel; CPU tensors run the same kernel through Triton's interpreter.
+
+    FP8: q, k and v ``torch.float8_e4m3fn`` with ``q_descale``, ``k_descale``, ``v_descale`` float32 ``(B, Hk)``
+    (one scale per sequence and K/V head, q's covering the query heads of that head's group; ``(Hk,)`` for every
+    sequence), as ``flashlab.quantize_qkv`` makes them, run the FP8 forward (``flashlab.kernels.fp8_forward``:
+    both products on 8-bit operands, P rounded to e4m3) for D = 64, 128 or 256 on sm_89 or later (the interpreter
+    on the CPU), and return o in bfloat16. Its numerics are e4m3's, not the input dtype's: the evaluation gate
+    (``flashlab.host.quantize.E4M3_TOLERANCE``) bounds its error against float64 of the inputs before
+    quantisation. Not differentiable; a scale that is not finite and > 0 is a ValueError (read on the host);
+    ``num_splits`` and ``rung`` do not apply.
     """
+    if q_descale is not None or k_descale is not None or v_descale is not None or (
+            isinstance(q, torch.Tensor) and q.dtype == fp8.FP8):  # fmt: skip
+        if num_splits is not None or rung is not None:
+            raise ValueError("num_splits and rung choose among the 16-bit kernels; the FP8 forward takes neither")
+        return fp8.fp8_attention(q, k, v, causal, window, scale, return_lse, q_descale, k_descale, v_descale)
     if torch.compiler.is_compiling():  # one opaque operator in the graph; its checks are traced
         check_inputs(q, k, v, causal, window, scale)
         check_num_splits(num_splits, k.shape[2])

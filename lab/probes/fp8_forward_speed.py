@@ -1,0 +1,67 @@
+"""The FP8 forward against flashlab's bf16 forward (the default rung) on the benchmark's prefill cells: B * N = 16K
+tokens, H = 2048 / D, causal and not, D = 64, 128, 256, N = 4K, 8K, 16K; at D = 128 under several tile configs.
+Each cell's FP8 answer is compared with float64 of the dequantised inputs on a sample of rows first.
+
+python lab/probes/fp8_forward_speed.py OUT_FILE"""
+
+import sys
+import time
+
+import torch
+from triton.testing import do_bench
+
+from flashlab import dequantize_qkv, flash_attention, quantize_qkv
+from flashlab.core.numerics import relative_error
+from flashlab.host.fp8 import fp8_attention
+from flashlab.kernels import fp8_forward
+from flashlab.reference.torch_float64 import attention_float64
+
+out = open(sys.argv[1], "w")
+
+
+def say(line):
+    print(line, flush=True)
+    out.write(line + "\n")
+    out.flush()
+
+
+TILES = {
+    128: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3), (128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3)],
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3), (128, 64, 8, 3)],
+    256: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 4, 2), (64, 32, 4, 2)],
+}
+say(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}")
+
+
+def cell(d, n, causal):
+    b, h = 16384 // n, 2048 // d
+    g = torch.Generator(device="cuda").manual_seed(n + d)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v)
+    flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+    ms16 = do_bench(lambda: flash_attention(q, k, v, causal=causal), rep=100)
+    row = [f"D{d} N{n // 1024}K {'causal' if causal else 'full  '}: bf16 {flops / ms16 / 1e9:5.0f} TFLOP/s"]
+    rows = torch.arange(0, n, max(1, n // 64), device="cuda")
+    ref = attention_float64(
+        *(x[:1] for x in dequantize_qkv(q8, k8, v8, qd, kd, vd)), causal=causal, rows=rows.tolist()
+    )[0]
+    for tiles in TILES.get(d, [fp8_forward.GPU_TILES[d]]):
+        original = fp8_forward.GPU_TILES[d]
+        fp8_forward.GPU_TILES[d] = tiles
+        try:
+            o = fp8_attention(q8, k8, v8, causal, None, None, False, qd, kd, vd)
+            err = relative_error(o[:1, :, rows].double(), ref)
+            ms = do_bench(lambda: fp8_attention(q8, k8, v8, causal, None, None, False, qd, kd, vd), rep=100)
+            row.append(f"fp8 {tiles} {flops / ms / 1e9:5.0f} TFLOP/s x{ms16 / ms:.2f} err {err:.1e}")
+        except Exception as e:  # a config that does not fit: named, the others still run
+            row.append(f"fp8 {tiles} failed: {type(e).__name__}: {str(e)[:80]}")
+        finally:
+            fp8_forward.GPU_TILES[d] = original
+    say(" | ".join(row))
+
+
+for d in (128, 64, 256):
+    for n in (4096, 16384):
+        for causal in (False, True):
+            cell(d, n, causal)
+out.close()
