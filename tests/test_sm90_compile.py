@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from flashlab.kernels import configs
 from flashlab.kernels.decode import kvcache, split_kv
@@ -222,3 +223,31 @@ def test_the_fp8_forward_compiles_to_8_bit_tensor_core_products(d, causal):
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # P rounded to e4m3, two at a time
     assert ".f16.f16" not in ptx and ".bf16.bf16" not in ptx  # no 16-bit product anywhere
     assert "st.shared.b8" not in ptx and "st.shared.u8" not in ptx  # V^T's tile not transposed a byte at a time
+
+
+@pytest.mark.parametrize("d, causal", [(128, False), (256, True)])
+def test_the_fp8_forwards_copy_engine_kernel_compiles_for_hopper(d, causal):
+    """The Hopper FP8 kernel (``attn_fwd_fp8_tma``): tiles by the tensor-memory engine's bulk copies, a
+    warp-specialised loop, both products on e4m3 operands."""
+    from flashlab.kernels import fp8_forward
+    from flashlab.kernels.device import block_d
+
+    if not hasattr(triton.language, "make_tensor_descriptor"):
+        pytest.skip("this Triton has no device-side tensor descriptors")
+    b, hq, hk, n = 1, 4, 2, 1024
+    q = torch.empty(b, hq, n, d, dtype=torch.float8_e4m3fn)
+    k = torch.empty(b, hk, n, d, dtype=torch.float8_e4m3fn)
+    vt = fp8_forward.transposed_v(k)
+    o, lse = torch.empty(b, hq, n, d, dtype=torch.bfloat16), torch.empty(b, hq, n)
+    scales = torch.ones(b, hk)
+    offset, win_left, win_right, sm_scale_log2, _ = kernel_band(n, n, d, causal, None, None)
+    args = (q, k, vt, o, lse, scales, scales, scales, hq, hk, hq // hk, n, n, vt.shape[3], offset, win_left,
+            win_right, sm_scale_log2)  # fmt: skip
+    bm, bn, warps, stages = fp8_forward.TMA_TILES[d]
+    constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=bm, BLOCK_N=bn, MASK_LEFT=False, MASK_RIGHT=causal,
+                      EVEN_M=True, WARP_SPECIALIZE=True)  # fmt: skip
+    ptx = compile_sm90(fp8_forward.attn_fwd_fp8_tma, args, constexprs, {"num_warps": warps, "num_stages": stages})
+    assert "e4m3.e4m3" in ptx and "wgmma.mma_async" in ptx
+    assert "cp.async.bulk.tensor" in ptx  # the copy engine's tile loads
+    assert "setmaxnreg" in ptx  # warp-specialised: the copying warps hand their registers to the computing ones
+    assert "st.shared.b8" not in ptx

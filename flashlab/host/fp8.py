@@ -136,7 +136,12 @@ def fp8_attention(q, k, v, causal, window, scale, return_lse, q_descale, k_desca
         q = (q.view(torch.uint8) ^ 0x80).view(FP8)
     o = torch.empty((b, hq, nq, d), dtype=torch.bfloat16, device=q.device)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
-    fp8_forward.launch(q, k, v, o, lse, *descales, (offset, win_left, win_right, sm_scale_log2))
+    band = (offset, win_left, win_right, sm_scale_log2)
+    if q.is_cuda and fp8_forward.tma_available(q):
+        q, k = q.contiguous(), k.contiguous()  # the copy engine reads the rows of every head one after another
+        fp8_forward.launch_tma(q, k, v, o, lse, *descales, band, causal, window)
+    else:
+        fp8_forward.launch(q, k, v, o, lse, *descales, band)
     return (o, lse) if return_lse else o
 
 

@@ -98,7 +98,23 @@ current_device_index = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.
 stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
+def _allocator(size: int, alignment: int, stream):
+    """Global scratch for the tensor descriptors a kernel's programs build (128 bytes each), as Triton asks."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_allocator():
+    """Device-side tensor descriptors need somewhere to live: install an allocator unless the user has set one."""
+    import triton
+    from triton.runtime import _allocation
+
+    current = _allocation._allocator.get()
+    if isinstance(current, _allocation.NullAllocator):
+        triton.set_allocator(_allocator)
+
+
 __all__ = [
+    "ensure_allocator",
     "CPU_CONFIG",
     "DTYPES",
     "HEAD_DIM_MULTIPLE",

@@ -9,10 +9,15 @@ quantised with one scale per (sequence, K/V head), as FlashAttention-3 takes the
     P = exp2(S - m)  in [0, 1], rounded to e4m3          the probabilities, 8-bit operands of the second product
     O = (P v8) * v_descale / l                           normalised, written in bfloat16
 
-The loop is rung 2's (``flashlab.kernels.ladder.rung2_skip_split``): the band's key tiles only, the tiles every
-row sees fully without an element mask, the edges with it, the online softmax in fp32 and log2 units. A K/V head
-of a GQA group is read in place. What changes is the operands' type, and the scale folded into the first product's
-result.
+Two kernels run it. On Hopper, ``_attn_fwd_fp8_tma`` is rung 3's loop (``flashlab.kernels.ladder.rung3_hopper``):
+tiles copied by the tensor-memory engine, one branch-free loop whose copies run in warps of their own. Elsewhere
+(and on the CPU) ``_attn_fwd_fp8`` is rung 2's (``flashlab.kernels.ladder.rung2_skip_split``): pointer loads, the
+tiles every row sees fully without an element mask, the edges with it. Both walk the band's key tiles only, keep
+the online softmax in fp32 and log2 units, and read a K/V head of a GQA group in place; what changes from the
+16-bit rungs is the operands' type, the scale folded into the first product's result, and V, which comes
+transposed (``transposed_v``) so that its tiles have the keys along the 8-bit product's inner dimension. A NaN
+byte in a key or value a row does not see still reaches that row (0 times NaN): e4m3 has no infinities, and the
+quantiser writes no NaN.
 
     per program: BLOCK_M * D (Q, 1 byte each) + per visible key tile 2 * BLOCK_N * D (K, V), write BLOCK_M * D * 2
     (O, bf16) + BLOCK_M * 4 (lse)
@@ -33,7 +38,7 @@ import triton.language as tl
 
 from flashlab.core.integers import cdiv
 from flashlab.kernels import softmax_step
-from flashlab.kernels.device import CPU_CONFIG, block_d
+from flashlab.kernels.device import CPU_CONFIG, block_d, ensure_allocator
 from flashlab.kernels.interpreter import interpreted, interpreted_language
 
 # Lengths and the band are runtime values: a new length never compiles another binary.
@@ -42,6 +47,9 @@ HEAD_DIMS = (64, 128, 256)  # the head dims the FP8 forward takes (the fast rung
 # Tiles on a GPU (BLOCK_M, BLOCK_N, num_warps, num_stages) by head dim, the fastest measured on the H200 of those
 # tried (docs/forward-ladder.md, "FP8")
 GPU_TILES = {64: (128, 128, 4, 3), 128: (128, 128, 8, 3), 256: (128, 64, 8, 2)}
+# The tensor-memory-engine kernel's tiles: four warps, warp-specialised, as in rung 3; the fastest measured on the
+# H200 (docs/forward-ladder.md, "FP8"). Three stages gave NaN outputs there on Triton 3.6, as they did for rung 3.
+TMA_TILES = {64: (128, 128, 4, 2), 128: (128, 128, 4, 2), 256: (128, 64, 4, 2)}
 FP8_DTYPE = torch.float8_e4m3fn
 # P enters the second product times 2^8: in [0, 256] its values stay in e4m3's normal range (from 2^-6) down to
 # weights of 2^-14, each with e4m3's 3 bits; unscaled, every weight below 2^-6 would lose bits (below 2^-10, all).
@@ -149,6 +157,103 @@ def _attn_fwd_fp8(
              mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
 
 
+# fmt: off
+@triton.jit(do_not_specialize=RUNTIME_LENGTHS, do_not_specialize_on_alignment=RUNTIME_LENGTHS)
+def _attn_fwd_fp8_tma(
+    Q, K, VT, O, LSE,  # as _attn_fwd_fp8's, all contiguous: rows of every head one after another
+    Q_DESCALE, K_DESCALE, V_DESCALE,
+    HQ, HK, GROUP, NQ, NK, NK_PAD,  # heads, lengths, V^T's padded row length
+    offset, win_left, win_right,
+    sm_scale_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr,  # the window's left edge can cut a tile
+    MASK_RIGHT: tl.constexpr,  # the diagonal, the window's right edge or the end of the keys can cut a tile
+    EVEN_M: tl.constexpr,  # NQ is a multiple of BLOCK_M: O goes out through the copy engine
+    WARP_SPECIALIZE: tl.constexpr,  # the copies in warps of their own
+):
+    # fmt: on
+    """The FP8 forward as rung 3 (``flashlab.kernels.ladder.rung3_hopper``) runs the bf16 one: every tile copied by
+    the tensor-memory engine from 2-D views (the rows of every head one after another), one loop with no branch
+    (the mask applied arithmetically where the band has an edge), its copies warp-specialised. A key tile that runs
+    past its head reads the next head's first keys, which the mask hides; V^T's padding columns are zeros."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    kv_head = pid_bh // GROUP  # = batch * HK + the K/V head
+    q_row0 = pid_bh * NQ
+    kv_row0 = kv_head * NK
+    vt_row0 = kv_head * HEAD_DIM
+    heads = tl.num_programs(1)
+    desc_q = tl.make_tensor_descriptor(Q, [heads * NQ, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, BLOCK_D])
+    desc_k = tl.make_tensor_descriptor(K, [heads // GROUP * NK, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, BLOCK_D])
+    desc_vt = tl.make_tensor_descriptor(VT, [heads // GROUP * HEAD_DIM, NK_PAD], [NK_PAD, 1], [BLOCK_D, BLOCK_N])
+    desc_o = tl.make_tensor_descriptor(O, [heads * NQ, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, BLOCK_D])
+    qk_scale = tl.load(Q_DESCALE + kv_head) * tl.load(K_DESCALE + kv_head) * sm_scale_log2
+    v_descale = tl.load(V_DESCALE + kv_head)
+
+    row_lo = pid_m * BLOCK_M
+    offs_m = row_lo + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = desc_q.load([q_row0 + row_lo, 0])
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, hi, _ = softmax_step.band_keys(row_lo, BLOCK_M, NQ, NK, offset, win_left, win_right)
+    first_key = offs_m + offset - win_left
+    last_key = tl.minimum(offs_m + offset + win_right, NK - 1)
+    for start_n in tl.range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        k = desc_k.load([kv_row0 + start_n, 0])
+        s = tl.dot(q, k.T) * qk_scale
+        if MASK_LEFT or MASK_RIGHT:
+            cols = start_n + offs_n
+            if MASK_LEFT and MASK_RIGHT:
+                visible = (cols[None, :] >= first_key[:, None]) & (cols[None, :] <= last_key[:, None])
+            elif MASK_RIGHT:
+                visible = cols[None, :] <= last_key[:, None]
+            else:
+                visible = cols[None, :] >= first_key[:, None]
+            s = tl.where(visible, s, float("-inf"))
+        p, m_new, alpha, l_i = softmax_step.online_softmax_step(s, m_i, l_i)
+        vt = desc_vt.load([vt_row0, start_n])  # (BLOCK_D, BLOCK_N): the keys along the product's inner dimension
+        acc = tl.dot((p * P_SCALE).to(vt.dtype), vt.T, acc * alpha[:, None])
+        m_i = m_new
+
+    o, lse = softmax_step.normalise(acc, m_i, l_i * P_SCALE)
+    lse = lse - 8.0 * softmax_step.LN_2 * (lse > float("-inf"))
+    tl.store(LSE + pid_bh.to(tl.int64) * NQ + offs_m, lse, mask=offs_m < NQ)
+    o = (o * v_descale).to(O.dtype.element_ty)
+    if EVEN_M:
+        desc_o.store([q_row0 + row_lo, 0], o)
+    else:  # the last tile would spill into the next head's rows: masked stores
+        offs_d = tl.arange(0, BLOCK_D)
+        o_ptrs = O + (q_row0 + offs_m).to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(o_ptrs, o, mask=(offs_m < NQ)[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+def tma_available(q) -> bool:
+    """Whether ``launch_tma`` can run for q's GPU: device-side tensor descriptors in this Triton, a Hopper or
+    later GPU (the tensor-memory engine)."""
+    return hasattr(tl, "make_tensor_descriptor") and torch.cuda.get_device_capability(q.device) >= (9, 0)
+
+
+def launch_tma(q, k, v, o, lse, q_descale, k_descale, v_descale, band, causal, window, tiles=None):
+    """``launch``'s work through ``_attn_fwd_fp8_tma`` (a GPU with device-side tensor descriptors, sm_90): q, k
+    contiguous, o contiguous. ``tiles`` (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides ``TMA_TILES``."""
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    offset, win_left, win_right, sm_scale_log2 = band
+    vt = transposed_v(v)
+    bm, bn, warps, stages = tiles or TMA_TILES[d]
+    mask_left = window is not None and window[0] is not None
+    mask_right = bool(causal) or (window is not None and window[1] is not None) or nk % bn != 0
+    ensure_allocator()
+    with torch.cuda.device(q.device):
+        _attn_fwd_fp8_tma[(cdiv(nq, bm), b * hq)](
+            q, k, vt, o, lse, q_descale, k_descale, v_descale, hq, hk, hq // hk, nq, nk, vt.shape[3], offset,
+            win_left, win_right, sm_scale_log2, HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=bm, BLOCK_N=bn,
+            MASK_LEFT=mask_left, MASK_RIGHT=mask_right, EVEN_M=nq % bm == 0, WARP_SPECIALIZE=warps == 4,
+            num_warps=warps, num_stages=stages)  # fmt: skip
+
+
 def transposed_v(v):
     """V ``(B, Hk, Nk, D)`` as the kernel reads it: ``(B, Hk, D, Nk)`` with the keys contiguous, each row padded to
     ``KEY_ALIGN`` keys (one copy of V's bytes, a fraction of the products' time from a few hundred keys)."""
@@ -156,6 +261,8 @@ def transposed_v(v):
     padded = -(-nk // KEY_ALIGN) * KEY_ALIGN
     vt = torch.empty((b, hk, d, padded), dtype=v.dtype, device=v.device)
     vt[..., :nk].copy_(v.transpose(2, 3))
+    if padded > nk:  # zeros, never garbage: a copy of a whole tile reads them (0 times a NaN byte would be NaN)
+        vt[..., nk:].view(torch.uint8).zero_()
     return vt
 
 
@@ -183,6 +290,7 @@ def launch(q, k, v, o, lse, q_descale, k_descale, v_descale, band, tiles=None):
 
 
 attn_fwd_fp8 = _attn_fwd_fp8
+attn_fwd_fp8_tma = _attn_fwd_fp8_tma
 
-__all__ = ["FP8_DTYPE", "GPU_TILES", "HEAD_DIMS", "KEY_ALIGN", "P_SCALE_VALUE", "RUNTIME_LENGTHS", "attn_fwd_fp8",
-           "launch", "transposed_v"]
+__all__ = ["FP8_DTYPE", "GPU_TILES", "HEAD_DIMS", "KEY_ALIGN", "P_SCALE_VALUE", "RUNTIME_LENGTHS", "TMA_TILES",
+           "attn_fwd_fp8", "attn_fwd_fp8_tma", "launch", "launch_tma", "tma_available", "transposed_v"]

@@ -12,8 +12,8 @@ from triton.testing import do_bench
 
 from flashlab import dequantize_qkv, flash_attention, quantize_qkv
 from flashlab.core.numerics import relative_error
-from flashlab.host.fp8 import fp8_attention
 from flashlab.kernels import fp8_forward
+from flashlab.kernels.device import kernel_band
 from flashlab.reference.torch_float64 import attention_float64
 
 out = open(sys.argv[1], "w")
@@ -25,11 +25,10 @@ def say(line):
     out.flush()
 
 
-TILES = {
-    128: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3), (128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3)],
-    64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3), (128, 64, 8, 3)],
-    256: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 4, 2), (64, 32, 4, 2)],
-}
+# (kernel, tiles): the pointer-loads kernel at its default tiles, the tensor-memory-engine kernel at three
+VARIANTS = {d: [("pointers", fp8_forward.GPU_TILES[d]), ("tma", fp8_forward.TMA_TILES[d]), ("tma", (128, 64, 4, 2)),
+                ("tma", (128, 128, 4, 3))] for d in (64, 128)}  # fmt: skip
+VARIANTS[256] = [("pointers", fp8_forward.GPU_TILES[256]), ("tma", (128, 64, 4, 2)), ("tma", (64, 64, 4, 2))]
 say(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}")
 
 
@@ -45,18 +44,24 @@ def cell(d, n, causal):
     ref = attention_float64(
         *(x[:1] for x in dequantize_qkv(q8, k8, v8, qd, kd, vd)), causal=causal, rows=rows.tolist()
     )[0]
-    for tiles in TILES.get(d, [fp8_forward.GPU_TILES[d]]):
-        original = fp8_forward.GPU_TILES[d]
-        fp8_forward.GPU_TILES[d] = tiles
+    for kernel, tiles in VARIANTS[d]:
+
+        def run(kernel=kernel, tiles=tiles):
+            o = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
+            lse = torch.empty(q.shape[:3], device="cuda")
+            band = kernel_band(n, n, d, causal, None, None)[:4]
+            if kernel == "tma":
+                fp8_forward.launch_tma(q8, k8, v8, o, lse, qd, kd, vd, band, causal, None, tiles)
+            else:
+                fp8_forward.launch(q8, k8, v8, o, lse, qd, kd, vd, band, tiles)
+            return o
+
         try:
-            o = fp8_attention(q8, k8, v8, causal, None, None, False, qd, kd, vd)
-            err = relative_error(o[:1, :, rows].double(), ref)
-            ms = do_bench(lambda: fp8_attention(q8, k8, v8, causal, None, None, False, qd, kd, vd), rep=100)
-            row.append(f"fp8 {tiles} {flops / ms / 1e9:5.0f} TFLOP/s x{ms16 / ms:.2f} err {err:.1e}")
-        except Exception as e:  # a config that does not fit: named, the others still run
-            row.append(f"fp8 {tiles} failed: {type(e).__name__}: {str(e)[:80]}")
-        finally:
-            fp8_forward.GPU_TILES[d] = original
+            err = relative_error(run()[:1, :, rows].double(), ref)
+            ms = do_bench(run, rep=100)
+            row.append(f"{kernel} {tiles} {flops / ms / 1e9:5.0f} TFLOP/s x{ms16 / ms:.2f} err {err:.1e}")
+        except Exception as e:  # a config that does not fit or compile: named, the others still run
+            row.append(f"{kernel} {tiles} failed: {type(e).__name__}: {str(e)[:120]}")
     say(" | ".join(row))
 
 

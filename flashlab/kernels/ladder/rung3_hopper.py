@@ -46,6 +46,7 @@ from flashlab.kernels.device import (
     device_index,
     dot_precision,
     dot_upcast,
+    ensure_allocator,
     fits_smem,
     smem_limit,
 )
@@ -350,20 +351,6 @@ def preferred(q, k, v, causal, window) -> bool:
     """Whether ``flash_attention`` picks this rung by default for these inputs (see ``PREFERRED_BLOCK_D``)."""
     return (q.is_cuda and block_d(q.shape[-1]) == PREFERRED_BLOCK_D and k.shape[2] >= PREFERRED_MIN_KEYS
             and q.shape[2] >= PREFERRED_MIN_KEYS)  # fmt: skip
-
-
-def _allocator(size: int, alignment: int, stream):
-    """Global scratch for the descriptors the programs build (128 bytes each), as Triton asks for it."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def ensure_allocator():
-    """Device-side descriptors need somewhere to live: install an allocator unless the user has set one."""
-    from triton.runtime import _allocation
-
-    current = _allocation._allocator.get()
-    if isinstance(current, _allocation.NullAllocator):
-        triton.set_allocator(_allocator)
 
 
 # Keys (query rows) per tile in every config (TUNING_SPACE): a key count that is a multiple of MAX_BLOCK_N needs no
