@@ -18,7 +18,9 @@ import triton
 from conftest import ROOT
 from flashlab import bench, reference
 from flashlab.bench import Backend, BenchConfig, BenchResults, naive_attention, run_sweep
+from flashlab.bench.measure import TOLERANCE
 from flashlab.bench.results import ratio_text
+from flashlab.host.fp8 import FP8_FORWARD_TOLERANCE
 from flashlab.reference.torch_float64 import attention_float64
 
 # a tiny, awkward sweep: N = 37 (odd), D = 24 (not a power of two), B = 2, H = 2
@@ -300,6 +302,23 @@ def test_decode_sweep():
     assert "--mode decode" in results.meta["command"] and "--kv-heads 2" in results.meta["command"]
     assert "decode, Q/K/V/O bandwidth in TB/s" in bench.summary_table(results)
     assert str(bench.default_prefix(results.meta)).startswith("test-artifacts/bench/cpu-decode-fp32-")
+
+
+def test_the_fp8_forward_backend_is_checked_against_what_its_inputs_stand_for():
+    """``--backends flashlab_fp8``: the cell's 16-bit tensors quantised to e4m3, the FP8 forward checked against
+    float64 of the dequantised inputs within its own tolerance (not bf16's), beside the bf16 forward; a head dim it
+    does not take is recorded as skipped with the reason, and the sweep goes on."""
+    cfg = BenchConfig(mode="prefill", device="cpu", seq_lens=(40,), head_dims=(64, 32), tokens=40, model_dim=128,
+                      dtypes=("bf16",), causal="both", backends=("flashlab", "flashlab_fp8"), **FAST)  # fmt: skip
+    results = run_sweep(cfg, progress=False)
+    fp8 = [r for r in results.rows if r["backend"] == "flashlab_fp8"]
+    assert {(r["head_dim"], r["status"]) for r in fp8} == {(64, "ok"), (32, "skipped")}, fp8
+    for r in fp8:
+        if r["status"] == "ok":
+            assert r["tol"] == FP8_FORWARD_TOLERANCE and r["rel_err"] < TOLERANCE["bf16"], r
+        else:
+            assert "head dim 32" in r["reason"]
+    assert all(r["status"] == "ok" for r in results.rows if r["backend"] == "flashlab")
 
 
 def test_decode_pre_check_counts_repeated_kv():

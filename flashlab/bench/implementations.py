@@ -16,6 +16,8 @@ from flashlab.bench.grid import DTYPES, Cell
 from flashlab.host import flash_attention, flash_attention_with_kvcache
 from flashlab.host.attention import forward
 from flashlab.host.checks import check_inputs
+from flashlab.host.fp8 import FP8_FORWARD_TOLERANCE, dequantize_qkv, quantize_qkv
+from flashlab.host.fp8 import MIN_CAPABILITY as FP8_MIN_CAPABILITY
 from flashlab.host.quantize import dequantize_kv, quantize_kv
 from flashlab.kernels import ladder
 from flashlab.kernels.decode.kvcache import paged_kv_cache
@@ -60,10 +62,10 @@ class Backend:
     ``unavailable(device, dtype)`` returns why it cannot run there (or None); ``materialises`` says it holds the
     score matrix (and, under GQA, copies of K and V), so the harness checks it fits in memory before running it;
     ``score_bytes`` is how many bytes it holds per score entry; ``by_default`` whether a sweep that names no
-    backends runs it. ``stands_for(k, v)``, for a backend that stores the cache in fewer bits, gives the float64
-    keys and values ``(B, Hk, N, D)`` its cache stands for, which it is checked against (None: k and v
-    themselves); ``kv_bytes_per_element`` the cache's bytes per element (None: the cell's dtype's), for its
-    Q/K/V/O bandwidth.
+    backends runs it. ``stands_for(q, k, v)``, for a backend that stores its inputs in fewer bits, gives the
+    float64 q, k, v they stand for, which it is checked against (None: q, k and v themselves), within
+    ``tolerance`` (None: the cell's dtype's); ``kv_bytes_per_element`` the K/V bytes per element (None: the cell's
+    dtype's), for its Q/K/V/O bandwidth.
     """
 
     name: str
@@ -74,6 +76,7 @@ class Backend:
     score_bytes: Callable = lambda dtype: 2 * dtype.itemsize  # S and P alive at once
     by_default: bool = True
     stands_for: Callable | None = None
+    tolerance: float | None = None
     kv_bytes_per_element: int | None = None
 
     def io_bytes(self, cell: Cell) -> int:
@@ -183,11 +186,47 @@ def _paged_backend(block_size: int) -> Backend:
 FP8_SUFFIX = "_fp8"  # paged16_fp8, paged256_fp8: the paged backends on an 8-bit cache
 
 
-def _dequantised(k, v):
-    """The float64 keys and values an 8-bit cache of k, v ``(B, Hk, N, D)`` stands for, ``(B, Hk, N, D)``."""
+def _dequantised(q, k, v):
+    """q, and the float64 keys and values an 8-bit cache of k, v ``(B, Hk, N, D)`` stands for, ``(B, Hk, N, D)``."""
     k8, v8, ks, vs = quantize_kv(k.transpose(1, 2), v.transpose(1, 2))  # (B, N, Hk, D), as the kvcache API lays it
     kd, vd = dequantize_kv(k8, v8, ks, vs)
-    return kd.transpose(1, 2), vd.transpose(1, 2)
+    return q, kd.transpose(1, 2), vd.transpose(1, 2)
+
+
+def _fp8_backend() -> Backend:
+    """flashlab's FP8 forward (``flash_attention`` on e4m3 q, k, v): the cell's tensors quantised once per cell (not
+    timed), one scale per (sequence, K/V head); checked against float64 of the dequantised inputs within
+    ``FP8_FORWARD_TOLERANCE`` (P's rounding to e4m3). D = 64, 128, 256; 16-bit cells."""
+    made = {}
+
+    def run(q, k, v, causal):
+        if made.get("q") is None or any(made[n]() is not x for n, x in (("q", q), ("k", k), ("v", v))):
+            made.clear()
+            made.update(q=weakref.ref(q), k=weakref.ref(k), v=weakref.ref(v), inputs=quantize_qkv(q, k, v))
+        q8, k8, v8, qd, kd, vd = made["inputs"]
+        return flash_attention(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    def stands_for(q, k, v):
+        return dequantize_qkv(*quantize_qkv(q, k, v))
+
+    def unavailable(device, dtype):
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"the FP8 forward is timed on 16-bit cells (quantised from them); the cell is {dtype}"
+        if device == "cuda" and torch.cuda.get_device_capability() < FP8_MIN_CAPABILITY:
+            return "the FP8 forward needs 8-bit tensor cores (sm_89 or later)"
+        return None
+
+    return Backend(
+        "flashlab_fp8",
+        "flashlab.flash_attention on float8 e4m3 q, k, v (quantised from the cell's; checked against float64 of "
+        "the dequantised inputs)",
+        run,
+        unavailable=unavailable,
+        by_default=False,
+        stands_for=stands_for,
+        tolerance=FP8_FORWARD_TOLERANCE,
+        kv_bytes_per_element=1,
+    )
 
 
 def _paged_fp8_backend(block_size: int) -> Backend:
@@ -236,6 +275,7 @@ BACKENDS: dict[str, Backend] = {
         _paged_backend(256),
         _paged_fp8_backend(16),
         _paged_fp8_backend(256),
+        _fp8_backend(),
         _sdpa_backend("FLASH_ATTENTION", "FlashAttention-2 inside PyTorch", cuda_only=False),
         _sdpa_backend("CUDNN_ATTENTION", "cuDNN's fused attention", cuda_only=True),
         _sdpa_backend("EFFICIENT_ATTENTION", "xformers' memory-efficient kernel", cuda_only=True),

@@ -158,10 +158,11 @@ def make_inputs(cell: Cell, config: BenchConfig):
 def empty_row(cell: Cell, backend: Backend, meta: dict) -> dict:
     """A result row before anything ran: the cell, the backend, the stamp; numbers NaN until measured."""
     nan = float("nan")
+    tol = TOLERANCE[cell.dtype] if backend.tolerance is None else backend.tolerance
     row = dict(
         backend=backend.name, dtype=cell.dtype, head_dim=cell.head_dim, seq_len=cell.seq_len, causal=cell.causal,
         batch=cell.batch, heads=cell.heads, kv_heads=cell.hk, q_len=cell.nq, status="ok", reason="",
-        rel_err=nan, max_abs_err=nan, tol=TOLERANCE[cell.dtype], time_ms=nan, tflops=nan, bandwidth_gbps=nan,
+        rel_err=nan, max_abs_err=nan, tol=tol, time_ms=nan, tflops=nan, bandwidth_gbps=nan,
         peak_extra_mb=nan, host_us=nan, host_us_median=nan, time_spread=nan, flops=cell.flops,
         io_bytes=backend.io_bytes(cell),
     )  # fmt: skip
@@ -231,8 +232,8 @@ def bench_cell(cell: Cell, backends: Sequence[Backend], config: BenchConfig, met
         try:
             precheck(cell, backend, config)
             own_ref = ref
-            if backend.stands_for is not None:  # a cache in fewer bits: checked against what it stands for
-                own_ref = reference_rows(q[batches], *backend.stands_for(k[batches], v[batches]), cell.causal, rows)
+            if backend.stands_for is not None:  # inputs in fewer bits: checked against what they stand for
+                own_ref = reference_rows(*backend.stands_for(q[batches], k[batches], v[batches]), cell.causal, rows)
             rel_err, max_abs = check_output(fn, cell, own_ref, rows, batches, device)
             row.update(rel_err=rel_err, max_abs_err=max_abs)
             if not rel_err <= row["tol"]:  # NaN fails too
