@@ -305,13 +305,13 @@ def test_decode_sweep():
 
 
 def test_the_fp8_forward_backend_is_checked_against_what_its_inputs_stand_for():
-    """``--backends flashlab_fp8``: the cell's 16-bit tensors quantised to e4m3, the FP8 forward checked against
+    """``--backends fp8_forward``: the cell's 16-bit tensors quantised to e4m3, the FP8 forward checked against
     float64 of the dequantised inputs within its own tolerance (not bf16's), beside the bf16 forward; a head dim it
     does not take is recorded as skipped with the reason, and the sweep goes on."""
     cfg = BenchConfig(mode="prefill", device="cpu", seq_lens=(40,), head_dims=(64, 32), tokens=40, model_dim=128,
-                      dtypes=("bf16",), causal="both", backends=("flashlab", "flashlab_fp8"), **FAST)  # fmt: skip
+                      dtypes=("bf16",), causal="both", backends=("flashlab", "fp8_forward"), **FAST)  # fmt: skip
     results = run_sweep(cfg, progress=False)
-    fp8 = [r for r in results.rows if r["backend"] == "flashlab_fp8"]
+    fp8 = [r for r in results.rows if r["backend"] == "fp8_forward"]
     assert {(r["head_dim"], r["status"]) for r in fp8} == {(64, "ok"), (32, "skipped")}, fp8
     for r in fp8:
         if r["status"] == "ok":

@@ -217,7 +217,7 @@ def _fp8_backend() -> Backend:
         return None
 
     return Backend(
-        "flashlab_fp8",
+        "fp8_forward",
         "flashlab.flash_attention on float8 e4m3 q, k, v (quantised from the cell's; checked against float64 of "
         "the dequantised inputs)",
         run,
