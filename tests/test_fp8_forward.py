@@ -137,3 +137,22 @@ def test_the_fp8_forward_has_no_backward():
         with pytest.raises(TypeError, match="q has dtype torch.float32"):
             flash_attention(**args)
     assert flashlab.quantize_qkv is quantize_qkv
+
+
+def test_v_is_transposed_with_zero_padding_and_per_head_scales_stand_for_every_sequence():
+    """The kernel reads V as (B, Hk, D, Nk') with the keys contiguous: the padding columns are zero bytes (a whole
+    tile is copied, and a NaN byte there would reach every row); descales of shape (Hk,) serve every sequence."""
+    from flashlab.kernels import fp8_forward
+
+    g = torch.Generator().manual_seed(12)
+    v = torch.randn(2, 3, 21, 64, generator=g).to(FP8)
+    vt = fp8_forward.transposed_v(v)
+    assert vt.shape == (2, 3, 64, 32) and vt.stride(-1) == 1
+    assert torch.equal(vt[..., :21].view(torch.uint8), v.transpose(2, 3).contiguous().view(torch.uint8))
+    assert not vt[..., 21:].view(torch.uint8).any()
+    q, k, vv = (torch.randn(2, 2, 24, 64, generator=g) for _ in range(3))
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, vv)
+    shared = (qd.amax(0), kd.amax(0), vd.amax(0))  # (Hk,): the same scale for both sequences
+    o = flash_attention(q8, k8, v8, causal=True, q_descale=shared[0], k_descale=shared[1], v_descale=shared[2])
+    ref = reference(*dequantize_qkv(q8, k8, v8, *(s.expand(2, -1) for s in shared)), causal=True)[0]
+    assert relative_error(o.double(), ref) <= tolerance(torch.bfloat16)
