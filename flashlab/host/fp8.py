@@ -15,9 +15,9 @@ import torch
 
 from flashlab.core.masking import visible_band
 from flashlab.host.checks import check_causal, check_dense, check_scale
-from flashlab.host.quantize import FP8, scales_from_amax, to_e4m3
+from flashlab.host.quantize import FP8, check_quantisable, scales_from_amax, to_e4m3
 from flashlab.kernels import fp8_forward
-from flashlab.kernels.device import DTYPES, kernel_band
+from flashlab.kernels.device import kernel_band
 
 MIN_CAPABILITY = (8, 9)  # the 8-bit tensor cores' first generation (Ada); Hopper (9, 0) is the one measured
 # On a GPU P is rounded to e4m3 before the second product: each weight moves by up to 2^-4 of itself, and the
@@ -37,13 +37,7 @@ def quantize_qkv(q, k, v):
     bfloat16 or float32, finite) rounded to e4m3 with one float32 scale per (sequence, K/V head), the scales
     ``(B, Hk)``; q's scale covers the query heads of that K/V head's group."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        check_dense(name, x)
-        if x.ndim != 4:
-            raise ValueError(f"{name} must have 4 dims (B, H, N, D); got shape {tuple(x.shape)}")
-        if x.dtype not in DTYPES:
-            raise TypeError(f"{name} has dtype {x.dtype}; quantize_qkv takes float16, bfloat16 or float32")
-        if not bool(torch.isfinite(x).all()):
-            raise ValueError(f"{name} holds NaN or inf: e4m3 has no scale that keeps them")
+        check_quantisable(name, x, "quantize_qkv", layout=" (B, H, N, D)", holder="e4m3")
     hk = k.shape[1]
     if q.shape[1] % hk or v.shape[1] != hk:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of the K/V heads ({hk}), v's the same")

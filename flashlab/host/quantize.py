@@ -49,14 +49,17 @@ def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.to(torch.float32) / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
 
 
-def _check_cache(name: str, x) -> None:
+def check_quantisable(name: str, x, taker: str, layout: str = "", holder: str = "an 8-bit cache") -> None:
+    """A tensor a quantiser (``taker``, e.g. "quantize_kv") may round to e4m3: dense, 4-d (``layout`` names the
+    dims in the message), 16- or 32-bit, finite (``holder``: what has no scale for NaN or inf); else a TypeError or
+    ValueError naming ``name``."""
     check_dense(name, x)
     if x.ndim != 4:
-        raise ValueError(f"{name} must have 4 dims; got shape {tuple(x.shape)}")
+        raise ValueError(f"{name} must have 4 dims{layout}; got shape {tuple(x.shape)}")
     if x.dtype not in DTYPES:
-        raise TypeError(f"{name} has dtype {x.dtype}; quantize_kv takes float16, bfloat16 or float32")
+        raise TypeError(f"{name} has dtype {x.dtype}; {taker} takes float16, bfloat16 or float32")
     if not bool(torch.isfinite(x).all()):
-        raise ValueError(f"{name} holds NaN or inf: an 8-bit cache has no scale that keeps them")
+        raise ValueError(f"{name} holds NaN or inf: {holder} has no scale that keeps them")
 
 
 def _lengths(cache_seqlens, b: int, capacity: int, device) -> torch.Tensor:
@@ -83,8 +86,8 @@ def quantize_kv(k, v, *, block_table=None, cache_seqlens=None):
     sequences that share blocks with each other. Tokens past a sequence's length are stored with its scale
     (clamped); blocks no sequence uses are stored as zeros. Reads the inputs on the host (a synchronisation on a
     GPU): a step that prepares a cache, not one inside the decode loop."""
-    _check_cache("k", k)
-    _check_cache("v", v)
+    check_quantisable("k", k, "quantize_kv")
+    check_quantisable("v", v, "quantize_kv")
     if k.shape != v.shape or k.device != v.device:
         raise ValueError(f"k and v must have the same shape and device; got {tuple(k.shape)}, {tuple(v.shape)}")
     if block_table is None:
@@ -169,5 +172,5 @@ def dequantize_kv(k8, v8, k_descale, v_descale, *, block_table=None):
     return widen(k8, k_descale), widen(v8, v_descale)
 
 
-__all__ = ["E4M3_MANTISSA_BITS", "E4M3_MAX", "E4M3_TOLERANCE", "FP8", "dequantize_kv", "quantize_kv",
-           "scales_from_amax", "to_e4m3"]  # fmt: skip
+__all__ = ["E4M3_MANTISSA_BITS", "E4M3_MAX", "E4M3_TOLERANCE", "FP8", "check_quantisable", "dequantize_kv",
+           "quantize_kv", "scales_from_amax", "to_e4m3"]  # fmt: skip
