@@ -349,6 +349,28 @@ def test_its_grid_is_persistent_one_program_per_multiprocessor_at_most(capabilit
 
 
 @needs_gluon
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_windowed_calls_causal_or_not_take_one_binary(capability, monkeypatch, cpu_tables, d):
+    # A window's band already holds what a causal mask adds (its right side at most 0), so a causal window and a
+    # two-sided one compile the same kernel: one binary per head dim for every window. Where the head dim's causal
+    # calls are scheduled, windows are too (tiles near a sequence's start read fewer keys).
+    monkeypatch.setattr(overlap, "sm_count", lambda index: 132)
+    monkeypatch.setattr(overlap, "device_index", lambda x: 0)
+    q, k, _ = fake(hq=4, hk=4, nq=2048, nk=2048, d=d)
+    metas = []
+    for causal, window in ((True, (512, 0)), (False, (256, 256)), (False, (100, 0)), (True, (None, None))):
+        band = kernel_band(2048, 2048, d, causal, window, None)[:4]
+        _, table, _, meta = overlap.launch_shape(q, k, causal, window, band)
+        assert (table is not None) == (d in overlap.SCHEDULED_HEAD_DIMS) == meta["SCHEDULED"]
+        assert meta["WINDOW"] and not meta["CAUSAL"] and not meta["KEY_TAIL"]
+        metas.append(meta)
+    assert all(m is metas[0] for m in metas), "a window compiled another binary"
+    band = kernel_band(2048, 2048, d, True, None, None)[:4]
+    causal_meta = overlap.launch_shape(q, k, True, None, band)[3]
+    assert causal_meta["CAUSAL"] and not causal_meta["WINDOW"], "a causal call without a window is its own kind"
+
+
+@needs_gluon
 @pytest.mark.parametrize(
     "nq, causal, window, num_wg",
     [(1024, False, None, 2), (2048, False, None, 3), (4096, True, None, 2), (4096, False, (256, 0), 2),

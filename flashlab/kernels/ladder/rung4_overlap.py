@@ -606,9 +606,10 @@ def launch_shape(q, k, causal, window, band):
     n_m = cdiv(nq, block_m)
     programs = min(n_m * b * hq, sm_count(device_index(q)) * PROGRAMS_PER_SM[num_wg])
     table = None
-    if causal and d in SCHEDULED_HEAD_DIMS:
+    windowed = window is not None
+    if (causal or windowed) and d in SCHEDULED_HEAD_DIMS:
         lengths = tuple(tile_schedule.key_tiles(m * block_m, block_m, block_n, nq, nk, offset, win_left, win_right,
-                                                causal, window is not None) for m in range(n_m))  # fmt: skip
+                                                causal, windowed) for m in range(n_m))  # fmt: skip
         table = tile_schedule.kept_table(lengths, b * hq, programs, q.device)
         if table is None and not stream_capturing():  # a CUDA graph's capture cannot copy a new one to the GPU
             table = tile_schedule.table(lengths, b * hq, programs, q.device)
@@ -619,8 +620,10 @@ def launch_shape(q, k, causal, window, band):
     if causal and not scheduled:
         programs = n_m * b * hq
     scalars = (hq, nq, nk, hq // hk, offset, win_left, win_right, qk_scale, b * hq)
-    kind = (d, num_wg, block_n, stages, bool(causal), window is not None,
-            not causal and window is None and nk % block_n != 0, scheduled)  # fmt: skip
+    # A window's band says everything a causal mask would (win_right <= 0), so windowed calls, causal or not, take
+    # one binary: the kernel's CAUSAL only orders the tiles of an unscheduled causal walk, longest first
+    kind = (d, num_wg, block_n, stages, bool(causal) and not windowed, windowed,
+            not causal and not windowed and nk % block_n != 0, scheduled)  # fmt: skip
     meta = _METAS.get(kind)
     if meta is None:
         meta = _METAS[kind] = dict(
