@@ -162,7 +162,9 @@ def test_the_runtime_values_follow_each_kernels_signature():
     q, k, v = make_qkv(1, 4, 2, 40, 90, 16, torch.float32, seed=10)
     call = launches.attention_call(q, k, v, True, None, None, None, "skip_split")
     assert len(call.values) == len(skip_split.SCALAR_PARAMETERS)
-    assert skip_split.SCALAR_PARAMETERS[0] == "stride_qb" and skip_split.SCALAR_PARAMETERS[-1] == "TUNE_KEY_BAND"
+    # the head dim is the last runtime value: head dims of one padded width share the binary, not the values
+    assert skip_split.SCALAR_PARAMETERS[0] == "stride_qb" and skip_split.SCALAR_PARAMETERS[-1] == "HEAD_DIM"
+    assert call.values[-1] == 16
     from flashlab.kernels.ladder import rung4_overlap as overlap
 
     if overlap.attn_fwd_overlap is not None:  # rung 4: four tensor maps, then its scalars as launch_shape gives them
@@ -537,3 +539,43 @@ def test_an_overlap_family_makes_each_new_shape_as_the_full_path_would_on_gpu(ca
         ro, _ = attention_float64(q, k, v, causal=causal, window=window, rows=range(0, nq, 7))
         err = float((o[:, :, ::7].double() - ro).norm() / ro.norm())
         assert err < 1.5e-2, (nq, nk, err)
+
+
+@pytest.mark.parametrize("dims", [(40, 48, 56), (72, 80, 96, 112), (160, 192, 224)])
+def test_head_dims_of_one_padded_width_share_the_prefill_constexprs(dims):
+    # Skip-and-split takes D as a runtime value: head dims that round up to the same tile width compile one binary
+    # (what their constexprs decide), apart from how far the masked loads may vectorise (D_ALIGN, at most 16)
+    metas = {}
+    for d in dims:
+        q = torch.empty(1, 1, 1, d, dtype=torch.bfloat16)
+        meta = skip_split.kernel_meta(q, True)
+        assert meta["PADDED"] and meta["BLOCK_D"] > d and d % meta["D_ALIGN"] == 0 and meta["D_ALIGN"] <= 16
+        metas.setdefault(meta["D_ALIGN"], []).append(meta)
+    for same in metas.values():
+        assert all(m == same[0] for m in same), same
+    assert not skip_split.kernel_meta(torch.empty(1, 1, 1, 64), False)["PADDED"]
+
+
+@pytest.mark.parametrize("d", [40, 48, 72])
+def test_a_padded_head_dim_taken_at_runtime_matches_the_reference(d):
+    # the columns past D are read as zeros and never written, whatever D_ALIGN says of D (8 at 40 and 72, 16 at 48)
+    q, k, v = make_qkv(1, 2, 1, 37, 53, d, torch.float32, seed=d)
+    check_against_reference(q, k, v, causal=True)
+    call = launches.attention_call(q, k, v, True, None, None, None, "skip_split")
+    assert call.values[-1] == d
+
+
+@pytest.mark.gpu
+def test_head_dims_of_one_padded_width_compile_one_prefill_binary_on_gpu():
+    from flashlab.reference.torch_float64 import attention_float64
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    dev = torch.cuda.current_device()
+    counts = []
+    for d in (160, 192, 224):
+        q, k, v = (torch.randn(1, 4, 700, d, device="cuda", generator=g).bfloat16() for _ in range(3))
+        o = flash_attention(q, k, v, causal=True, rung="skip_split")
+        ro, _ = attention_float64(q, k, v, causal=True)
+        assert float((o.double() - ro).norm() / ro.norm()) < 1.5e-2, d
+        counts.append(binaries(skip_split.attn_fwd, dev))
+    assert counts[0] == counts[1] == counts[2], counts

@@ -703,7 +703,7 @@ def skip_split_call(q, k, v, causal, window, band) -> Call:
         return plan
 
     call = Call(plans.planned(key, make))
-    call.values = (*strides, *lengths, qk_scale, *tune)  # skip_split.SCALAR_PARAMETERS
+    call.values = (*strides, *lengths, qk_scale, *tune, d)  # skip_split.SCALAR_PARAMETERS
     call.args = (b * hq, nq)  # (query heads, query rows): the grid's first dim divides by BLOCK_M at launch
     if config is not None:
         call.grid = (cdiv(nq, config["BLOCK_M"]), b * hq)

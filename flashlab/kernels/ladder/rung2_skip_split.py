@@ -82,8 +82,10 @@ def _attn_fwd(
     offset, win_left, win_right,  # the band: query i sees keys [i + offset - win_left, i + offset + win_right]
     qk_scale,  # softmax scale * log2(e)
     TUNE_KEY_N, TUNE_KEY_ROWS, TUNE_KEY_BAND,  # only read by the autotuner (its cache key)
-    HEAD_DIM: tl.constexpr,  # D
+    HEAD_DIM,  # D: a runtime value, so head dims of one padded width share a binary (80 and 96, 160 and 192)
     BLOCK_D: tl.constexpr,  # D rounded up to a power of two (the tile's width)
+    PADDED: tl.constexpr,  # BLOCK_D > D: the columns past D are masked (read as 0, never written)
+    D_ALIGN: tl.constexpr,  # the largest power of two (at most 16) dividing D: lets the masked loads vectorise
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per inner-loop step
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (exact fp32 dots), "tf32" otherwise (ignored for 16-bit)
@@ -109,7 +111,10 @@ def _attn_fwd(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows of this tile
     offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,) key columns, relative to the tile start
     offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,) head-dim columns (padding beyond HEAD_DIM masked)
-    d_ok = offs_d < HEAD_DIM
+    if PADDED:  # D as (D // D_ALIGN) * D_ALIGN, the same number, which the compiler knows divides by D_ALIGN
+        d_ok = offs_d < (HEAD_DIM // D_ALIGN) * D_ALIGN
+    else:
+        d_ok = offs_d < BLOCK_D
 
     # -- load the Q tile once: BLOCK_M * D * bytes(dtype) from HBM, reused for every key tile
     if USE_TMA:
@@ -158,7 +163,7 @@ def _attn_fwd(
             if USE_TMA:
                 k = desc_k.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, BLOCK_D).T
             elif stage == 1:
-                if BLOCK_D == HEAD_DIM:
+                if not PADDED:
                     k = tl.load(k_ptrs)
                 else:
                     k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
@@ -185,7 +190,7 @@ def _attn_fwd(
             if USE_TMA:
                 v = desc_v.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
             elif stage == 1:
-                if BLOCK_D == HEAD_DIM:
+                if not PADDED:
                     v = tl.load(v_ptrs)
                 else:
                     v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
@@ -326,10 +331,13 @@ def tune_key(b, hq, nq, nk, causal, window) -> tuple[int, int, int]:
 
 
 def kernel_meta(q, causal, reverse_m=None) -> dict:
-    """The kernel's constexprs but the tile sizes and ``USE_TMA``, for inputs like ``q``."""
+    """The kernel's constexprs but the tile sizes and ``USE_TMA``, for inputs like ``q``: one set for every head
+    dim of a padded width (D itself is a runtime argument, the last of ``SCALAR_PARAMETERS``)."""
+    d = q.shape[-1]
     return dict(
-        HEAD_DIM=q.shape[-1],
-        BLOCK_D=block_d(q.shape[-1]),
+        BLOCK_D=block_d(d),
+        PADDED=block_d(d) != d,
+        D_ALIGN=min(d & -d, 16),
         DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
         DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
         REVERSE_M=bool(causal) if reverse_m is None else reverse_m,
@@ -362,7 +370,7 @@ def launch(q, k, v, o, lse, causal, window, band, config=None, reverse_m=None, u
     args += (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     args += (v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2))
     args += (hq, hq // hk, nq, nk, offset, win_left, win_right, qk_scale)
-    args += tune_key(b, hq, nq, nk, causal, window)
+    args += (*tune_key(b, hq, nq, nk, causal, window), q.shape[-1])
     meta = {**kernel_meta(q, causal, reverse_m), "USE_TMA": descs is not None}
     if not q.is_cuda:
         grid = (cdiv(nq, CPU_CONFIG["BLOCK_M"]), b * hq)
@@ -390,7 +398,7 @@ def launch(q, k, v, o, lse, causal, window, band, config=None, reverse_m=None, u
 attn_fwd = _attn_fwd
 # every scalar parameter after the tensors and descriptors, in order: what the host engine passes per call
 _NAMES = attn_fwd.arg_names
-SCALAR_PARAMETERS = tuple(_NAMES[_NAMES.index("stride_qb") : _NAMES.index("HEAD_DIM")])
+SCALAR_PARAMETERS = tuple(_NAMES[_NAMES.index("stride_qb") : _NAMES.index("BLOCK_D")])
 
 __all__ = [
     "FALLBACK_SPACE",
