@@ -673,3 +673,43 @@ def test_the_direct_launchers_module_is_built_once_whichever_thread_asks(monkeyp
     time.sleep(0.05)
     assert direct_launch.native() == "module"  # waits for the thread's build
     assert builds == ["flashlab-launcher-build"]
+
+
+def test_no_launcher_is_built_beside_where_this_triton_builds_none_per_signature():
+    # Tritons whose launcher is one generic module have no make_launcher: nothing to build beside a compile
+    from triton.backends.nvidia import driver as nvidia
+
+    if not hasattr(nvidia, "make_launcher"):
+        assert launches._launcher_maker() is None
+
+
+@pytest.mark.gpu
+def test_the_launcher_built_beside_a_first_compile_is_the_one_triton_builds():
+    # launcher_beside builds, while a kernel compiles, the launcher source Triton would build after it: worked out
+    # from the same binding before the compile, it must be Triton's own, or the build is wasted
+    from flashlab.kernels.ladder import rung2_skip_split as skip_split
+
+    if launches._launcher_maker() is None:
+        pytest.skip("this Triton builds no launcher module per kernel signature")
+    from triton.backends.nvidia import driver as nvidia
+
+    q, k, v = (x.cuda() for x in make_qkv(1, 3, 1, 45, 70, 24, torch.float16, seed=5))  # a binary no test makes
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
+    band = kernel_band(45, 70, 24, False, None, None)[:4]
+    args = (q, k, v, o, lse, q, k, v, o, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+            3, 3, 45, 70, *band, *skip_split.tune_key(1, 3, 45, 70, False, None), 24)  # fmt: skip
+    meta = {**skip_split.kernel_meta(q, False), "USE_TMA": False, "BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1,
+            "num_stages": 1}  # fmt: skip
+    jit = skip_split.attn_fwd
+    caches = jit.device_caches[torch.cuda.current_device()]
+    parts = launches.launcher_parts(jit, caches, args, meta)
+    assert parts is not None, "the binary was compiled before the test"
+    kernel = jit[(3, 3)](*args, **meta)
+    assert launches.launcher_parts(jit, caches, args, meta) is None  # compiled now: nothing left to build
+    ours = nvidia.make_launcher(*parts, None)
+    theirs = nvidia.make_launcher(
+        kernel.src.constants, kernel.src.signature, getattr(kernel.metadata, "tensordesc_meta", None)
+    )
+    assert ours == theirs
+    check = attention(q.double().cpu().numpy(), k.double().cpu().numpy(), v.double().cpu().numpy())[0]
+    assert np.abs(o.double().cpu().numpy() - check).max() < 1e-2

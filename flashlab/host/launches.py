@@ -15,6 +15,7 @@ live in ``flashlab.kernels``; this module adds what makes a repeated call cheap.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 
@@ -483,6 +484,8 @@ def _split_jit(plan, call, tensors, stream):
         split_kv.split_kv_partial_tuned[grid](*args, **plan.meta)
         plan.config = split_kv.split_kv_partial_tuned.best_config.all_kwargs()
     else:
+        if plan.binary is None:
+            launcher_beside(jit_function, args, {**plan.meta, **plan.config})
         kernel = jit_function[grid](*args, **plan.meta, **plan.config)
     _advance(plan, kernel, jit_function, grid, args, {**plan.meta, **plan.config}, split_kv.PARTIAL_TENSORS,
              split_kv.SCALAR_PARAMETERS, tensors[5], tensors[6], lambda o2, lse2: (*tensors[:5], o2, lse2, tensors[7]),
@@ -611,6 +614,8 @@ def _decode_jit(plan, jit_function, tuned, tensors, stream, names):
     meta = plan.args.meta
     kernel = None
     if "num_warps" in meta:  # a fixed config, or the one picked on an earlier call
+        if plan.state is not CHECKED:
+            launcher_beside(jit_function, args, meta)
         kernel = jit_function[grid](*args, **meta)
     elif autotuning():
         tuned[grid](*args, **meta)
@@ -623,6 +628,7 @@ def _decode_jit(plan, jit_function, tuned, tensors, stream, names):
         band = (capacity - plan.args.nq, win_left, win_right)
         best = kernel_config(plan.path, q, k_cache.shape[2], capacity, band, page_size=page_size)
         plan.args.meta = meta = {**meta, **best}
+        launcher_beside(jit_function, args, meta)
         kernel = jit_function[grid](*args, **meta)
     out = names.index("O")  # o and lse follow each other
 
@@ -653,13 +659,86 @@ def compile_beside(jit_function, grid, args, meta, device):
     def compile_it():
         try:
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                jit_function.warmup(*args, grid=grid, **meta)
+                kernel = jit_function.warmup(*args, grid=grid, **meta)
+                if device.type == "cuda" and _launcher_maker() is not None:  # its launcher too, and loaded
+                    kernel._init_handles()
         except Exception:  # noqa: BLE001 -- the launch that needs this binary compiles it again and raises
             pass
 
     thread = threading.Thread(target=compile_it, name="flashlab-compile", daemon=True)
     thread.start()
     return thread
+
+
+def launcher_beside(jit_function, args, kwargs):
+    """Build Triton's launcher for the binary that ``jit_function[grid](*args, **kwargs)`` is about to compile, in a
+    thread, so that the C compiler runs while the kernel compiles instead of after it. Tritons of the 3.6 era build
+    one small C module per kernel signature (0.3-0.45 s of gcc on the H200's host, docs/host-path.md) when a new
+    binary is first launched; the thread builds the same source into Triton's cache, where that launch then finds
+    it. Returns the thread, or None where there is nothing to build: a Triton without per-signature launchers, a
+    signature with tensor descriptors (their launcher depends on the compiled binary), a binary already compiled.
+    Nothing here can change a result: a source that differs from Triton's only leaves Triton to build its own."""
+    if not COMPILE_BESIDE:
+        return None
+    make = _launcher_maker()
+    if make is None:
+        return None
+    try:
+        caches = jit_function.device_caches[torch.cuda.current_device()]  # made here, not in the thread
+    except Exception:  # noqa: BLE001 -- another JITFunction layout: Triton builds its launcher itself
+        return None
+
+    def build_it():
+        try:
+            parts = launcher_parts(jit_function, caches, args, kwargs)
+            if parts is not None:
+                make(*parts)
+        except Exception:  # noqa: BLE001 -- the launch builds its launcher as it would have
+            pass
+
+    thread = threading.Thread(target=build_it, name="flashlab-launcher", daemon=True)
+    thread.start()
+    return thread
+
+
+def launcher_parts(jit_function, caches, args, kwargs):
+    """``(constexprs, signature)`` of the binary ``jit_function[grid](*args, **kwargs)`` launches, as Triton's JIT
+    works them out before compiling it (``caches``: its ``device_caches`` entry for this device), or None where
+    that binary is compiled already or its signature has tensor descriptors."""
+    from triton import knobs
+    from triton.runtime.jit import compute_cache_key
+
+    kernel_cache, key_cache, backend, binder = caches[0], caches[1], caches[-2], caches[-1]
+    # the two options JITFunction.run adds before it binds
+    kwargs = {"debug": kwargs.get("debug", jit_function.debug) or knobs.runtime.debug,
+              "instrumentation_mode": knobs.compilation.instrumentation_mode, **kwargs}  # fmt: skip
+    bound, specialization, options = binder(*args, **kwargs)
+    if compute_cache_key(key_cache, specialization, options) in kernel_cache:
+        return None  # compiled already: its launcher was built with it
+    _, signature, constexprs, _ = jit_function._pack_args(backend, kwargs, bound, specialization, options)
+    if any(str(t).startswith("tensordesc") for t in signature.values()):
+        return None
+    return constexprs, signature
+
+
+@functools.cache
+def _launcher_maker():
+    """``make(constexprs, signature)``, which builds Triton's launcher module for that signature as Triton's
+    ``CudaLauncher`` does, or None where this Triton builds no module per signature."""
+    try:
+        from triton.backends.nvidia import driver as nvidia
+        from triton.runtime.build import compile_module_from_src
+    except ImportError:
+        return None
+    if not hasattr(nvidia, "make_launcher") or "compile_module_from_src" not in vars(nvidia):
+        return None
+
+    def make(constexprs, signature):
+        source = nvidia.make_launcher(constexprs, signature, None)
+        compile_module_from_src(src=source, name="__triton_launcher", library_dirs=nvidia.library_dirs(),
+                                include_dirs=nvidia.include_dirs, libraries=nvidia.libraries)  # fmt: skip
+
+    return make
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -736,6 +815,8 @@ def run_skip_split(call, q, k, v, o, lse):
         if descs:
             names = ("desc_q", "desc_k", "desc_v", "desc_o")
             skip_split.set_tma_block_shapes({**dict(zip(names, descs, strict=True)), **config, **meta})
+        if descs is None and plan.binary is None:
+            launcher_beside(skip_split.attn_fwd, args, {**meta, **config})
         kernel = skip_split.attn_fwd[grid](*args, **meta, **config)
         if descs is None:  # pointer loads: the direct launch, built, then checked once per binary
             _advance(plan, kernel, skip_split.attn_fwd, grid, args, {**meta, **config}, PREFILL_TENSORS,
@@ -809,6 +890,8 @@ def _hopper_jit(plan, hopper, q, k, v, o, lse):
         if plan.meta["FLAG_NONFINITE"] and plan.binary is None:  # its first launch: both kernels compile at once
             beside = compile_beside(hopper.repair_flagged, repair_grid, (*tensors, *plan.args, *repair_args),
                                     repair_meta, q.device)  # fmt: skip
+        if plan.binary is None:
+            launcher_beside(hopper.hopper_fwd, args, {**plan.meta, **plan.config})
         kernel = hopper.hopper_fwd[plan.grid](*args, **plan.meta, **plan.config)
         if beside is not None:
             beside.join()
