@@ -198,19 +198,12 @@ def _attn_fwd_fp8_tma(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, hi, _ = softmax_step.band_keys(row_lo, BLOCK_M, NQ, NK, offset, win_left, win_right)
-    first_key = offs_m + offset - win_left
-    last_key = tl.minimum(offs_m + offset + win_right, NK - 1)
+    first_key, last_key = softmax_step.edge_keys(offs_m, offset, win_left, win_right, NK)
     for start_n in tl.range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k = desc_k.load([kv_row0 + start_n, 0])
         s = tl.dot(q, k.T) * qk_scale
         if MASK_LEFT or MASK_RIGHT:
-            cols = start_n + offs_n
-            if MASK_LEFT and MASK_RIGHT:
-                visible = (cols[None, :] >= first_key[:, None]) & (cols[None, :] <= last_key[:, None])
-            elif MASK_RIGHT:
-                visible = cols[None, :] <= last_key[:, None]
-            else:
-                visible = cols[None, :] >= first_key[:, None]
+            visible = softmax_step.edge_visible(start_n + offs_n, first_key, last_key, MASK_LEFT, MASK_RIGHT)
             s = tl.where(visible, s, float("-inf"))
         p, m_new, alpha, l_i = softmax_step.online_softmax_step(s, m_i, l_i)
         vt = desc_vt.load([vt_row0, start_n])  # (BLOCK_D, BLOCK_N): the keys along the product's inner dimension

@@ -32,6 +32,29 @@ def band_mask(rows_diag, cols, win_left, win_right, key_end):
 
 
 @triton.jit
+def edge_keys(rows, offset, win_left, win_right, NK):
+    """Each row's first and last visible key, ``(first_key, last_key)``: the band ``[i + offset - win_left, i +
+    offset + win_right]`` of query rows ``rows``, its right end cut at the last key. What ``edge_visible`` compares
+    against."""
+    return rows + offset - win_left, tl.minimum(rows + offset + win_right, NK - 1)
+
+
+@triton.jit
+def edge_visible(cols, first_key, last_key, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) True where a row sees key ``cols``, testing only the edges a tile can cut: the left one
+    (``MASK_LEFT``: a window's start), the right one (``MASK_RIGHT``: the diagonal, a window's end or the last
+    key), or both. No branch on the values: a tile every row sees passes it unchanged, which keeps a
+    warp-specialised loop's body straight-line code. Call it only where one of the two is set."""
+    if MASK_LEFT and MASK_RIGHT:
+        visible = (cols[None, :] >= first_key[:, None]) & (cols[None, :] <= last_key[:, None])
+    elif MASK_RIGHT:
+        visible = cols[None, :] <= last_key[:, None]
+    else:
+        visible = cols[None, :] >= first_key[:, None]
+    return visible
+
+
+@triton.jit
 def band_keys(row_lo, BLOCK_M: tl.constexpr, NQ, NK, offset, win_left, win_right):
     """The keys a tile of query rows needs: ``(lo, hi, row_hi)`` with ``[lo, hi)`` the keys any of the rows
     ``row_lo .. row_hi`` sees (``row_hi`` the tile's last row inside ``NQ``), from the band ``[i + offset -

@@ -128,8 +128,7 @@ def _attn_fwd_hopper(
     # -- the key tiles any row of this tile sees, from the band; tiles outside it are never loaded
     lo, hi, _ = softmax_step.band_keys(row_lo, BLOCK_M, NQ, NK, offset, win_left, win_right)
     # each row's first and last visible key: the element mask is two compares against them
-    first_key = offs_m + offset - win_left
-    last_key = tl.minimum(offs_m + offset + win_right, NK - 1)
+    first_key, last_key = softmax_step.edge_keys(offs_m, offset, win_left, win_right, NK)
 
     # One loop, with no branch in it: the warp-specialising compiler pass takes a single loop whose body is
     # straight-line code, so the edge tiles' mask is applied arithmetically, on every tile when the mask has an
@@ -140,13 +139,7 @@ def _attn_fwd_hopper(
             k = k.to(tl.float32)
         s = tl.dot(q, k.T, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if MASK_LEFT or MASK_RIGHT:
-            cols = start_n + offs_n
-            if MASK_LEFT and MASK_RIGHT:
-                visible = (cols[None, :] >= first_key[:, None]) & (cols[None, :] <= last_key[:, None])
-            elif MASK_RIGHT:
-                visible = cols[None, :] <= last_key[:, None]
-            else:
-                visible = cols[None, :] >= first_key[:, None]
+            visible = softmax_step.edge_visible(start_n + offs_n, first_key, last_key, MASK_LEFT, MASK_RIGHT)
             s = tl.where(visible, s * qk_scale, float("-inf"))
             p, m_new, alpha, l_i = softmax_step.online_softmax_step(s, m_i, l_i)
         else:
