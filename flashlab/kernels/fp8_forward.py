@@ -53,7 +53,7 @@ TMA_TILES = {64: (128, 128, 4, 2), 128: (128, 128, 4, 2), 256: (128, 64, 4, 2)}
 FP8_DTYPE = torch.float8_e4m3fn
 # P enters the second product times 2^8: in [0, 256] its values stay in e4m3's normal range (from 2^-6) down to
 # weights of 2^-14, each with e4m3's 3 bits; unscaled, every weight below 2^-6 would lose bits (below 2^-10, all).
-# A power of two, so the scaling and its undoing are exact; O is divided by it with l.
+# A power of two, so the scaling and its undoing are exact; O is divided by it with V's scale.
 P_SCALE_VALUE = 256.0
 P_SCALE = tl.constexpr(P_SCALE_VALUE)
 KEY_ALIGN = 16  # V^T's rows (one per head-dim column) padded to this many keys: 16-byte aligned vector loads
@@ -150,11 +150,12 @@ def _attn_fwd_fp8(
         acc, m_i, l_i = _fp8_tile(q, acc, m_i, l_i, k_base, vt_base, n0, stride_kn, stride_vd, offs_n, offs_d, d_ok,
                                   rows_diag, NK, win_left, win_right, qk_scale, True, UPCAST)  # fmt: skip
 
-    o, lse = softmax_step.normalise(acc, m_i, l_i * P_SCALE)  # acc holds P * 2^8: l takes the same factor
-    lse = lse - 8.0 * softmax_step.LN_2 * (lse > float("-inf"))  # ... which the log-sum-exp must not keep
+    # acc holds P_SCALE * P V, l the sum of P: o comes out P_SCALE times too large, undone with V's scale (exactly:
+    # a power of two), and the log-sum-exp is P's own
+    o, lse = softmax_step.normalise(acc, m_i, l_i)
     tl.store(LSE + pid_bh.to(tl.int64) * NQ + offs_m, lse, mask=row_ok)
-    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], (o * v_descale).to(O.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :],
+             (o * (v_descale / P_SCALE)).to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
 
 
 # fmt: off
@@ -210,10 +211,9 @@ def _attn_fwd_fp8_tma(
         acc = tl.dot((p * P_SCALE).to(vt.dtype), vt.T, acc * alpha[:, None])
         m_i = m_new
 
-    o, lse = softmax_step.normalise(acc, m_i, l_i * P_SCALE)
-    lse = lse - 8.0 * softmax_step.LN_2 * (lse > float("-inf"))
+    o, lse = softmax_step.normalise(acc, m_i, l_i)  # o P_SCALE times too large, undone with V's scale
     tl.store(LSE + pid_bh.to(tl.int64) * NQ + offs_m, lse, mask=offs_m < NQ)
-    o = (o * v_descale).to(O.dtype.element_ty)
+    o = (o * (v_descale / P_SCALE)).to(O.dtype.element_ty)
     if EVEN_M:
         desc_o.store([q_row0 + row_lo, 0], o)
     else:  # the last tile would spill into the next head's rows: masked stores
