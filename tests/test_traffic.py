@@ -459,3 +459,47 @@ def test_the_child_stops_starting_cases_when_its_time_is_nearly_gone(tmp_path):
     traffic.run_child(config, tmp_path / "cases.json", device="cpu")
     cases = json.loads((tmp_path / "cases.json").read_text())
     assert [c["status"] for c in cases] == ["skipped", "skipped"] and "time limit" in cases[0]["reason"]
+
+
+# -- decode: the bytes an 8-bit cache saves -------------------------------------------------------------------
+
+
+DECODE = dict(seq_lens=(96,), head_dims=(32,), dtype="bf16", causal="no", heads=4, kv_heads=2, batch=2, check_rows=8)
+
+
+def test_decode_cases_read_one_token_against_a_cache_whose_bytes_the_8_bit_twin_halves():
+    cases = TrafficConfig(backends=("paged256", "paged256_fp8"), **DECODE).cases()
+    assert [(c.backend, c.kv_heads, c.decode) for c in cases] == [("paged256", 2, True), ("paged256_fp8", 2, True)]
+    sixteen, eight = (traffic.predictions(c)["model_bytes"] for c in cases)
+    q_and_o = 2 * 2 * 4 * 32 * 2  # one token of q and of o, every (sequence, query head), bf16
+    assert sixteen - q_and_o == 2 * 2 * 2 * 96 * 32 * 2  # K and V: B x Hk x N x D, two bytes each
+    assert eight - q_and_o == (sixteen - q_and_o) // 2
+    assert traffic.predictions(TrafficCase("flashlab", "bf16", 32, 96, False, 2, 4))["model_bytes"] > sixteen
+    with pytest.raises(ValueError, match="kv_heads is for the decode backends"):
+        TrafficConfig(backends=("flashlab",), heads=4, kv_heads=2).resolve()
+    with pytest.raises(ValueError, match="dividing heads"):
+        TrafficConfig(backends=("paged256",), heads=4, kv_heads=3).resolve()
+    config = TrafficConfig(backends=("paged16", "paged16_fp8"), **DECODE).resolve()
+    again = traffic.config_from_args(traffic.build_parser().parse_args(config.to_argv())).resolve()
+    assert again.cases() == config.cases()
+
+
+def test_the_child_checks_a_decode_step_on_each_cache_against_what_it_stands_for(tmp_path):
+    # on the CPU (the interpreter): the 8-bit cache's step is checked against float64 of the dequantised cache
+    config = TrafficConfig(backends=("paged16", "paged16_fp8"), **DECODE)
+    traffic.run_child(config, tmp_path / "cases.json", device="cpu")
+    cases = json.loads((tmp_path / "cases.json").read_text())
+    assert [(c["backend"], c["status"], c["kv_heads"]) for c in cases] == [
+        ("paged16", "ok", 2),
+        ("paged16_fp8", "ok", 2),
+    ], cases
+    assert all(c["rel_err"] < 1e-2 for c in cases)
+
+
+def test_the_8_bit_read_ratio_pairs_each_8_bit_case_with_its_16_bit_twin():
+    fields = dict(dtype="bf16", head_dim=128, seq_len=32768, causal=False, batch=8, heads=64, kv_heads=8)
+    rows = [dict(fields, backend="paged256", status="ok", dram_read_bytes=1000.0),
+            dict(fields, backend="paged256_fp8", status="ok", dram_read_bytes=520.0),
+            dict(fields, backend="paged16_fp8", status="ok", dram_read_bytes=600.0)]  # fmt: skip  # no 16-bit twin
+    ratios = traffic.eight_bit_read_ratios(TrafficResults({}, rows, []))
+    assert ratios == {("paged256_fp8", "D=128 N=32768 B=8 H=64/8"): 0.52}

@@ -22,6 +22,15 @@ then it brackets exactly one call with ``cudaProfilerStart`` / ``cudaProfilerSto
 marker kernel (``flashlab_case_marker``). The parent reads ncu's report as CSV and gives every kernel between one
 marker and the next to that marker's case, in the order the child's manifest lists them.
 
+Decode has its own backends, run when named: ``paged16``, ``paged256`` (one query token a sequence against a
+cache of N tokens in shuffled 16- or 256-token blocks, ``--kv-heads`` K/V heads) and their 8-bit twins
+``paged16_fp8``, ``paged256_fp8`` (the same cache in float8 e4m3, checked against float64 of the dequantised
+cache). There the count to match is the cache read once; the summary prints each 8-bit case's HBM bytes read over
+its 16-bit twin's, whose cache part alone is 0.5x::
+
+    python -m flashlab.bench --mode traffic --backends paged256,paged256_fp8 --heads 64 --kv-heads 8 \
+        --batch 8 --seq-lens 32k,128k --head-dims 128 --causal no
+
 Naive attention at N = 16K holds its score matrix three times over at its peak (the matmul's output, the scaled
 copy and P): 3 x 32 heads x 16384^2 x 2 B = 52 GB at D = 64, which fits in an H200's 141 GB. A case whose
 workspace would not fit in free memory is recorded as ``oom`` and not run.
@@ -74,15 +83,20 @@ CORE_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.s
 L2_SECTOR_BYTES = 32
 MARKER = "flashlab_case_marker"  # the kernel that opens each profiled case
 TRAFFIC_BACKENDS = ("naive", "flashlab", "sdpa_flash", "sdpa_cudnn", "flashlab_backward")
+# Decode: one query token a sequence against a paged KV cache of seq_len tokens, 16-bit or 8-bit (e4m3); run when
+# named (``--backends paged256,paged256_fp8``), the grid above being prefill's
+DECODE_BACKENDS = ("paged16", "paged256", "paged16_fp8", "paged256_fp8")
 DEFAULT_L2_BYTES = 60 * 10**6  # an H200's L2 as torch reports it, for recordings that lack the figure
 
 CASE_COLUMNS = (
-    "backend", "dtype", "head_dim", "seq_len", "causal", "batch", "heads", "status", "reason", "rel_err",
+    "backend", "dtype", "head_dim", "seq_len", "causal", "batch", "heads", "kv_heads", "status", "reason",
+    "rel_err",
     "kernels", "dram_read_bytes", "dram_write_bytes", "hbm_bytes", "l2_bytes", "l2_read_bytes", "l2_write_bytes",
     "duration_ns", "io_bytes", "score_bytes", "lesson_bytes", "model_bytes", "tiled_bytes", "ratio",
 )  # fmt: skip
 KERNEL_COLUMNS = (
-    "backend", "dtype", "head_dim", "seq_len", "causal", "batch", "heads", "case", "position", "kernel", "pass",
+    "backend", "dtype", "head_dim", "seq_len", "causal", "batch", "heads", "kv_heads", "case", "position", "kernel",
+    "pass",
     "dram_read_bytes", "dram_write_bytes", "l2_bytes", "l2_read_bytes", "l2_write_bytes", "duration_ns",
     "device_name", "torch", "triton", "cuda", "date", "ncu",
 )  # fmt: skip
@@ -94,7 +108,9 @@ class TrafficUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class TrafficCase:
-    """One measured call: q, k, v are ``(batch, heads, seq_len, head_dim)`` of ``dtype``."""
+    """One measured call: q, k, v are ``(batch, heads, seq_len, head_dim)`` of ``dtype``; for a decode backend
+    (``DECODE_BACKENDS``) q is one token a sequence, ``(batch, heads, 1, head_dim)``, and the cache holds seq_len
+    tokens of ``kv_heads`` heads (0: as many as q's)."""
 
     backend: str
     dtype: str
@@ -103,6 +119,20 @@ class TrafficCase:
     causal: bool
     batch: int
     heads: int
+    kv_heads: int = 0
+
+    @property
+    def decode(self) -> bool:
+        return self.backend in DECODE_BACKENDS
+
+    @property
+    def hk(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def cache_bytes_per_element(self) -> int:
+        """The K/V bytes per element a call reads: 1 for an 8-bit cache, else the dtype's."""
+        return 1 if self.backend.endswith("_fp8") else self.dtype_bytes
 
     @property
     def dtype_bytes(self) -> int:
@@ -115,7 +145,8 @@ class TrafficCase:
 
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
-        return f"{self.backend} {self.dtype} D={self.head_dim} N={self.seq_len} {mask} B={self.batch} H={self.heads}"
+        heads = f"H={self.heads}" + (f"/{self.kv_heads}" if self.kv_heads else "")
+        return f"{self.backend} {self.dtype} D={self.head_dim} N={self.seq_len} {mask} B={self.batch} {heads}"
 
     def fields(self) -> dict:
         return asdict(self)
@@ -131,6 +162,7 @@ class TrafficConfig:
     causal: str = "both"
     backends: Sequence[str] | None = None
     heads: int | None = None  # None: model_dim // head_dim
+    kv_heads: int | None = None  # decode backends: the cache's heads (None: as many as the query heads)
     model_dim: int = 2048
     batch: int = 1
     quick: bool = False
@@ -145,9 +177,16 @@ class TrafficConfig:
         head_dims = self.head_dims or ((128,) if self.quick else (128, 64))
         causal = self.causal if self.seq_lens or not self.quick else "no"
         backends = tuple(self.backends) if self.backends else TRAFFIC_BACKENDS
-        unknown = [b for b in backends if b not in TRAFFIC_BACKENDS]
+        unknown = [b for b in backends if b not in TRAFFIC_BACKENDS + DECODE_BACKENDS]
         if unknown:
-            raise ValueError(f"unknown traffic backend(s) {unknown}; choose from {list(TRAFFIC_BACKENDS)}")
+            raise ValueError(f"unknown traffic backend(s) {unknown}; choose from "
+                             f"{list(TRAFFIC_BACKENDS + DECODE_BACKENDS)}")  # fmt: skip
+        if self.kv_heads is not None:
+            heads = self.heads
+            if self.kv_heads < 1 or (heads is not None and heads % self.kv_heads):
+                raise ValueError(f"kv_heads must be a positive int dividing heads; got {self.kv_heads} for {heads}")
+            if not any(b in DECODE_BACKENDS for b in backends):
+                raise ValueError(f"kv_heads is for the decode backends ({', '.join(DECODE_BACKENDS)})")
         if causal not in ("both", "yes", "no"):
             raise ValueError(f"causal must be 'both', 'yes' or 'no'; got {causal!r}")
         if self.dtype not in ("bf16", "fp16", "fp32"):
@@ -174,7 +213,16 @@ class TrafficConfig:
         c = self.resolve()
         masks = {"both": (False, True), "yes": (True,), "no": (False,)}[c.causal]
         return [
-            TrafficCase(b, c.dtype, d, n, causal, c.batch, c.heads or max(1, c.model_dim // d))
+            TrafficCase(
+                b,
+                c.dtype,
+                d,
+                n,
+                causal,
+                c.batch,
+                c.heads or max(1, c.model_dim // d),
+                (c.kv_heads or 0) if b in DECODE_BACKENDS else 0,
+            )  # fmt: skip
             for d in c.head_dims
             for causal in masks
             for n in c.seq_lens
@@ -200,6 +248,8 @@ class TrafficConfig:
         ]  # fmt: skip
         if c.heads is not None:
             argv += ["--heads", str(c.heads)]
+        if c.kv_heads is not None:
+            argv += ["--kv-heads", str(c.kv_heads)]
         return argv
 
 
@@ -394,7 +444,7 @@ def attribute_kernels(kernels: Sequence[dict], profiled: Sequence[dict], meta: d
         for position, (k, pass_name) in enumerate(zip(own, passes, strict=True)):
             reads, writes = _metric(k, "lts__t_sectors_op_read.sum"), _metric(k, "lts__t_sectors_op_write.sum")
             rows.append(
-                {name: case[name] for name in TrafficCase.__dataclass_fields__}
+                case_of(case).fields()
                 | dict(
                     case=case_index,
                     position=position,
@@ -417,8 +467,10 @@ def attribute_kernels(kernels: Sequence[dict], profiled: Sequence[dict], meta: d
 
 
 def case_of(row: dict) -> TrafficCase:
-    """The ``TrafficCase`` a case or kernel row describes."""
-    return TrafficCase(**{name: row[name] for name in TrafficCase.__dataclass_fields__})
+    """The ``TrafficCase`` a case or kernel row describes (a recording made before decode cases has no
+    ``kv_heads``: 0, as many as the query heads)."""
+    return TrafficCase(**{name: row.get(name, 0) if name == "kv_heads" else row[name]
+                          for name in TrafficCase.__dataclass_fields__})  # fmt: skip
 
 
 def predictions(case: TrafficCase, sram_bytes: int | None = None) -> dict:
@@ -432,6 +484,10 @@ def predictions(case: TrafficCase, sram_bytes: int | None = None) -> dict:
     228 KiB per SM by default), for comparison.
     """
     n, d, b, copies = case.seq_len, case.head_dim, case.dtype_bytes, case.copies
+    if case.decode:  # one token's q and o, and the cache read once: seq_len keys and values of every K/V head
+        cache = 2 * case.batch * case.hk * n * d * case.cache_bytes_per_element
+        io = 2 * copies * d * b + cache
+        return dict(io_bytes=io, score_bytes=copies * n * b, lesson_bytes=io, model_bytes=io, tiled_bytes=io)
     sram = sram_bytes or roofline.GPUS["h200-sxm"].smem_per_sm
     flash = roofline.flash_attention_traffic(n, d, b)
     if case.backend == "naive":
@@ -458,7 +514,7 @@ def case_rows(cases: Sequence[dict], kernel_rows: Sequence[dict]) -> list[dict]:
     out = []
     profiled_index = 0
     for c in cases:
-        row = {name: c[name] for name in TrafficCase.__dataclass_fields__}
+        row = case_of(c).fields()
         row.update(status=c.get("status", "ok"), reason=c.get("reason", ""), rel_err=c.get("rel_err", float("nan")))
         row.update(predictions(case_of(c)))
         sums = dict.fromkeys(
@@ -615,9 +671,9 @@ class TrafficResults:
         are named for their pass again by ``naive_pass_names`` (a label derived from the names, not a counter)."""
         data = json.loads(Path(path).read_text())
 
-        def nan(rows):
-            return [{k: (float("nan") if v is None and k not in ("reason",) else v) for k, v in r.items()}
-                    for r in rows]  # fmt: skip
+        def nan(rows):  # and kv_heads 0 (as many as the query heads) in recordings made before decode cases
+            return [{"kv_heads": 0} | {k: (float("nan") if v is None and k not in ("reason",) else v)
+                                       for k, v in r.items()} for r in rows]  # fmt: skip
 
         kernels = nan(data.get("kernels", []))
         by_case: dict[tuple, list[dict]] = {}
@@ -701,7 +757,24 @@ def summary_table(results: TrafficResults) -> str:
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     lines += [fmt.format(*head)] + [fmt.format(*b) for b in body]
     lines.append(headline(results))
+    lines += [f"{name} / {name[: -len('_fp8')]}, {label}: HBM read {ratio:.3f}x (the cache's bytes alone: 0.5x)"
+              for (name, label), ratio in eight_bit_read_ratios(results).items()]  # fmt: skip
     return "\n".join(lines)
+
+
+def eight_bit_read_ratios(results: TrafficResults) -> dict:
+    """For each decode case measured with both an 8-bit cache and the same 16-bit one: ``{(8-bit backend, cell
+    label): HBM bytes read by the 8-bit call / by the 16-bit call}``."""
+    cases = {(r["backend"], r["head_dim"], r["seq_len"], r["causal"], r["batch"], r["heads"], r.get("kv_heads", 0)): r
+             for r in results.cases if r["status"] == "ok"}  # fmt: skip
+    out = {}
+    for key, r in cases.items():
+        name = key[0]
+        sixteen = cases.get((name[: -len("_fp8")], *key[1:])) if name.endswith("_fp8") else None
+        if sixteen is not None and sixteen["dram_read_bytes"] > 0:
+            label = f"D={key[1]} N={key[2]} B={key[4]} H={key[5]}/{key[6] or key[5]}"
+            out[(name, label)] = r["dram_read_bytes"] / sixteen["dram_read_bytes"]
+    return out
 
 
 def headline(results: TrafficResults, seq_len: int = 8192, head_dim: int = 128) -> str:
@@ -757,6 +830,8 @@ def _marker():
 
 def _workspace_bytes(case: TrafficCase) -> int:
     """Memory a case needs beyond q, k, v: naive holds about three score matrices at once, plus the causal mask."""
+    if case.decode:  # the paged pool (and its 8-bit copy) beside k and v
+        return 4 * case.batch * case.hk * case.seq_len * case.head_dim * case.dtype_bytes
     if case.backend != "naive":
         return 8 * case.copies * case.seq_len * case.head_dim * case.dtype_bytes
     return 3 * case.copies * case.seq_len**2 * case.dtype_bytes + case.seq_len**2
@@ -778,7 +853,7 @@ def run_child(config: TrafficConfig, manifest: Path, device: str = "cuda") -> No
     import torch
 
     from flashlab.bench.grid import DTYPES, TOLERANCE
-    from flashlab.bench.implementations import reference_rows
+    from flashlab.bench.implementations import BACKENDS, reference_rows
     from flashlab.bench.measure import check_rows
 
     config = config.resolve()
@@ -795,21 +870,27 @@ def run_child(config: TrafficConfig, manifest: Path, device: str = "cuda") -> No
         entry = case.fields() | dict(status="ok", reason="", rel_err=float("nan"), profiled=False)
         done.append(entry)
         shape = (case.batch, case.heads, case.seq_len, case.head_dim)  # (B, H, N, D)
+        kv_shape = (case.batch, case.hk, case.seq_len, case.head_dim)  # decode: the cache's (B, Hk, N, D)
+        q_shape = (case.batch, case.heads, 1, case.head_dim) if case.decode else shape
         try:
             if time.perf_counter() - start > budget_s:
                 raise TimeoutError(f"not run: the recording's time limit ({config.timeout_s:.0f} s) is near")
             if gpu:
                 torch.cuda.empty_cache()
                 free = torch.cuda.mem_get_info()[0]
-                if _workspace_bytes(case) + 4 * math.prod(shape) * case.dtype_bytes > 0.9 * free:
+                inputs = math.prod(q_shape) + 2 * math.prod(kv_shape)
+                if _workspace_bytes(case) + 2 * inputs * case.dtype_bytes > 0.9 * free:
                     raise MemoryError(f"needs about {_gb(_workspace_bytes(case))}, {_gb(free)} free")
             gen = torch.Generator(device=device).manual_seed(config.seed)
-            q, k, v = (torch.randn(shape, generator=gen, device=device).to(DTYPES[case.dtype]) for _ in range(3))
+            q, k, v = (torch.randn(s_, generator=gen, device=device).to(DTYPES[case.dtype])
+                       for s_ in (q_shape, kv_shape, kv_shape))  # fmt: skip
             call = _case_call(case, q, k, v)
             out = call()  # warm-up 1: compile, autotune, build plans
             if case.backend != "flashlab_backward":
-                rows = check_rows(case.seq_len, config.check_rows).to(device)
-                ref = reference_rows(q[:1], k[:1], v[:1], case.causal, rows)  # (1, H, R, D) float64
+                rows = check_rows(q.shape[2], config.check_rows).to(device)
+                stands_for = BACKENDS[case.backend].stands_for  # an 8-bit cache: the float64 K/V it stands for
+                qr, kr, vr = (q[:1], k[:1], v[:1]) if stands_for is None else stands_for(q[:1], k[:1], v[:1])
+                ref = reference_rows(qr, kr, vr, case.causal, rows)  # (1, H, R, D) float64
                 got = out[:1][:, :, rows].double()
                 entry["rel_err"] = (torch.linalg.vector_norm(got - ref) / torch.linalg.vector_norm(ref)).item()
                 if not entry["rel_err"] <= TOLERANCE[case.dtype]:
@@ -995,9 +1076,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", "--dtypes", default="bf16", choices=["bf16", "fp16"], help="dtype of q, k, v")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both", help="causal mask: yes, no or both")
     p.add_argument(
-        "--backends", type=name_list, help=f"comma-separated, from {','.join(TRAFFIC_BACKENDS)} (default all)"
+        "--backends",
+        type=name_list,
+        help=f"comma-separated, from {','.join(TRAFFIC_BACKENDS)} (default all), "
+        f"and the decode backends {','.join(DECODE_BACKENDS)} (one query token against a paged cache, 16- or 8-bit)",
     )
     p.add_argument("--heads", type=int, help="a fixed number of heads for every D (default: model dim // D)")
+    p.add_argument("--kv-heads", type=int, help="decode backends: the cache's K/V heads (default: --heads)")
     p.add_argument("--model-dim", type=int, default=2048, help="H * D when --heads is not given")
     p.add_argument("--batch", type=int, default=1, help="batch size B")
     p.add_argument("--quick", action="store_true", help="N 1k,4k, D 128, no mask: a smoke test")
@@ -1021,6 +1106,7 @@ def config_from_args(args: argparse.Namespace) -> TrafficConfig:
         causal=args.causal,
         backends=args.backends,
         heads=args.heads,
+        kv_heads=args.kv_heads,
         model_dim=args.model_dim,
         batch=args.batch,
         quick=args.quick,
