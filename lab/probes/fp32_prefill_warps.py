@@ -10,17 +10,12 @@ import tempfile
 import time
 
 import torch
+from probe_log import log_to
 from triton.testing import do_bench
 
 from flashlab.host.attention import forward
 
-out = open(sys.argv[1], "w")
-
-
-def say(line):
-    print(line, flush=True)
-    out.write(line + "\n")
-    out.flush()
+say = log_to(sys.argv[1])
 
 
 say(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}")
@@ -46,4 +41,3 @@ for d, n, causal in cases:
         )
         row.append(f"{warps} warps: first call {first:5.2f} s, {ms * 1e3:8.1f} us, max rel err {err:.1e}")
     say("  ".join(row))
-out.close()

@@ -8,6 +8,7 @@ import sys
 import time
 
 import torch
+from probe_log import log_to
 from triton.testing import do_bench
 
 from flashlab import dequantize_qkv, flash_attention, quantize_qkv
@@ -16,13 +17,7 @@ from flashlab.kernels import fp8_forward
 from flashlab.kernels.device import kernel_band
 from flashlab.reference.torch_float64 import attention_float64
 
-out = open(sys.argv[1], "w")
-
-
-def say(line):
-    print(line, flush=True)
-    out.write(line + "\n")
-    out.flush()
+say = log_to(sys.argv[1])
 
 
 # (kernel, tiles): the pointer-loads kernel at its default tiles, the tensor-memory-engine kernel at three
@@ -69,4 +64,3 @@ for d in (128, 64, 256):
     for n in (4096, 16384):
         for causal in (False, True):
             cell(d, n, causal)
-out.close()

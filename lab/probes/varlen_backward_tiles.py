@@ -9,19 +9,14 @@ import sys
 import time
 
 import torch
+from probe_log import log_to
 from triton.testing import do_bench
 
 from flashlab import flash_attention_varlen
 from flashlab.bench.varlen import VarlenPlan, mix_lengths, torch_varlen_attn
 from flashlab.host import varlen as host_varlen
 
-out = open(sys.argv[1], "w")
-
-
-def say(line):
-    print(line, flush=True)
-    out.write(line + "\n")
-    out.flush()
+say = log_to(sys.argv[1])
 
 
 def cfg(t):
@@ -72,4 +67,3 @@ def run_cell(tokens, d, causal):
 for tokens, d in ((16384, 64), (16384, 128), (65536, 64), (65536, 128)):
     for causal in (False, True):
         run_cell(tokens, d, causal)
-out.close()

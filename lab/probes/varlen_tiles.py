@@ -9,19 +9,14 @@ import sys
 import time
 
 import torch
+from probe_log import log_to
 from triton.testing import do_bench
 
 from flashlab.bench.varlen import VarlenPlan, mix_lengths, torch_varlen_attn
 from flashlab.kernels import varlen
 from flashlab.kernels.device import kernel_band
 
-out = open(sys.argv[1], "w")
-
-
-def say(line):
-    print(line, flush=True)
-    out.write(line + "\n")
-    out.flush()
+say = log_to(sys.argv[1])
 
 
 CONFIGS = {
@@ -63,4 +58,3 @@ for tokens in (16384, 65536):
                     except Exception as e:  # a config that does not fit: named, the others still run
                         row.append(f"({bm},{bn},{w},{s}) failed: {type(e).__name__}")
                 say(" | ".join(row))
-out.close()
