@@ -614,8 +614,7 @@ def _decode_jit(plan, jit_function, tuned, tensors, stream, names):
     meta = plan.args.meta
     kernel = None
     if "num_warps" in meta:  # a fixed config, or the one picked on an earlier call
-        if plan.state is not CHECKED:
-            launcher_beside(jit_function, args, meta)
+        launcher_beside(jit_function, args, meta)
         kernel = jit_function[grid](*args, **meta)
     elif autotuning():
         tuned[grid](*args, **meta)
