@@ -64,6 +64,7 @@ import triton
 import triton.language as tl
 
 from flashlab.bench.args import name_list, size_list
+from flashlab.bench.implementations import BACKENDS, FP8_SUFFIX
 from flashlab.bench.results import gpu_slug, json_row, save_tables
 from flashlab.calculators import roofline
 
@@ -131,8 +132,8 @@ class TrafficCase:
 
     @property
     def cache_bytes_per_element(self) -> int:
-        """The K/V bytes per element a call reads: 1 for an 8-bit cache, else the dtype's."""
-        return 1 if self.backend.endswith("_fp8") else self.dtype_bytes
+        """The K/V bytes per element a call reads: the backend's cache width (an 8-bit cache's 1), else the dtype's."""
+        return (BACKENDS[self.backend].kv_bytes_per_element if self.decode else None) or self.dtype_bytes
 
     @property
     def dtype_bytes(self) -> int:
@@ -222,7 +223,7 @@ class TrafficConfig:
                 c.batch,
                 c.heads or max(1, c.model_dim // d),
                 (c.kv_heads or 0) if b in DECODE_BACKENDS else 0,
-            )  # fmt: skip
+            )
             for d in c.head_dims
             for causal in masks
             for n in c.seq_lens
@@ -757,23 +758,21 @@ def summary_table(results: TrafficResults) -> str:
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     lines += [fmt.format(*head)] + [fmt.format(*b) for b in body]
     lines.append(headline(results))
-    lines += [f"{name} / {name[: -len('_fp8')]}, {label}: HBM read {ratio:.3f}x (the cache's bytes alone: 0.5x)"
-              for (name, label), ratio in eight_bit_read_ratios(results).items()]  # fmt: skip
+    lines += [f"{name} / {name.removesuffix(FP8_SUFFIX)}, {label}: HBM read {ratio:.3f}x (the cache's bytes alone: "
+              "0.5x)" for (name, label), ratio in eight_bit_read_ratios(results).items()]  # fmt: skip
     return "\n".join(lines)
 
 
 def eight_bit_read_ratios(results: TrafficResults) -> dict:
     """For each decode case measured with both an 8-bit cache and the same 16-bit one: ``{(8-bit backend, cell
     label): HBM bytes read by the 8-bit call / by the 16-bit call}``."""
-    cases = {(r["backend"], r["head_dim"], r["seq_len"], r["causal"], r["batch"], r["heads"], r.get("kv_heads", 0)): r
-             for r in results.cases if r["status"] == "ok"}  # fmt: skip
+    measured = {case_of(r): r for r in results.cases if r["status"] == "ok"}
     out = {}
-    for key, r in cases.items():
-        name = key[0]
-        sixteen = cases.get((name[: -len("_fp8")], *key[1:])) if name.endswith("_fp8") else None
-        if sixteen is not None and sixteen["dram_read_bytes"] > 0:
-            label = f"D={key[1]} N={key[2]} B={key[4]} H={key[5]}/{key[6] or key[5]}"
-            out[(name, label)] = r["dram_read_bytes"] / sixteen["dram_read_bytes"]
+    for case, r in measured.items():
+        sixteen = measured.get(replace(case, backend=case.backend.removesuffix(FP8_SUFFIX)))
+        if case.backend.endswith(FP8_SUFFIX) and sixteen is not None and sixteen["dram_read_bytes"] > 0:
+            label = f"D={case.head_dim} N={case.seq_len} B={case.batch} H={case.heads}/{case.hk}"
+            out[(case.backend, label)] = r["dram_read_bytes"] / sixteen["dram_read_bytes"]
     return out
 
 
@@ -853,7 +852,7 @@ def run_child(config: TrafficConfig, manifest: Path, device: str = "cuda") -> No
     import torch
 
     from flashlab.bench.grid import DTYPES, TOLERANCE
-    from flashlab.bench.implementations import BACKENDS, reference_rows
+    from flashlab.bench.implementations import reference_rows
     from flashlab.bench.measure import check_rows
 
     config = config.resolve()
@@ -878,8 +877,8 @@ def run_child(config: TrafficConfig, manifest: Path, device: str = "cuda") -> No
             if gpu:
                 torch.cuda.empty_cache()
                 free = torch.cuda.mem_get_info()[0]
-                inputs = math.prod(q_shape) + 2 * math.prod(kv_shape)
-                if _workspace_bytes(case) + 2 * inputs * case.dtype_bytes > 0.9 * free:
+                inputs = 2 * math.prod(q_shape) + 2 * math.prod(kv_shape)  # q and o, k and v
+                if _workspace_bytes(case) + inputs * case.dtype_bytes > 0.9 * free:
                     raise MemoryError(f"needs about {_gb(_workspace_bytes(case))}, {_gb(free)} free")
             gen = torch.Generator(device=device).manual_seed(config.seed)
             q, k, v = (torch.randn(s_, generator=gen, device=device).to(DTYPES[case.dtype])
