@@ -12,7 +12,9 @@ The default set is the buckets a call of each kernel most often lands in:
   heads;
 - prefill, ``skip_split`` (fp32 and bf16) and ``hopper`` (bf16): D 64 and 128, no mask and causal, 1K, 4K and 16K
   queries and keys, with ``PREFILL_TOKENS`` tokens per batch and a ``MODEL_DIM``-wide model (H = MODEL_DIM / D),
-  as the benchmark sizes its prefill cells.
+  as the benchmark sizes its prefill cells;
+- the backward, ``backward_dkdv`` and ``backward_dq`` (bf16): the prefill buckets' shapes, dQ, dK and dV from a
+  random dO; the gradients checked against float64 autograd on the first sequence and K/V head.
 
 The flags widen or narrow it (``--kernels``, ``--dtypes``, ``--head-dims``, ``--groups``, ``--masks``,
 ``--kv-lengths``, ``--lengths``, ``--page-sizes``); ``--dry-run`` lists the buckets without running anything (on
@@ -46,13 +48,15 @@ CHECK_ROWS = 64  # query rows of a prefill shape checked against float64
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16", "float": "float32"}
 DTYPE_ALIASES_BACK = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-DEFAULT_KERNELS = ("split_kv", "kvcache", "skip_split", "hopper")
+DEFAULT_KERNELS = ("split_kv", "kvcache", "skip_split", "hopper", "backward_dkdv", "backward_dq")
 DEFAULT_DTYPES = {
     "split_kv": ("bfloat16", "float16"),
     "kvcache": ("bfloat16", "float16"),
     "skip_split": ("float32", "bfloat16"),
     "hopper": ("bfloat16",),
     "lesson_loop": ("bfloat16",),
+    "backward_dkdv": ("bfloat16",),
+    "backward_dq": ("bfloat16",),
 }
 DEFAULT_HEAD_DIMS = (64, 128)
 DEFAULT_GROUPS = (1, 4, 8)
@@ -81,6 +85,10 @@ class Shape:
     @property
     def decode(self) -> bool:
         return self.kernel in configs.DECODE_KERNELS
+
+    @property
+    def backward(self) -> bool:
+        return self.kernel in configs.BACKWARD_KERNELS
 
     def sizes(self) -> tuple[int, int, int]:
         """``(B, Hq, Hk)`` of the launch."""
@@ -185,6 +193,7 @@ def autotuning(warmup_ms: float, rep_ms: float) -> Iterator[None]:
 
 def autotuners() -> dict:
     """Each kernel's Triton autotuner."""
+    from flashlab.kernels import flash_backward
     from flashlab.kernels.decode import kvcache, split_kv
     from flashlab.kernels.ladder import rung1_lesson_loop, rung2_skip_split, rung3_hopper
 
@@ -194,6 +203,8 @@ def autotuners() -> dict:
         "skip_split": rung2_skip_split.attn_fwd_tuned,
         "hopper": rung3_hopper.hopper_fwd_tuned,
         "lesson_loop": rung1_lesson_loop.lesson_loop_fwd_tuned,
+        "backward_dkdv": flash_backward._bwd_dkdv_tuned,
+        "backward_dq": flash_backward._bwd_dq_tuned,
     }
 
 
@@ -268,14 +279,54 @@ def check(shape: Shape, q, k, v, o) -> None:
         raise RuntimeError(f"{shape.label()}: relative error {error:.3g} against float64 exceeds {allowed:g}")
 
 
+def launch_backward(shape: Shape, q, k, v, seed: int = 1):
+    """The backward of the shape's attention from a random dO, through ``flash_backward.attention_backward`` (its
+    two main kernels' launches): ``((dq, dk, dv), do)``. The forward's o and lse come from skip and split."""
+    import torch
+
+    from flashlab.kernels.flash_backward import attention_backward
+    from flashlab.kernels.ladder import rung2_skip_split
+
+    causal, window = shape.causal_window()
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    rung2_skip_split.launch(q, k, v, o, lse, causal, window, shape.band())
+    g = torch.Generator(device=q.device).manual_seed(seed)
+    do = torch.randn(q.shape, device=q.device, generator=g).to(q.dtype)
+    return attention_backward(do, q, k, v, o, lse, causal, window, None), do
+
+
+def check_backward(shape: Shape, q, k, v, do, grads) -> None:
+    """A RuntimeError where a gradient of the first sequence and K/V head (dK and dV need every query row, so rows
+    are not sampled) differs from float64 autograd by more than the dtype's gradient tolerance."""
+    from flashlab.core.numerics import grad_tolerance, relative_error
+    from flashlab.reference.torch_float64 import attention_float64_grads, query_heads
+
+    causal, window = shape.causal_window()
+    expected = attention_float64_grads(q, k, v, do, causal, window, batch=[0], kv_heads=[0])
+    heads = query_heads([0], q.shape[1] // k.shape[1])
+    got = (grads[0][:1, heads], grads[1][:1, :1], grads[2][:1, :1])
+    allowed = grad_tolerance(q.dtype)
+    for name, x, want in zip(("dq", "dk", "dv"), got, expected, strict=True):
+        error = relative_error(x, want)
+        if not error <= allowed:
+            message = f"{name} relative error {error:.3g} against float64 exceeds {allowed:g}"
+            raise RuntimeError(f"{shape.label()}: {message}")
+
+
 def tune_shape(shape: Shape, device) -> dict:
     """The autotuner's pick for one shape (inside ``autotuning``), after checking its output."""
     import torch
 
     q, k, v = inputs(shape, device)
-    o, _ = launch(shape, q, k, v)
-    torch.cuda.synchronize(device)
-    check(shape, q, k, v, o)
+    if shape.backward:
+        grads, do = launch_backward(shape, q, k, v)
+        torch.cuda.synchronize(device)
+        check_backward(shape, q, k, v, do, grads)
+    else:
+        o, _ = launch(shape, q, k, v)
+        torch.cuda.synchronize(device)
+        check(shape, q, k, v, o)
     picked = autotuners()[shape.kernel].best_config.all_kwargs()
     return {name: value for name, value in picked.items() if isinstance(value, (bool, int))}
 
@@ -528,7 +579,17 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     return doc
 
 
-__all__ = ["Shape", "build_parser", "main", "plan_shapes", "table_document", "table_entry", "tune_shape"]
+__all__ = [
+    "Shape",
+    "build_parser",
+    "check_backward",
+    "launch_backward",
+    "main",
+    "plan_shapes",
+    "table_document",
+    "table_entry",
+    "tune_shape",
+]
 
 if __name__ == "__main__":
     main()

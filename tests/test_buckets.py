@@ -579,3 +579,96 @@ def test_head_dims_of_one_padded_width_compile_one_prefill_binary_on_gpu():
         assert float((o.double() - ro).norm() / ro.norm()) < 1.5e-2, d
         counts.append(binaries(skip_split.attn_fwd, dev))
     assert counts[0] == counts[1] == counts[2], counts
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The backward: lengths at runtime, tiles looked up (never tuned inside a call)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def backward_specialisations(nq, nk, causal, window, d=64, hq=4, hk=2):
+    """What Triton would specialise each backward kernel's launch on, for one call of those sizes (the
+    arguments as ``flash_backward.backward_arguments`` builds them, the tiles a GPU launch takes)."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import create_function_from_signature
+
+    from flashlab.kernels import flash_backward as fb
+
+    q = torch.randn(1, hq, nq, d)
+    k, v = torch.randn(1, hk, nk, d), torch.randn(1, hk, nk, d)
+    o, do, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(1, hq, nq)
+    args = fb.backward_arguments(do, q, k, v, o, lse, causal, window, None)
+    tiles = dict(BLOCK_M=64, BLOCK_N=64)
+    specs = []
+    for kernel, values, meta in ((fb._bwd_preprocess, args.pre_args, dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=64)),
+                                 (fb._bwd_dkdv, (*args.dkdv_args, *args.tune), {**args.common, **tiles}),
+                                 (fb._bwd_dq, (*args.dq_args, *args.tune), {**args.common, **tiles})):  # fmt: skip
+        binder = create_function_from_signature(kernel.signature, kernel.params, BaseBackend)
+        specs.append(binder(*values, **meta)[1])
+    return specs
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (100, 0))])
+def test_the_backward_kernels_lengths_are_runtime_values(causal, window):
+    # odd, divisible by 16, past a power of two, Nq != Nk: each kernel keys one specialisation, so a new length
+    # in a bucket compiles nothing (the backward used to specialise on every length's divisibility by 16)
+    from flashlab.kernels import flash_backward as fb
+
+    for kernel, names in ((fb._bwd_preprocess, fb.PREPROCESS_RUNTIME), (fb._bwd_dkdv, fb.DKDV_RUNTIME),
+                          (fb._bwd_dq, fb.DQ_RUNTIME)):  # fmt: skip
+        params = {p.name: p for p in kernel.params}
+        assert all(params[n].do_not_specialize and params[n].do_not_specialize_on_alignment for n in names)
+    first = backward_specialisations(4001, 4001, causal, window)
+    for nq, nk in ((4016, 4016), (4097, 4097), (3000, 4113), (1, 4001)):
+        assert backward_specialisations(nq, nk, causal, window) == first, (nq, nk)
+
+
+def test_backward_tiles_come_from_the_bucket_not_the_length():
+    from flashlab.kernels import configs
+    from flashlab.kernels import flash_backward as fb
+    from flashlab.kernels.device import kernel_band
+
+    h200_smem = 232448
+
+    def picks(nq, nk, causal, d=128, dtype=torch.bfloat16, hq=8):
+        # what picked_configs looks up on a GPU without a tuned table: each kernel's bucket, then its default
+        q = torch.empty(2, hq, nq, d, dtype=dtype)
+        fields = configs.launch_fields(q, 2, nk, *kernel_band(nq, nk, d, causal, None, None)[:3])
+        del fields["device"]
+        keys = {name: configs.bucket(kernel, **fields) for name, kernel in fb.CONFIG_KERNELS.items()}
+        return keys, {name: configs.default_config(key[0], key, h200_smem) for name, key in keys.items()}
+
+    keys, tiles = picks(4001, 4001, True)
+    assert picks(3000, 4096, True)[0] == keys and picks(2049, 2049, True, hq=16)[0] == keys  # one bucket
+    assert picks(4001, 4001, False)[0] != keys and picks(8193, 8193, True)[0] != keys  # another mask, length
+    assert tiles["dkdv"]["BLOCK_N"] == 128 and tiles["dq"]["BLOCK_M"] == 128  # D = 128: the measured picks
+    assert picks(4001, 4001, False, d=64)[1]["dkdv"] == {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_ctas": 1,
+                                                          "num_stages": 3}  # fmt: skip
+    q = torch.empty(1, 4, 100, 64)
+    assert fb.picked_configs(q, 2, 100, (0, 10**9, 0))["dq"] == configs.cpu_config("backward_dq")  # the interpreter's
+
+
+@pytest.mark.gpu
+def test_a_backward_over_changing_lengths_compiles_once_and_never_autotunes_on_gpu():
+    from flashlab.kernels import configs
+    from flashlab.kernels import flash_backward as fb
+    from flashlab.reference.torch_float64 import attention_float64_grads
+
+    if configs.autotune_enabled():
+        pytest.skip("FLASHLAB_AUTOTUNE=1: the autotuners run inside calls on purpose")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    dev = torch.cuda.current_device()
+    tuned_before = (len(fb._bwd_dkdv_tuned.cache), len(fb._bwd_dq_tuned.cache))
+    counts = []
+    for nq, nk in ((1001, 1001), (1016, 1016), (777, 1030), (1024, 1024)):
+        q = torch.randn(1, 8, nq, 128, device="cuda", generator=g).bfloat16().requires_grad_()
+        k, v = (torch.randn(1, 2, nk, 128, device="cuda", generator=g).bfloat16().requires_grad_() for _ in range(2))
+        do = torch.randn(1, 8, nq, 128, device="cuda", generator=g).bfloat16()
+        grads = torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), do)
+        ref = attention_float64_grads(q.detach(), k.detach(), v.detach(), do, True)
+        for got, want in zip(grads, ref, strict=True):
+            err = float((got.double() - want).norm() / want.norm())
+            assert err < 3e-2, (nq, nk, err)
+        counts.append(tuple(binaries(kern, dev) for kern in (fb._bwd_preprocess, fb._bwd_dkdv, fb._bwd_dq)))
+    assert len(set(counts)) == 1, counts  # every length ran the first call's binaries
+    assert (len(fb._bwd_dkdv_tuned.cache), len(fb._bwd_dq_tuned.cache)) == tuned_before  # no autotuning

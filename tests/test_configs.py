@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from flashlab.kernels import configs
+from flashlab.kernels import configs, flash_backward
 from flashlab.kernels.decode import kvcache, split_kv
 from flashlab.kernels.device import kernel_band
 from flashlab.kernels.ladder import rung1_lesson_loop, rung2_skip_split, rung3_hopper
@@ -261,6 +261,18 @@ def test_prefill_defaults_are_the_kernels_spaces_then_fallbacks(kernel):
         assert tiles == list(module.TUNING_SPACE[cls]) + list(module.FALLBACK_SPACE), cls
 
 
+def test_backward_defaults_are_the_kernels_spaces_measured_pick_first_then_fallbacks():
+    for name, kernel in flash_backward.CONFIG_KERNELS.items():
+        space = flash_backward.TUNING_SPACE[name]
+        assert set(configs.BACKWARD_DEFAULTS[kernel]) == set(space)
+        for cls, tiles in configs.BACKWARD_DEFAULTS[kernel].items():
+            own = len(space[cls])
+            assert sorted(tiles[:own]) == sorted(space[cls]) and tiles[own:] == flash_backward.FALLBACK_SPACE, cls
+    # what the autotuner chose at every length of the H200's backward grid (bf16, docs/backward.md) comes first
+    assert configs.BACKWARD_DEFAULTS["backward_dkdv"]["d<=64"][0] == (64, 64, 4, 3)
+    assert configs.BACKWARD_DEFAULTS["backward_dq"]["d=128"][0] == (128, 64, 8, 2)
+
+
 def test_decode_defaults_are_in_the_decode_spaces():
     last_resort = (32, 4, 1)
     assert configs.DECODE_DEFAULTS["16-bit"][0] == split_kv.TUNING_SPACE[0] == (64, 4, 2)
@@ -276,7 +288,8 @@ def kernel_prune(kernel, dtype, head_dim, group, nq, smem, monkeypatch):
     on a GPU with ``smem`` bytes of shared memory a block."""
     from flashlab.kernels.device import block_d
 
-    module = {"split_kv": split_kv, "kvcache": split_kv, **PREFILL_MODULES}[kernel]
+    backward = dict.fromkeys(configs.BACKWARD_KERNELS, flash_backward)
+    module = {"split_kv": split_kv, "kvcache": split_kv, **PREFILL_MODULES, **backward}[kernel]
     monkeypatch.setattr(module, "smem_limit", lambda index: smem)
     monkeypatch.setattr(module, "device_index", lambda x: 0)
     q = torch.empty(1, dtype=dtype)
@@ -285,6 +298,11 @@ def kernel_prune(kernel, dtype, head_dim, group, nq, smem, monkeypatch):
         named = {"Q": q, "BLOCK_M": split_kv.packed_block_m(group * nq), "BLOCK_D": block_d(head_dim)}
         kept = split_kv.prune_configs(tuned.configs, named)
         return {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept}
+    if kernel in configs.BACKWARD_KERNELS:
+        name = {v: k for k, v in flash_backward.CONFIG_KERNELS.items()}[kernel]
+        tuned = flash_backward._bwd_dkdv_tuned if name == "dkdv" else flash_backward._bwd_dq_tuned
+        kept = flash_backward._pruner(name)(tuned.configs, {"Q": q, "BLOCK_D": block_d(head_dim)})
+        return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept}
     tuned = {
         "skip_split": rung2_skip_split.attn_fwd_tuned,
         "lesson_loop": rung1_lesson_loop.lesson_loop_fwd_tuned,

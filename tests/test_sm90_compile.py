@@ -251,3 +251,25 @@ def test_the_fp8_forwards_copy_engine_kernel_compiles_for_hopper(d, causal):
     assert "cp.async.bulk.tensor" in ptx  # the copy engine's tile loads
     assert "setmaxnreg" in ptx  # warp-specialised: the copying warps hand their registers to the computing ones
     assert "st.shared.b8" not in ptx
+
+
+@pytest.mark.parametrize("d, causal", [(64, False), (128, True)])
+def test_the_backward_kernels_compile_for_hopper_with_the_tiles_a_launch_picks(d, causal):
+    """The backward's dK/dV and dQ kernels with their lengths unspecialised and the tiles a GPU launch without a
+    tuned table takes (``configs.BACKWARD_DEFAULTS``): every product on Hopper's tensor cores."""
+    from flashlab.kernels import flash_backward
+
+    b, hq, hk, n = 1, 8, 2, 1001
+    q = torch.empty(b, hq, n, d, dtype=torch.bfloat16)
+    k = torch.empty(b, hk, n, d, dtype=torch.bfloat16)
+    lse = torch.empty(b, hq, n)
+    args = flash_backward.backward_arguments(q, q, k, k, q, lse, causal, None, None)
+    for name, kernel, values in (("dkdv", flash_backward._bwd_dkdv, args.dkdv_args),
+                                 ("dq", flash_backward._bwd_dq, args.dq_args)):  # fmt: skip
+        key = configs.bucket(flash_backward.CONFIG_KERNELS[name], dtype=torch.bfloat16, head_dim=d,
+                             mask="causal" if causal else "none", group=1, nq=n, nk=n)  # fmt: skip
+        tiles = configs.default_config(key[0], key, 232448)
+        constexprs = {**gpu_meta(args.common, torch.bfloat16), "BLOCK_M": tiles["BLOCK_M"], "BLOCK_N": tiles["BLOCK_N"]}
+        options = {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
+        ptx = compile_sm90(kernel, (*values, *args.tune), constexprs, options)
+        assert "wgmma.mma_async" in ptx and ".bf16.bf16" in ptx, name  # 16-bit products on the tensor cores

@@ -29,6 +29,9 @@ def test_the_default_set_covers_the_brief_buckets():
     assert len(by_kernel["skip_split"]) == 2 * 2 * 2 * 3 and len(by_kernel["hopper"]) == 2 * 2 * 3
     assert {s.nk for s in by_kernel["split_kv"]} == {2**i for i in range(10, 18)}
     assert {s.dtype for s in by_kernel["hopper"]} == {"bfloat16"}
+    # the backward: bf16, the prefill buckets (2 head dims x 2 masks x 3 lengths), each of its two kernels
+    assert len(by_kernel["backward_dkdv"]) == len(by_kernel["backward_dq"]) == 2 * 2 * 3
+    assert {s.dtype for s in by_kernel["backward_dq"]} == {"bfloat16"}
     assert len({s.key() for s in shapes}) == len(shapes)  # one shape per bucket
 
 
@@ -135,6 +138,20 @@ def test_the_launches_equal_float64_on_the_interpreter(shape, monkeypatch):
     o[0, 0, -1] += 1.0  # the check can fail: one wrong row of the sample
     with pytest.raises(RuntimeError, match="relative error"):
         tune.check(shape, q, k, v, o)
+
+
+@pytest.mark.parametrize("kernel, mask", [("backward_dkdv", "causal"), ("backward_dq", "window")])
+def test_the_backward_launch_equals_float64_on_the_interpreter(kernel, mask, monkeypatch):
+    monkeypatch.setattr(tune, "PREFILL_TOKENS", 80)  # B = 2
+    monkeypatch.setattr(tune, "MODEL_DIM", 32)  # H = 2
+    shape = tune.Shape(kernel, "float32", 16, mask, 1, 40, 40)
+    q, k, v = tune.inputs(shape, "cpu")
+    grads, do = tune.launch_backward(shape, q, k, v)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    tune.check_backward(shape, q, k, v, do, grads)
+    grads[1][0, 0, 3] += 0.5  # the check can fail: one wrong key row of dK in the checked head
+    with pytest.raises(RuntimeError, match="dk relative error"):
+        tune.check_backward(shape, q, k, v, do, grads)
 
 
 def test_table_entries_are_what_configs_reads():

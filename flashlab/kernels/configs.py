@@ -24,8 +24,9 @@ or tune inside a user's call. So each GPU family ships a table of the autotuners
 - ``autotune_enabled()``: True when ``FLASHLAB_AUTOTUNE=1``: then the launches use Triton's autotuners, as before
   the tables existed.
 
-Kernel names: "split_kv", "kvcache" (decode), "skip_split", "hopper", "lesson_loop" (prefill). The KV-cache
-kernel takes one extra bucket field, ``page_size`` (0 for a contiguous cache).
+Kernel names: "split_kv", "kvcache" (decode), "skip_split", "hopper", "lesson_loop" (prefill), "backward_dkdv" and
+"backward_dq" (the backward's two main kernels, ``flashlab.kernels.flash_backward``). The KV-cache kernel takes one
+extra bucket field, ``page_size`` (0 for a contiguous cache).
 
 The table file, ``flashlab/kernels/tuned/<family>.json`` (or the file named by ``FLASHLAB_CONFIGS``, which
 overrides the family's)::
@@ -69,7 +70,8 @@ CACHE_SIZE = 4096  # buckets whose config is kept
 
 DECODE_KERNELS = ("split_kv", "kvcache")
 PREFILL_KERNELS = ("skip_split", "hopper", "lesson_loop")
-KERNELS = DECODE_KERNELS + PREFILL_KERNELS
+BACKWARD_KERNELS = ("backward_dkdv", "backward_dq")
+KERNELS = DECODE_KERNELS + PREFILL_KERNELS + BACKWARD_KERNELS
 MASKS = ("none", "causal", "window")
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 # Extra bucket fields a kernel takes, and their value when not given.
@@ -111,6 +113,25 @@ PREFILL_DEFAULTS = {
     },
 }
 HOPPER_WARP_SPECIALIZED_WARPS = 4
+# The backward's (BLOCK_M, BLOCK_N, num_warps, num_stages): flash_backward's tuning space for the class, the config
+# its autotuner picked at every length of the H200's backward grid first (bf16, 1K-16K, causal and not:
+# docs/backward.md), then flash_backward.FALLBACK_SPACE. The dK/dV kernel keeps BLOCK_N keys of K and V resident and
+# streams BLOCK_M rows of Q and dO; the dQ kernel the other way round (``resident_and_streamed``).
+_BACKWARD_FALLBACKS = [(32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)]
+BACKWARD_DEFAULTS = {
+    "backward_dkdv": {
+        "d<=64": [(64, 64, 4, 3), (64, 128, 8, 3), *_BACKWARD_FALLBACKS],
+        "d=128": [(64, 128, 8, 2), (32, 128, 8, 2), *_BACKWARD_FALLBACKS],
+        "d=256": [(32, 64, 4, 2), *_BACKWARD_FALLBACKS],
+        "fp32": [(32, 64, 4, 2), *_BACKWARD_FALLBACKS],
+    },
+    "backward_dq": {
+        "d<=64": [(64, 64, 4, 3), (128, 64, 8, 3), *_BACKWARD_FALLBACKS],
+        "d=128": [(128, 64, 8, 2), (64, 64, 8, 3), *_BACKWARD_FALLBACKS],
+        "d=256": [(64, 32, 4, 2), *_BACKWARD_FALLBACKS],
+        "fp32": [(64, 32, 4, 2), *_BACKWARD_FALLBACKS],
+    },
+}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -139,7 +160,7 @@ def head_dim_class(kernel: str, dtype: str, bd: int) -> str:
     """The head-dim class of the kernel's tuning space: "d<=64", "d=128", "d=256", or "fp32" / "16-bit"."""
     if kernel in DECODE_KERNELS:
         return "fp32" if dtype == "float32" else "16-bit"
-    if dtype == "float32" and kernel != "hopper":
+    if dtype == "float32" and kernel != "hopper":  # the prefill and backward kernels
         return "fp32"
     return "d<=64" if bd <= 64 else ("d=128" if bd == 128 else "d=256")
 
@@ -321,9 +342,22 @@ def _as_config(kernel: str, tile: tuple) -> dict:
     return {**config, "num_warps": warps, "num_ctas": 1, "num_stages": stages}
 
 
+def resident_and_streamed(kernel: str, tile: tuple) -> tuple[int, int]:
+    """Rows a program of ``kernel`` with ``tile`` keeps in shared memory for its whole run, and rows it streams
+    through each pipeline stage (``device.fits_smem``'s two counts). Prefill: the query tile, and K and V's tiles
+    (a warp-specialised Hopper program stages its output tile as well). Backward: dK/dV keeps K and V, streams Q
+    and dO; dQ keeps Q and dO, streams K and V."""
+    bm, bn, warps, _ = tile
+    if kernel == "backward_dkdv":
+        return 2 * bn, 2 * bm
+    if kernel == "backward_dq":
+        return 2 * bm, 2 * bn
+    return (2 * bm if kernel == "hopper" and warps == HOPPER_WARP_SPECIALIZED_WARPS else bm), 2 * bn
+
+
 def default_config(kernel: str, key: tuple, smem_bytes: int) -> dict:
     """The fixed config of a bucket: the first of the kernel's defaults for its head-dim class whose resident tile
-    and pipelined K/V tiles fit ``smem_bytes`` of shared memory, else the smallest."""
+    and pipelined tiles fit ``smem_bytes`` of shared memory, else the smallest."""
     _, dtype, bd, _, group, nq, _, _ = key
     element = 4 if dtype == "float32" else 2
     cls = head_dim_class(kernel, dtype, bd)
@@ -332,12 +366,8 @@ def default_config(kernel: str, key: tuple, smem_bytes: int) -> dict:
         tiles = DECODE_DEFAULTS[cls]
         fits = [t for t in tiles if fits_smem(block_m, 2 * t[0], t[2], bd, element, smem_bytes)]
     else:
-        tiles = PREFILL_DEFAULTS[kernel][cls]
-
-        def resident(t):  # a warp-specialised Hopper program stages its output tile in shared memory as well
-            return 2 * t[0] if kernel == "hopper" and t[2] == HOPPER_WARP_SPECIALIZED_WARPS else t[0]
-
-        fits = [t for t in tiles if fits_smem(resident(t), 2 * t[1], t[3], bd, element, smem_bytes)]
+        tiles = (BACKWARD_DEFAULTS if kernel in BACKWARD_KERNELS else PREFILL_DEFAULTS)[kernel][cls]
+        fits = [t for t in tiles if fits_smem(*resident_and_streamed(kernel, t), t[3], bd, element, smem_bytes)]
     return _as_config(kernel, (fits or tiles[-1:])[0])
 
 
@@ -385,6 +415,8 @@ def clear_cache() -> None:
 
 __all__ = [
     "AUTOTUNE_ENV",
+    "BACKWARD_DEFAULTS",
+    "BACKWARD_KERNELS",
     "CACHE_SIZE",
     "DECODE_DEFAULTS",
     "DECODE_KERNELS",
@@ -420,6 +452,7 @@ __all__ = [
     "mask_kind",
     "nearest_entry",
     "pick",
+    "resident_and_streamed",
     "table_for",
     "table_path",
 ]

@@ -28,20 +28,24 @@ hides are never loaded; tiles every row sees run without an element mask; the ba
 three-stage split, seen from a key tile in the dK/dV kernel, reads: query tiles cut by the diagonal, query tiles
 that see the whole key tile, query tiles cut by the window's left edge.
 
-CUDA tensors run the compiled kernels (autotuned per head-dim class); CPU tensors run the same source through
-Triton's interpreter with ``CPU_CONFIG`` tiles, as the forward does.
+CUDA tensors run the compiled kernels. Lengths, the band and the head counts are runtime values (a new length
+compiles nothing), and each launch's tiles are looked up by bucket (``flashlab.kernels.configs.pick``, kernels
+"backward_dkdv" and "backward_dq"), never tuned inside the call; ``FLASHLAB_AUTOTUNE=1`` brings back the
+autotuners over ``TUNING_SPACE``. CPU tensors run the same source through Triton's interpreter with ``CPU_CONFIG``
+tiles, as the forward does.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from flashlab.core.integers import cdiv, next_power_of_2
-from flashlab.kernels import softmax_step
+from flashlab.kernels import configs, softmax_step
 from flashlab.kernels.device import (
     CPU_CONFIG,
     LOG2_E,
@@ -61,9 +65,18 @@ from flashlab.kernels.interpreter import interpreted, interpreted_language
 
 _LOG2_E = tl.constexpr(LOG2_E)
 
+# The runtime values of each kernel: never specialised on (a value of 1, divisibility by 16), so one binary serves
+# every length, band and head count of a bucket. Strides stay specialised (whether rows are 16-element aligned is
+# what lets the compiler vectorise the loads).
+PREPROCESS_RUNTIME = ("stride_lb", "stride_lh", "HQ", "NQ")  # the lse's strides: (Hq Nq, Nq)
+DKDV_RUNTIME = ("HQ", "HK", "GROUP", "NQ", "NK", "offset", "win_left", "win_right", "TUNE_KEY_N", "TUNE_KEY_ROWS",
+                "TUNE_KEY_BAND")  # fmt: skip
+DQ_RUNTIME = ("HQ", "GROUP", "NQ", "NK", "offset", "win_left", "win_right", "reverse_m", "TUNE_KEY_N",
+              "TUNE_KEY_ROWS", "TUNE_KEY_BAND")  # fmt: skip
+
 
 # fmt: off
-@triton.jit
+@triton.jit(do_not_specialize=PREPROCESS_RUNTIME, do_not_specialize_on_alignment=PREPROCESS_RUNTIME)
 def _bwd_preprocess(
     O, DO, LSE, DELTA, LSE2,  # output, its gradient, the forward's lse (natural log); outputs delta and lse2
     stride_ob, stride_oh, stride_om,  # strides (elements) over batch, head, row; D has stride 1
@@ -101,7 +114,7 @@ def _bwd_preprocess(
 
 
 # fmt: off
-@triton.jit
+@triton.jit(do_not_specialize=DKDV_RUNTIME, do_not_specialize_on_alignment=DKDV_RUNTIME)
 def _bwd_dkdv(
     Q, K, V, DO, DK, DV, LSE2, DELTA,  # inputs, upstream gradient, gradients of k and v; lse2, delta (B*HQ, NQ)
     stride_qb, stride_qh, stride_qm,  # strides (elements) over batch, head, row; D has stride 1
@@ -226,7 +239,7 @@ def _bwd_dkdv(
 
 
 # fmt: off
-@triton.jit(do_not_specialize=["reverse_m"])  # 0 or 1 (Triton would compile a copy for the value 1)
+@triton.jit(do_not_specialize=DQ_RUNTIME, do_not_specialize_on_alignment=DQ_RUNTIME)  # reverse_m: 0 or 1, one binary
 def _bwd_dq(
     Q, K, V, DO, DQ, LSE2, DELTA,
     stride_qb, stride_qh, stride_qm,
@@ -339,17 +352,17 @@ def _bwd_dq(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Configs: autotuned per head-dim class on a GPU, CPU_CONFIG on the interpreter
+# Configs: looked up per bucket on a GPU (or autotuned on request), CPU_CONFIG on the interpreter
 # ----------------------------------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head-dim class. The dK/dV kernel holds two fp32
-# accumulators of BLOCK_N x D (dK and dV): at D = 128 with BLOCK_N = 128 that is 128 KiB of registers, which
-# needs 8 warps (with 4 warps every thread would need 256 registers for them alone: the spills behind the
-# upstream Triton tutorial's D = 128 slowness). Its streamed tiles are Q and dO (BLOCK_M rows each). The dQ
-# kernel holds one accumulator of BLOCK_M x D and streams K and V. At most two configs per class (each costs a
-# compile of several seconds and an autotuning run per workload), chosen among those whose inner loops compile
-# (sm_90) without register spills, or with only a few (docs/backward.md).
-# Edit these lists (or pass ``config=``) to experiment; the autotuner reads them when it prunes.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head-dim class: what the autotuners try under
+# FLASHLAB_AUTOTUNE=1 and ``python -m flashlab.tune``; a plain launch takes its config from
+# ``configs.pick`` (the tuned table, else ``configs.BACKWARD_DEFAULTS``: these lists, the measured pick first). The
+# dK/dV kernel holds two fp32 accumulators of BLOCK_N x D (dK and dV): at D = 128 with BLOCK_N = 128 that is 128 KiB
+# of registers, which needs 8 warps (with 4 warps every thread would need 256 registers for them alone: the spills
+# behind the upstream Triton tutorial's D = 128 slowness). Its streamed tiles are Q and dO (BLOCK_M rows each). The
+# dQ kernel holds one accumulator of BLOCK_M x D and streams K and V. At most two configs per class, chosen among
+# those whose inner loops compile (sm_90) without register spills, or with only a few (docs/backward.md).
 TUNING_SPACE = {
     "dkdv": {
         "d<=64": [(64, 128, 8, 3), (64, 64, 4, 3)],
@@ -367,6 +380,7 @@ TUNING_SPACE = {
 # for GPUs with less shared memory, used only when none of the class's own configs fits
 FALLBACK_SPACE = [(32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)]
 PREPROCESS_BLOCK_M = 64
+CONFIG_KERNELS = {"dkdv": "backward_dkdv", "dq": "backward_dq"}  # each kernel's name in flashlab.kernels.configs
 
 
 def tuning_class(bd: int, dtype) -> str:
@@ -383,19 +397,22 @@ def _all_configs(kernel):
     return [_config(*c) for c in sorted({c for configs in TUNING_SPACE[kernel].values() for c in configs})]
 
 
+def _tile(c) -> tuple:
+    return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
+
+
 def _pruner(kernel):
-    def prune(configs, named_args, **kwargs):
+    def prune(candidates, named_args, **kwargs):
         bd = named_args["BLOCK_D"] if "BLOCK_D" in named_args else kwargs["BLOCK_D"]
         q = named_args["Q"]
         limit = smem_limit(device_index(q))
 
         def fits(bm, bn, stages):
-            if kernel == "dkdv":  # K, V resident (2 x BLOCK_N rows); Q, dO streamed (2 x BLOCK_M rows)
-                return fits_smem(2 * bn, 2 * bm, stages, bd, q.element_size(), limit)
-            return fits_smem(2 * bm, 2 * bn, stages, bd, q.element_size(), limit)  # Q, dO resident; K, V streamed
+            rows = configs.resident_and_streamed(CONFIG_KERNELS[kernel], (bm, bn, 0, stages))
+            return fits_smem(*rows, stages, bd, q.element_size(), limit)
 
         wanted = set(TUNING_SPACE[kernel][tuning_class(bd, q.dtype)])
-        kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
+        kept = [c for c in candidates if _tile(c) in wanted]
         kept = [c for c in kept if fits(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages)]
         if not kept:
             small = [c for c in FALLBACK_SPACE if fits(c[0], c[1], c[3])] or FALLBACK_SPACE[-1:]
@@ -448,19 +465,27 @@ def _check_backward_inputs(do, q, k, v, o, lse):
             raise ValueError(f"{name} is on {x.device}, q on {q.device}; they must be on the same device")
 
 
-def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
-    """Gradients ``(dq, dk, dv)`` of ``o = flash_attention(q, k, v, causal, window, scale)`` given ``do = dL/do``.
+@dataclass(frozen=True)
+class BackwardArguments:
+    """What the three kernels of one backward call are launched with: the gradients they write (dq, dk, dv), each
+    kernel's non-constexpr arguments in order (``pre_args``, ``dkdv_args``, ``dq_args``, the last two followed by
+    ``tune``), the constexprs both main kernels take but their tiles (``common``), and the band (offset,
+    win_left, win_right) that picks their configs."""
 
-    q, k, v as for the forward (already checked by ``forward.check_inputs``); ``o`` and ``lse`` are the forward's
-    outputs (``lse`` float32, natural log, -inf on rows that see no key); ``do`` has o's shape and dtype. Any
-    strides (a last dim that is not contiguous is copied once). The gradients come back in the inputs' dtype, with
-    dk and dv shaped like k and v (summed over the query heads of each group). Deterministic: no atomics, so the
-    same inputs give bit-identical gradients.
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    pre_args: tuple
+    dkdv_args: tuple
+    dq_args: tuple
+    tune: tuple
+    common: dict
+    band: tuple
 
-    ``config`` bypasses the autotuner: ``{"dkdv": {...}, "dq": {...}}``, each a dict of BLOCK_M, BLOCK_N,
-    num_warps, num_stages (GPU only; the interpreter always uses ``CPU_CONFIG``).
-    """
-    _check_backward_inputs(do, q, k, v, o, lse)
+
+def backward_arguments(do, q, k, v, o, lse, causal, window, scale) -> BackwardArguments:
+    """The launch arguments of a backward call on checked inputs (``attention_backward`` launches them), with the
+    gradients allocated."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     q, k, v, do, o = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, do, o))
@@ -493,6 +518,30 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
     band_kind = 0 if window is None and not causal else (1 if window is None else 2)
     tune = (next_power_of_2(max(nq, nk)), next_power_of_2(b * hq * max(nq, nk)), band_kind)
 
+    return BackwardArguments(dq, dk, dv, pre_args, dkdv_args, dq_args, tune, common, band)
+
+
+def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
+    """Gradients ``(dq, dk, dv)`` of ``o = flash_attention(q, k, v, causal, window, scale)`` given ``do = dL/do``.
+
+    q, k, v as for the forward (already checked by ``forward.check_inputs``); ``o`` and ``lse`` are the forward's
+    outputs (``lse`` float32, natural log, -inf on rows that see no key); ``do`` has o's shape and dtype. Any
+    strides (a last dim that is not contiguous is copied once). The gradients come back in the inputs' dtype, with
+    dk and dv shaped like k and v (summed over the query heads of each group). Deterministic: no atomics, so the
+    same inputs give bit-identical gradients.
+
+    ``config`` chooses the tiles: ``{"dkdv": {...}, "dq": {...}}``, each a dict of BLOCK_M, BLOCK_N, num_warps,
+    num_stages (GPU only; the interpreter always uses ``CPU_CONFIG``). None: each kernel's ``configs.pick`` for the
+    call's bucket, or its autotuner when ``FLASHLAB_AUTOTUNE=1``.
+    """
+    _check_backward_inputs(do, q, k, v, o, lse)
+    args = backward_arguments(do, q, k, v, o, lse, causal, window, scale)
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    bd, dq, dk, dv = args.common["BLOCK_D"], args.dq, args.dk, args.dv
+    pre_args, dkdv_args, dq_args, common, tune, band = (args.pre_args, args.dkdv_args, args.dq_args, args.common,
+                                                         args.tune, args.band)  # fmt: skip
+
     if q.is_cuda:
         with torch.cuda.device(q.device):
             _bwd_preprocess[(cdiv(nq, PREPROCESS_BLOCK_M), b * hq)](
@@ -511,12 +560,15 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
             main = torch.cuda.current_stream()
             side = _side_stream(q) if CONCURRENT_DQ else main
             side.wait_stream(main)  # the preprocess's delta and lse2
-            if config is None:
+            autotune = config is None and configs.autotune_enabled()
+            if config is None and not autotune:
+                config = picked_configs(q, hk, nk, band)
+            if autotune:
                 _bwd_dkdv_tuned[dkdv_grid](*dkdv_args, *tune, **common)
             else:
                 _bwd_dkdv[dkdv_grid](*dkdv_args, *tune, **common, **config["dkdv"])
             with torch.cuda.stream(side):
-                if config is None:
+                if autotune:
                     _bwd_dq_tuned[dq_grid](*dq_args, *tune, **common)
                 else:
                     _bwd_dq[dq_grid](*dq_args, *tune, **common, **config["dq"])
@@ -530,11 +582,32 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
     return dq, dk, dv
 
 
+_LAST_PICKS: dict = {}
+
+
+def picked_configs(q, kv_heads: int, nk: int, band: tuple) -> dict:
+    """``{"dkdv": {...}, "dq": {...}}``: each kernel's tiles for a launch of ``q (B, Hq, Nq, D)`` against
+    ``kv_heads`` K/V heads of ``nk`` keys with ``band = (offset, win_left, win_right)``, from
+    ``configs.pick`` (the bucket's tuned entry, else the fixed default)."""
+    fields = configs.launch_fields(q, kv_heads, nk, *band)  # the group is not in a backward bucket
+    picks = {name: configs.pick(kernel, **fields) for name, kernel in CONFIG_KERNELS.items()}
+    _LAST_PICKS.update(picks)
+    return picks
+
+
 def best_configs() -> dict:
-    """The autotuner's last picks for the two backward kernels (for the benchmark's records); None before the
+    """The configs the two backward kernels last ran with on a GPU (the autotuners' picks under
+    ``FLASHLAB_AUTOTUNE=1``, else the looked-up ones), as strings for the benchmark's records; None before the
     first GPU launch."""
-    picks = {"dkdv": getattr(_bwd_dkdv_tuned, "best_config", None), "dq": getattr(_bwd_dq_tuned, "best_config", None)}
-    return {name: None if c is None else str(c) for name, c in picks.items()}
+    out = {}
+    for name, tuned in (("dkdv", _bwd_dkdv_tuned), ("dq", _bwd_dq_tuned)):
+        best = getattr(tuned, "best_config", None)
+        if configs.autotune_enabled():
+            out[name] = None if best is None else str(best)
+        else:
+            picked = _LAST_PICKS.get(name)
+            out[name] = None if picked is None else ", ".join(f"{k}: {v}" for k, v in picked.items())
+    return out
 
 
-__all__ = ["CONCURRENT_DQ", "TUNING_SPACE", "attention_backward", "best_configs", "tuning_class"]
+__all__ = ["CONCURRENT_DQ", "TUNING_SPACE", "attention_backward", "best_configs", "picked_configs", "tuning_class"]
