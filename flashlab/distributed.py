@@ -40,7 +40,7 @@ from torch.autograd.function import once_differentiable
 
 from flashlab import flash_attention
 from flashlab.core.masking import visible_band
-from flashlab.kernels.flash_backward import attention_backward
+from flashlab.kernels.backward.rung1_two_pass import attention_backward
 
 LAYOUTS = ("head_tail", "contiguous")
 INF = float("inf")

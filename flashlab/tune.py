@@ -193,7 +193,7 @@ def autotuning(warmup_ms: float, rep_ms: float) -> Iterator[None]:
 
 def autotuners() -> dict:
     """Each kernel's Triton autotuner."""
-    from flashlab.kernels import flash_backward
+    from flashlab.kernels.backward import rung1_two_pass as two_pass
     from flashlab.kernels.decode import kvcache, split_kv
     from flashlab.kernels.ladder import rung1_lesson_loop, rung2_skip_split, rung3_hopper
 
@@ -203,8 +203,8 @@ def autotuners() -> dict:
         "skip_split": rung2_skip_split.attn_fwd_tuned,
         "hopper": rung3_hopper.hopper_fwd_tuned,
         "lesson_loop": rung1_lesson_loop.lesson_loop_fwd_tuned,
-        "backward_dkdv": flash_backward._bwd_dkdv_tuned,
-        "backward_dq": flash_backward._bwd_dq_tuned,
+        "backward_dkdv": two_pass._bwd_dkdv_tuned,
+        "backward_dq": two_pass._bwd_dq_tuned,
     }
 
 
@@ -280,11 +280,11 @@ def check(shape: Shape, q, k, v, o) -> None:
 
 
 def launch_backward(shape: Shape, q, k, v, seed: int = 1):
-    """The backward of the shape's attention from a random dO, through ``flash_backward.attention_backward`` (its
-    two main kernels' launches): ``((dq, dk, dv), do)``. The forward's o and lse come from skip and split."""
+    """The backward of the shape's attention from a random dO, through the two-pass rung's ``attention_backward``
+    (its two main kernels' launches): ``((dq, dk, dv), do)``. The forward's o and lse come from skip and split."""
     import torch
 
-    from flashlab.kernels.flash_backward import attention_backward
+    from flashlab.kernels.backward.rung1_two_pass import attention_backward
     from flashlab.kernels.ladder import rung2_skip_split
 
     causal, window = shape.causal_window()

@@ -30,7 +30,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashlab.core.numerics import grad_tolerance, relative_error  # noqa: E402
 from flashlab.host.attention import flash_attention  # noqa: E402
-from flashlab.kernels import flash_backward as backward  # noqa: E402
+from flashlab.kernels.backward import rung1_two_pass as backward  # noqa: E402
 from flashlab.reference.torch_float64 import attention_float64_grads, query_heads  # noqa: E402
 
 BACKENDS = {"fa2": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}

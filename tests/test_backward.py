@@ -19,8 +19,8 @@ from test_kernel import laid_out, random_layout_case
 from flashlab.core.masking import visible_mask
 from flashlab.core.numerics import grad_tolerance, relative_error
 from flashlab.host.attention import flash_attention
+from flashlab.kernels.backward.rung1_two_pass import attention_backward
 from flashlab.kernels.device import CPU_CONFIG
-from flashlab.kernels.flash_backward import attention_backward
 from flashlab.reference.torch_float64 import attention_float64_grads
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

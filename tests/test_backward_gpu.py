@@ -2,7 +2,8 @@
 
 dq, dk, dv of ``flash_attention`` against autograd through the float64 materialised attention
 (``attention_float64_grads``) on a subset of K/V heads (dK and dV need every query row, so rows cannot be sampled),
-and the determinism the backward promises: bit-identical gradients run after run.
+and the determinism the backward promises: bit-identical gradients run after run -- for every rung of the
+backward's ladder (``flashlab.kernels.backward``) on the cases it runs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from flashlab.core.numerics import grad_tolerance, relative_error
 from flashlab.host.attention import flash_attention
+from flashlab.kernels import backward
 from flashlab.reference.torch_float64 import attention_float64_grads, query_heads
 
 pytestmark = pytest.mark.gpu
@@ -27,9 +29,13 @@ def make_inputs(b, hq, hk, nq, nk, d, dtype, seed):
     )
 
 
-def flash_grads(q, k, v, do, causal=False, window=None, scale=None):
+def flash_grads(q, k, v, do, causal=False, window=None, scale=None, rung=None):
+    if rung is not None:
+        why = backward.rung_named(rung).unavailable(q, k, v, do)
+        if why is not None:
+            pytest.skip(f"backward rung {rung}: {why}")
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    o = flash_attention(q, k, v, causal=causal, window=window, scale=scale)
+    o = flash_attention(q, k, v, causal=causal, window=window, scale=scale, backward_rung=rung)
     return torch.autograd.grad(o, (q, k, v), do)
 
 
@@ -46,11 +52,12 @@ CASES = [  # b, hq, hk, nq, nk, d, dtype, causal, window, scale
 ]
 
 
+@pytest.mark.parametrize("rung", backward.names())
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x).removeprefix("torch.") for x in c))
-def test_gradients_match_float64_autograd(case):
+def test_gradients_match_float64_autograd(case, rung):
     b, hq, hk, nq, nk, d, dtype, causal, window, scale = case
     q, k, v, do = make_inputs(b, hq, hk, nq, nk, d, dtype, seed=nq + nk + d)
-    grads = flash_grads(q, k, v, do, causal, window, scale)
+    grads = flash_grads(q, k, v, do, causal, window, scale, rung)
     kv_heads = [0, hk - 1] if hk > 1 else [0]
     refs = attention_float64_grads(q, k, v, do, causal, window, scale, batch=[b - 1], kv_heads=kv_heads)
     heads = query_heads(kv_heads, hq // hk)
@@ -62,10 +69,11 @@ def test_gradients_match_float64_autograd(case):
         assert err <= tol, f"d{name}: relative error {err:.2e} over {tol:.0e}"
 
 
+@pytest.mark.parametrize("rung", backward.names())
 @pytest.mark.parametrize("causal", [False, True])
-def test_gradients_are_bit_identical_run_after_run(causal):
+def test_gradients_are_bit_identical_run_after_run(causal, rung):
     q, k, v, do = make_inputs(2, 16, 4, 2048, 2048, 128, torch.bfloat16, seed=1)
-    first = flash_grads(q, k, v, do, causal)
+    first = flash_grads(q, k, v, do, causal, rung=rung)
     for _ in range(3):
-        again = flash_grads(q, k, v, do, causal)
+        again = flash_grads(q, k, v, do, causal, rung=rung)
         assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))

@@ -588,11 +588,11 @@ def test_head_dims_of_one_padded_width_compile_one_prefill_binary_on_gpu():
 
 def backward_specialisations(nq, nk, causal, window, d=64, hq=4, hk=2):
     """What Triton would specialise each backward kernel's launch on, for one call of those sizes (the
-    arguments as ``flash_backward.backward_arguments`` builds them, the tiles a GPU launch takes)."""
+    arguments as ``backward.rung1_two_pass.backward_arguments`` builds them, the tiles a GPU launch takes)."""
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import create_function_from_signature
 
-    from flashlab.kernels import flash_backward as fb
+    from flashlab.kernels.backward import rung1_two_pass as fb
 
     q = torch.randn(1, hq, nq, d)
     k, v = torch.randn(1, hk, nk, d), torch.randn(1, hk, nk, d)
@@ -612,7 +612,7 @@ def backward_specialisations(nq, nk, causal, window, d=64, hq=4, hk=2):
 def test_the_backward_kernels_lengths_are_runtime_values(causal, window):
     # odd, divisible by 16, past a power of two, Nq != Nk: each kernel keys one specialisation, so a new length
     # in a bucket compiles nothing (the backward used to specialise on every length's divisibility by 16)
-    from flashlab.kernels import flash_backward as fb
+    from flashlab.kernels.backward import rung1_two_pass as fb
 
     for kernel, names in ((fb._bwd_preprocess, fb.PREPROCESS_RUNTIME), (fb._bwd_dkdv, fb.DKDV_RUNTIME),
                           (fb._bwd_dq, fb.DQ_RUNTIME)):  # fmt: skip
@@ -625,7 +625,7 @@ def test_the_backward_kernels_lengths_are_runtime_values(causal, window):
 
 def test_backward_tiles_come_from_the_bucket_not_the_length():
     from flashlab.kernels import configs
-    from flashlab.kernels import flash_backward as fb
+    from flashlab.kernels.backward import rung1_two_pass as fb
     from flashlab.kernels.device import kernel_band
 
     h200_smem = 232448
@@ -651,7 +651,7 @@ def test_backward_tiles_come_from_the_bucket_not_the_length():
 @pytest.mark.gpu
 def test_a_backward_over_changing_lengths_compiles_once_and_never_autotunes_on_gpu():
     from flashlab.kernels import configs
-    from flashlab.kernels import flash_backward as fb
+    from flashlab.kernels.backward import rung1_two_pass as fb
     from flashlab.reference.torch_float64 import attention_float64_grads
 
     if configs.autotune_enabled():

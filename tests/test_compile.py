@@ -128,6 +128,28 @@ def test_backward_through_the_operator():
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_compiled_backward_runs_the_backward_rung_it_names(monkeypatch):
+    # backward_rung reaches the compiled graph's backward operator: the Hopper rung's kernels run there (the
+    # interpreter runs them on CPU), and the gradients equal float64 autograd
+    from flashlab.kernels.backward import rung2_hopper
+
+    ran = []
+    real = rung2_hopper.attention_backward
+    monkeypatch.setattr(rung2_hopper, "attention_backward", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    q, k, v = (x.requires_grad_() for x in qkv(1, 4, 2, 24, 40, 16, dtype=torch.bfloat16, seed=2))
+
+    def loss(q, k, v):
+        return flash_attention(q, k, v, causal=True, backward_rung="hopper").float().square().sum()
+
+    torch._dynamo.reset()
+    torch.compile(loss, backend=CPU_BACKEND, fullgraph=True)(q, k, v).backward()
+    assert ran == [1]
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    attention_float64(qd, kd, vd, causal=True)[0].square().sum().backward()
+    for got, want in ((q.grad, qd.grad), (k.grad, kd.grad), (v.grad, vd.grad)):
+        assert float((got.double() - want).norm() / want.norm()) < 3e-2
+
+
 @pytest.mark.parametrize("path", ["eager", "operator", "compiled"])
 def test_a_gradient_through_lse_is_the_same_error_on_every_path(path):
     # lse is not differentiable: a loss that uses it must fail in the backward pass, never drop that part of the

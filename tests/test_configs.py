@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from flashlab.kernels import configs, flash_backward
+from flashlab.kernels import configs
+from flashlab.kernels.backward import rung1_two_pass as two_pass
 from flashlab.kernels.decode import kvcache, split_kv
 from flashlab.kernels.device import kernel_band
 from flashlab.kernels.ladder import rung1_lesson_loop, rung2_skip_split, rung3_hopper
@@ -262,12 +263,12 @@ def test_prefill_defaults_are_the_kernels_spaces_then_fallbacks(kernel):
 
 
 def test_backward_defaults_are_the_kernels_spaces_measured_pick_first_then_fallbacks():
-    for name, kernel in flash_backward.CONFIG_KERNELS.items():
-        space = flash_backward.TUNING_SPACE[name]
+    for name, kernel in two_pass.CONFIG_KERNELS.items():
+        space = two_pass.TUNING_SPACE[name]
         assert set(configs.BACKWARD_DEFAULTS[kernel]) == set(space)
         for cls, tiles in configs.BACKWARD_DEFAULTS[kernel].items():
             own = len(space[cls])
-            assert sorted(tiles[:own]) == sorted(space[cls]) and tiles[own:] == flash_backward.FALLBACK_SPACE, cls
+            assert sorted(tiles[:own]) == sorted(space[cls]) and tiles[own:] == two_pass.FALLBACK_SPACE, cls
     # what the autotuner chose at every length of the H200's backward grid (bf16, docs/backward.md) comes first
     assert configs.BACKWARD_DEFAULTS["backward_dkdv"]["d<=64"][0] == (64, 64, 4, 3)
     assert configs.BACKWARD_DEFAULTS["backward_dq"]["d=128"][0] == (128, 64, 8, 2)
@@ -288,7 +289,7 @@ def kernel_prune(kernel, dtype, head_dim, group, nq, smem, monkeypatch):
     on a GPU with ``smem`` bytes of shared memory a block."""
     from flashlab.kernels.device import block_d
 
-    backward = dict.fromkeys(configs.BACKWARD_KERNELS, flash_backward)
+    backward = dict.fromkeys(configs.BACKWARD_KERNELS, two_pass)
     module = {"split_kv": split_kv, "kvcache": split_kv, **PREFILL_MODULES, **backward}[kernel]
     monkeypatch.setattr(module, "smem_limit", lambda index: smem)
     monkeypatch.setattr(module, "device_index", lambda x: 0)
@@ -299,9 +300,9 @@ def kernel_prune(kernel, dtype, head_dim, group, nq, smem, monkeypatch):
         kept = split_kv.prune_configs(tuned.configs, named)
         return {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept}
     if kernel in configs.BACKWARD_KERNELS:
-        name = {v: k for k, v in flash_backward.CONFIG_KERNELS.items()}[kernel]
-        tuned = flash_backward._bwd_dkdv_tuned if name == "dkdv" else flash_backward._bwd_dq_tuned
-        kept = flash_backward._pruner(name)(tuned.configs, {"Q": q, "BLOCK_D": block_d(head_dim)})
+        name = {v: k for k, v in two_pass.CONFIG_KERNELS.items()}[kernel]
+        tuned = two_pass._bwd_dkdv_tuned if name == "dkdv" else two_pass._bwd_dq_tuned
+        kept = two_pass._pruner(name)(tuned.configs, {"Q": q, "BLOCK_D": block_d(head_dim)})
         return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept}
     tuned = {
         "skip_split": rung2_skip_split.attn_fwd_tuned,

@@ -2,7 +2,7 @@
 
 - ``hidden_sides`` (which edges of the band hide real keys, so which element masks the loop applies) against a
   brute-force reading of ``flashlab.core.masking.visible_mask``;
-- ``_rows_stacked``: which layouts its 2-D descriptors over the rows of all heads can describe;
+- ``rows_stacked``: which layouts its 2-D descriptors over the rows of all heads can describe;
 - the repair pass: hidden keys whose V rows hold NaN do not reach rows that never see them (the main kernel's
   plain ``P V`` marks the rows it poisoned with a NaN lse, the second launch redoes their tiles with the guarded
   ``P V``), on the diagonal's side and on the window's left edge; on finite inputs the pass is launched wherever
@@ -143,7 +143,7 @@ ROWS_STACKED = [
 @pytest.mark.parametrize("make, stacked", [c[1:] for c in ROWS_STACKED], ids=[c[0] for c in ROWS_STACKED])
 def test_rows_stacked_accepts_exactly_the_layouts_of_one_2d_tensor(make, stacked):
     x = make()
-    assert hopper._rows_stacked(x) is stacked
+    assert hopper.rows_stacked(x) is stacked
     if stacked:  # the rows of every head, one after another, at one row stride: row r of the 2-D tensor is
         b, h, n, d = x.shape  # (batch, head, row) = divmod chains of r, at address base + r * row stride
         row = x.stride(2) if n > 1 else d
@@ -339,7 +339,7 @@ def test_odd_shapes_match_the_float64_reference(case):
 def test_rows_at_a_padded_row_stride_match_the_float64_reference():
     # q, k, v are the first 24 columns of rows of 32: stacked rows the descriptors describe at row stride 32
     q, k, v = (x[..., :24] for x in make_qkv(2, 2, 2, 29, 35, 32, torch.bfloat16, seed=20))
-    assert all(hopper._rows_stacked(x) for x in (q, k, v)) and not q.is_contiguous()
+    assert all(hopper.rows_stacked(x) for x in (q, k, v)) and not q.is_contiguous()
     o, lse = run_hopper(q, k, v, True, None)
     assert_matches_float64(o, lse, *attention_float64(q, k, v, True), torch.bfloat16)
 
@@ -370,7 +370,7 @@ def test_interleaved_heads_are_refused_and_the_next_rung_runs_them_right():
     g = torch.Generator().manual_seed(22)
     buffers = [torch.randn(b * h * n * h * d, generator=g).to(torch.bfloat16) for _ in range(3)]
     q, k, v = (x[: b * n * h * d].view(b, n, h, d).transpose(1, 2) for x in buffers)
-    assert not hopper._rows_stacked(q)
+    assert not hopper.rows_stacked(q)
     assert "rows of heads one after another" in hopper.unavailable(q, k, v, True, None)  # refused, with its reason
     with pytest.warns(RuntimeWarning, match="rung 'hopper' cannot run here .*'skip_split'"):
         o, lse = flash_attention(q, k, v, causal=True, return_lse=True, rung="hopper")

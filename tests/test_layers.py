@@ -269,7 +269,7 @@ def test_inside_the_kernels_imports_point_one_way():
             if target not in KERNEL_BASE or target == importer:
                 wrong.append(f"{importer} imports {target}")
             continue
-        folder = ".".join(importer.split(".")[:3])  # flashlab.kernels.ladder, .decode, .flash_backward
+        folder = ".".join(importer.split(".")[:3])  # flashlab.kernels.ladder, .decode, .backward
         if not (target in KERNEL_BASE or target.startswith(folder)):
             wrong.append(f"{importer} imports {target}")
     assert not wrong, "kernel modules that import sideways:\n" + "\n".join(wrong)
@@ -283,7 +283,7 @@ NOT_PLANS = {
     "flashlab.kernels.interpreter:_INTERPRETED": "interpreted copies of @triton.jit functions, one per function",
     "flashlab.kernels.device:smem_limit": "a device query (shared memory per block), one per GPU",
     "flashlab.kernels.device:sm_count": "a device query (multiprocessors), one per GPU",
-    "flashlab.kernels.flash_backward:_SIDE_STREAMS": "the dQ kernel's side stream, one per GPU",
+    "flashlab.kernels.backward.rung1_two_pass:_SIDE_STREAMS": "the dQ kernel's side stream, one per GPU",
     "flashlab.kernels.ladder.rung4_overlap:_LAYOUTS": "shared-memory layouts of a tile shape and dtype",
     "flashlab.kernels.ladder.rung4_overlap:_METAS": "constexpr dicts, one per head dim, tiles and mask kind",
     "flashlab.kernels.ladder.rung3_hopper:_REPAIR_METAS": "the repair pass's constexprs, one per head dim and dtype",

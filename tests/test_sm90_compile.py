@@ -257,19 +257,50 @@ def test_the_fp8_forwards_copy_engine_kernel_compiles_for_hopper(d, causal):
 def test_the_backward_kernels_compile_for_hopper_with_the_tiles_a_launch_picks(d, causal):
     """The backward's dK/dV and dQ kernels with their lengths unspecialised and the tiles a GPU launch without a
     tuned table takes (``configs.BACKWARD_DEFAULTS``): every product on Hopper's tensor cores."""
-    from flashlab.kernels import flash_backward
+    from flashlab.kernels.backward import rung1_two_pass as two_pass
 
     b, hq, hk, n = 1, 8, 2, 1001
     q = torch.empty(b, hq, n, d, dtype=torch.bfloat16)
     k = torch.empty(b, hk, n, d, dtype=torch.bfloat16)
     lse = torch.empty(b, hq, n)
-    args = flash_backward.backward_arguments(q, q, k, k, q, lse, causal, None, None)
-    for name, kernel, values in (("dkdv", flash_backward._bwd_dkdv, args.dkdv_args),
-                                 ("dq", flash_backward._bwd_dq, args.dq_args)):  # fmt: skip
-        key = configs.bucket(flash_backward.CONFIG_KERNELS[name], dtype=torch.bfloat16, head_dim=d,
+    args = two_pass.backward_arguments(q, q, k, k, q, lse, causal, None, None)
+    for name, kernel, values in (("dkdv", two_pass._bwd_dkdv, args.dkdv_args),
+                                 ("dq", two_pass._bwd_dq, args.dq_args)):  # fmt: skip
+        key = configs.bucket(two_pass.CONFIG_KERNELS[name], dtype=torch.bfloat16, head_dim=d,
                              mask="causal" if causal else "none", group=1, nq=n, nk=n)  # fmt: skip
         tiles = configs.default_config(key[0], key, 232448)
         constexprs = {**gpu_meta(args.common, torch.bfloat16), "BLOCK_M": tiles["BLOCK_M"], "BLOCK_N": tiles["BLOCK_N"]}
         options = {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
         ptx = compile_sm90(kernel, (*values, *args.tune), constexprs, options)
         assert "wgmma.mma_async" in ptx and ".bf16.bf16" in ptx, name  # 16-bit products on the tensor cores
+
+
+@pytest.mark.parametrize("d, causal", [(64, True), (128, False), (128, True), (256, True)])
+def test_the_hopper_backward_compiles_to_copy_engine_tiles_and_specialised_warps(d, causal):
+    """The backward's Hopper rung as a GPU launch compiles it: every tile by the copy engine's bulk copies, no
+    pointer load of Q, K, V, dO or the row statistics; warp-specialised at D <= 128 (the copying warps hand their
+    registers to the computing ones), eight plain warps at D = 256."""
+    from flashlab.kernels.backward import rung2_hopper
+
+    if not hasattr(triton.language, "make_tensor_descriptor"):
+        pytest.skip("this Triton has no device-side tensor descriptors")
+    b, hq, hk, n = 1, 8, 2, 1001
+    q = torch.empty(b, hq, n, d, dtype=torch.bfloat16)
+    k = torch.empty(b, hk, n, d, dtype=torch.bfloat16)
+    rows = -(-n // rung2_hopper.ROW_ALIGN) * rung2_hopper.ROW_ALIGN
+    stats = torch.empty(b * hq, rows)
+    offset, win_left, win_right, qk_scale, _ = kernel_band(n, n, d, causal, None, None)
+    sizes = (hq, hq // hk, n, n, rows, offset, win_left, win_right)
+    dkdv_args = (q, k, k, q, k, k, stats, stats, d, d, d, d, d, *sizes, qk_scale, 0.1)
+    dq_args = (q, k, k, q, q, stats, stats, d, d, d, d, d, *sizes, qk_scale, 0.1)
+    common = gpu_meta(dict(HEAD_DIM=d, BLOCK_D=d), torch.bfloat16)
+    for name, kernel, args, flags in (
+        ("dkdv", rung2_hopper.bwd_dkdv_hopper, dkdv_args, dict(HIDE_BEFORE=causal, HIDE_AFTER=False)),
+        ("dq", rung2_hopper.bwd_dq_hopper, dq_args, dict(MASK_LEFT=False, MASK_RIGHT=True, REVERSE_M=causal)),
+    ):
+        tiles = rung2_hopper.tiles(name, d)
+        options = {"num_warps": tiles.pop("num_warps"), "num_stages": tiles.pop("num_stages")}
+        ptx = compile_sm90(kernel, args, {**common, **tiles, **flags}, options)
+        assert "cp.async.bulk.tensor" in ptx and "ld.global" not in ptx, name  # every tile by the copy engine
+        assert "wgmma.mma_async" in ptx, name
+        assert ("setmaxnreg" in ptx) == (d <= 128) == tiles["WARP_SPECIALIZE"], name

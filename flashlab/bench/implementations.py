@@ -1,6 +1,7 @@
 """The backends timed side by side: naive materialised attention, flashlab's kernel, each rung of flashlab's kernel
-ladder (``flashlab_<rung>``, run when named) and each PyTorch SDPA backend pinned explicitly; and the float64
-reference rows every backend is checked against."""
+ladder (``flashlab_<rung>``, run when named), each rung of its backward's ladder (``backward_<rung>``, run
+when named) and each PyTorch SDPA backend pinned explicitly; and the float64 reference rows every backend is
+checked against."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from flashlab.host.checks import check_inputs
 from flashlab.host.fp8 import FP8_FORWARD_TOLERANCE, dequantize_qkv, quantize_qkv
 from flashlab.host.fp8 import MIN_CAPABILITY as FP8_MIN_CAPABILITY
 from flashlab.host.quantize import dequantize_kv, quantize_kv
+from flashlab.kernels import backward as backward_ladder
 from flashlab.kernels import ladder
 from flashlab.kernels.decode.kvcache import paged_kv_cache
 from flashlab.reference.torch_float64 import attention_float64
@@ -161,6 +163,28 @@ def rung_backend(rung: ladder.Rung) -> Backend:
     return Backend(RUNG_PREFIX + rung.name, description, run, by_default=False)
 
 
+BACKWARD_RUNG_PREFIX = "backward_"  # backward_two_pass, backward_hopper: one backend per rung of the backward ladder
+
+
+def backward_rung_backend(rung) -> Backend:
+    """flashlab with one rung of the backward's ladder named (``flash_attention(..., backward_rung=name)``): the
+    same forward as ``flashlab``, so its forward cells repeat flashlab's; for ``--mode backward``. A rung that
+    cannot run a cell's backward is skipped with its reason, never replaced by another."""
+    asked: dict = {}
+
+    def run(q, k, v, causal):
+        key = (q.shape, k.shape, q.dtype, q.device)
+        if key not in asked:
+            asked[key] = rung.unavailable(q, k, v, q)  # dO has q's shape, dtype and layout
+        if asked[key] is not None:
+            raise NotImplementedError(f"backward rung {rung.name!r} cannot run here: {asked[key]}")
+        return flash_attention(q, k, v, causal=causal, backward_rung=rung.name)
+
+    description = f"flashlab.flash_attention(backward_rung={rung.name!r}), the backward rung that removes "
+    description += rung.removes
+    return Backend(BACKWARD_RUNG_PREFIX + rung.name, description, run, by_default=False)
+
+
 def _paged_backend(block_size: int) -> Backend:
     """flashlab's paged-cache kernel on the cell's K/V copied into a shuffled pool of ``block_size``-token blocks
     (copied once per cell, not timed), as a decode loop calls it: ``check_values=False`` (no host read of the
@@ -271,6 +295,7 @@ BACKENDS: dict[str, Backend] = {
                 materialises=True),
         Backend("flashlab", "flashlab.flash_attention (Triton; the interpreter on CPU)", _flashlab_run),
         *(rung_backend(r) for r in ladder.RUNGS),
+        *(backward_rung_backend(r) for r in backward_ladder.BACKWARD_RUNGS),
         _paged_backend(16),
         _paged_backend(256),
         _paged_fp8_backend(16),

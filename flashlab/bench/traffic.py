@@ -5,7 +5,7 @@
 
 The lesson's claim is that attention is slow because of the bytes it moves. ``flashlab.calculators.roofline``
 counts those bytes; this command measures them. For each backend -- naive attention run kernel by kernel in eager
-PyTorch, flashlab's forward (and its backward, where ``flashlab.kernels.flash_backward`` exists), SDPA pinned to
+PyTorch, flashlab's forward (and its backward, ``flashlab.kernels.backward``), SDPA pinned to
 FLASH_ATTENTION and to CUDNN_ATTENTION -- and each case (N in 1K..16K, D in 64 and 128, causal and not; batch 1
 and H = 2048 / D heads, so every case holds the same 2048-wide model; ``--heads`` fixes the head count instead),
 it records per kernel:

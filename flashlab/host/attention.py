@@ -47,6 +47,7 @@ from flashlab.host.plan import (
     signature,
 )
 from flashlab.host.plan import family_key as plan_family_key
+from flashlab.kernels import backward as backward_ladder
 from flashlab.kernels import ladder
 from flashlab.kernels.decode import split_kv
 from flashlab.kernels.device import kernel_band, stream_capturing
@@ -69,7 +70,7 @@ def ints_to_window(left: int, right: int):
 
 
 def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=False, *, num_splits=None, rung=None,
-                    q_descale=None, k_descale=None, v_descale=None):  # fmt: skip
+                    backward_rung=None, q_descale=None, k_descale=None, v_descale=None):  # fmt: skip
     """FlashAttention forward: ``softmax(q k^T * scale + mask) v``, never materialising the score matrix.
 
     q ``(B, Hq, Nq, D)``, k and v ``(B, Hk, Nk, D)`` with Hq a multiple of Hk (grouped-query attention: query head h
@@ -95,8 +96,11 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
     fastest rung that can run is used. An unknown name is a ValueError listing the rungs.
 
     Differentiable: when grad is enabled and q, k or v requires grad, backpropagating through ``o`` gives
-    gradients for q, k and v from the FlashAttention-2 backward (``flashlab.kernels.flash_backward``: the
-    probabilities recomputed from q, k and the saved lse, nothing of size Nq x Nk stored; deterministic). Such calls
+    gradients for q, k and v from the FlashAttention-2 backward (the probabilities recomputed from q, k and the
+    saved lse, nothing of size Nq x Nk stored; deterministic), through a rung of the backward's ladder
+    (``flashlab.kernels.backward``): ``backward_rung`` None runs its choice (``"two_pass"``,
+    ``flashlab.kernels.backward.rung1_two_pass``, until another rung is measured faster), a name such as ``"hopper"``
+    that rung (a ``RuntimeWarning`` and the fastest rung that can run where it cannot). Such calls
     always take the prefill kernel (``num_splits`` is ignored: split-KV has no backward; a ``rung`` is kept, and the
     backward uses the log-sum-exp that rung computed). ``lse`` is not differentiable: a loss that depends on it
     raises an error in the backward pass, compiled (``torch.compile``) or not.
@@ -116,27 +120,31 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
     """
     if q_descale is not None or k_descale is not None or v_descale is not None or (
             isinstance(q, torch.Tensor) and q.dtype == fp8.FP8):  # fmt: skip
-        if num_splits is not None or rung is not None:
-            raise ValueError("num_splits and rung choose among the 16-bit kernels; the FP8 forward takes neither")
+        if num_splits is not None or rung is not None or backward_rung is not None:
+            raise ValueError("num_splits, rung and backward_rung choose among the 16-bit kernels; the FP8 forward "
+                             "takes none of them")  # fmt: skip
         return fp8.fp8_attention(q, k, v, causal, window, scale, return_lse, q_descale, k_descale, v_descale)
+    if backward_rung is not None:
+        backward_ladder.rung_named(backward_rung)  # an unknown name: a ValueError listing the rungs
     if torch.compiler.is_compiling():  # one opaque operator in the graph; its checks are traced
         check_inputs(q, k, v, causal, window, scale)
         check_num_splits(num_splits, k.shape[2])
         check_rung(rung, num_splits)
         left, right = window_to_ints(window)
-        o, lse = torch.ops.flashlab.attention_forward(q, k, v, causal, left, right, scale, num_splits, rung)
+        o, lse = torch.ops.flashlab.attention_forward(q, k, v, causal, left, right, scale, num_splits, rung,
+                                                      backward_rung)  # fmt: skip
         return (o, lse) if return_lse else o
     key = signature(q, k, v, causal, window, scale, num_splits, rung)
     call = CALLS.get(key)  # a call exists only for a signature that was checked
     if call is None:
         call = new_call(key, q, k, v, causal, window, scale, num_splits, rung)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        # differentiable: the prefill kernel (split-KV has no backward), then flashlab.kernels.flash_backward
+        # differentiable: the prefill kernel (split-KV has no backward), then the backward's ladder
         if call.backward is None:
             call.backward = autograd.differentiable_call(call, q, k, v, causal, window, scale, rung)
         if call.backward.note is not None:  # the rung asked for cannot run here: said on every call
             warnings.warn(call.backward.note, RuntimeWarning, stacklevel=2)
-        o, lse = autograd.FlashAttentionFunction.apply(call.backward, q, k, v, causal, window, scale)
+        o, lse = autograd.FlashAttentionFunction.apply(call.backward, q, k, v, causal, window, scale, backward_rung)
     else:
         if call.note is not None:
             warnings.warn(call.note, RuntimeWarning, stacklevel=2)

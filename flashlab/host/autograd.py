@@ -1,7 +1,8 @@
 """``flash_attention`` as a differentiable function: the forward kernel, then the backward kernels on demand.
 
 The forward saves q, k, v, the output o and the float32 log-sum-exp lse ``(B, Hq, Nq)`` -- nothing of size
-Nq x Nk. The backward (``flashlab.kernels.flash_backward``) recomputes the probabilities tile by tile from those.
+Nq x Nk. The backward (a rung of ``flashlab.kernels.backward``) recomputes the probabilities tile by tile
+from those.
 
 ``lse`` is returned for inspection but is not differentiable: a loss that depends on it raises an error in the
 backward pass rather than silently leaving out that part of the gradient -- here and in the registered operator's
@@ -14,9 +15,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from flashlab.host.launches import SPLIT_KV, attention_call, run_attention
+from flashlab.kernels.backward import attention_backward
 from flashlab.kernels.decode import split_kv
 from flashlab.kernels.device import block_d, device_index, fits_smem, smem_limit
-from flashlab.kernels.flash_backward import attention_backward
 
 # Split-KV (decode) calls have no backward; a call of that size that needs a gradient runs the prefill kernel with
 # one of these (BLOCK_M, BLOCK_N, num_warps, num_stages) instead: the first whose tiles fit the GPU's shared memory.
@@ -54,14 +55,16 @@ def differentiable_call(call, q, k, v, causal, window, scale, rung):
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """``(o, lse) = FlashAttentionFunction.apply(call, q, k, v, causal, window, scale)`` on checked inputs;
-    ``call`` is the signature's prefill call (``differentiable_call``)."""
+    """``(o, lse) = FlashAttentionFunction.apply(call, q, k, v, causal, window, scale, backward_rung)`` on checked
+    inputs; ``call`` is the signature's prefill call (``differentiable_call``), ``backward_rung`` the backward
+    ladder's rung to run (None: its choice)."""
 
     @staticmethod
-    def forward(ctx, call, q, k, v, causal, window, scale):
+    def forward(ctx, call, q, k, v, causal, window, scale, backward_rung=None):
         o, lse = run_attention(call, q, k, v)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.band = (causal, window, scale)
+        ctx.backward_rung = backward_rung
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None instead of a tensor of zeros
         return o, lse
 
@@ -71,10 +74,10 @@ class FlashAttentionFunction(torch.autograd.Function):
         check_no_lse_gradient(dlse)
         q, k, v, o, lse = ctx.saved_tensors
         if do is None:  # the loss does not depend on o
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         causal, window, scale = ctx.band
-        dq, dk, dv = attention_backward(do, q, k, v, o, lse, causal, window, scale)
-        return None, dq, dk, dv, None, None, None
+        dq, dk, dv = attention_backward(do, q, k, v, o, lse, causal, window, scale, rung=ctx.backward_rung)
+        return None, dq, dk, dv, None, None, None, None
 
 
 __all__ = [

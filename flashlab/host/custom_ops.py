@@ -7,15 +7,17 @@ graph: the compiler sees only its schema and its fake implementation (output sha
 running anything), and at run time the node runs the same plans as the eager call. CPU tensors run Triton's
 interpreter inside the node, so the same compiled model runs in CI.
 
-- ``torch.ops.flashlab.attention_forward(q, k, v, causal, window_left, window_right, scale, num_splits, rung=None)
-  -> (o, lse)``: ``flash_attention``'s forward pass. A window side of ``-1`` means unbounded (None), a ``scale`` of
-  None the default ``1/sqrt(D)``, a ``rung`` of None the kernel ladder's own choice. ``flash_attention`` calls it
+- ``torch.ops.flashlab.attention_forward(q, k, v, causal, window_left, window_right, scale, num_splits, rung=None,
+  backward_rung=None) -> (o, lse)``: ``flash_attention``'s forward pass. A window side of ``-1`` means unbounded
+  (None), a ``scale`` of None the default ``1/sqrt(D)``, a ``rung`` of None the kernel ladder's own choice, a
+  ``backward_rung`` of None the backward ladder's (``flashlab.kernels.backward``). ``flash_attention`` calls it
   while it is being compiled (``torch.compiler.is_compiling()``); in eager mode it launches directly, because the
   dispatcher's work for a custom operator would add to every call's host time. Its gradient is
-  ``flashlab.kernels.flash_backward``'s, registered with ``torch.library.register_autograd``; like the eager
+  the backward ladder's, registered with ``torch.library.register_autograd``; like the eager
   autograd path (``flashlab.host.autograd``) it raises an error for a loss that depends on lse.
-- ``torch.ops.flashlab.attention_backward(do, dlse, q, k, v, o, lse, causal, window_left, window_right, scale) ->
-  (dq, dk, dv)``: that gradient as an operator of its own, so a compiled backward graph holds it as one node.
+- ``torch.ops.flashlab.attention_backward(do, dlse, q, k, v, o, lse, causal, window_left, window_right, scale,
+  rung=None) -> (dq, dk, dv)``: that gradient as an operator of its own, so a compiled backward graph holds it as
+  one node; ``rung`` is the backward rung (None: the ladder's choice).
 - ``torch.ops.flashlab.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
   window_left, window_right, scale, check_values, sync_check=False, cu_seqlens_q=None, max_seqlen_q=None,
   k_descale=None, v_descale=None) -> (o, lse)``: ``flash_attention_with_kvcache``, likewise; ``check_values`` False
@@ -44,7 +46,7 @@ from flashlab.host.attention import ints_to_window, window_to_ints
 from flashlab.host.autograd import check_no_lse_gradient
 from flashlab.host.scratch import fresh_scratch
 from flashlab.host.varlen import varlen_backward, varlen_forward
-from flashlab.kernels.flash_backward import attention_backward
+from flashlab.kernels.backward import attention_backward
 
 NAMESPACE = "flashlab"
 
@@ -60,6 +62,7 @@ def attention_forward(
     scale: Optional[float],  # noqa: UP045
     num_splits: Optional[int],  # noqa: UP045
     rung: Optional[str] = None,  # noqa: UP045
+    backward_rung: Optional[str] = None,  # noqa: UP045
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window = ints_to_window(window_left, window_right)
     with fresh_scratch():  # nothing kept alive from a CUDA-graph mode's memory pool
@@ -67,16 +70,17 @@ def attention_forward(
 
 
 @attention_forward.register_fake
-def _(q, k, v, causal, window_left, window_right, scale, num_splits, rung=None):
+def _(q, k, v, causal, window_left, window_right, scale, num_splits, rung=None, backward_rung=None):
     b, hq, nq, d = q.shape
     return q.new_empty((b, hq, nq, d)), q.new_empty((b, hq, nq), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, window_left, window_right, scale, *_ = inputs  # then num_splits and rung
+    q, k, v, causal, window_left, window_right, scale, *rest = inputs  # then num_splits, rung, backward_rung
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.causal, ctx.window, ctx.scale = causal, ints_to_window(window_left, window_right), scale
+    ctx.backward_rung = rest[2] if len(rest) > 2 else None
 
 
 @torch.library.custom_op(f"{NAMESPACE}::attention_backward", mutates_args=())
@@ -92,25 +96,27 @@ def attention_backward_op(
     window_left: int,
     window_right: int,
     scale: Optional[float],  # noqa: UP045
+    rung: Optional[str] = None,  # noqa: UP045
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients ``(dq, dk, dv)`` of ``attention_forward``, one opaque node of a compiled backward graph too;
     a RuntimeError when ``dlse`` is not all zeros (checked when it runs: its values are not known while tracing)."""
     check_no_lse_gradient(dlse)
     window = ints_to_window(window_left, window_right)
-    return attention_backward(do.contiguous(), q, k, v, o, lse, causal, window, scale)
+    return attention_backward(do.contiguous(), q, k, v, o, lse, causal, window, scale, rung=rung)
 
 
 @attention_backward_op.register_fake
-def _(do, dlse, q, k, v, o, lse, causal, window_left, window_right, scale):
+def _(do, dlse, q, k, v, o, lse, causal, window_left, window_right, scale, rung=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _attention_backward(ctx, do, dlse):
     q, k, v, o, lse = ctx.saved_tensors
     left, right = window_to_ints(ctx.window)
-    dq, dk, dv = torch.ops.flashlab.attention_backward(do, dlse, q, k, v, o, lse, ctx.causal, left, right, ctx.scale)
-    # no gradient for the flags, the window, scale, num_splits and rung
-    return dq, dk, dv, None, None, None, None, None, None
+    dq, dk, dv = torch.ops.flashlab.attention_backward(do, dlse, q, k, v, o, lse, ctx.causal, left, right, ctx.scale,
+                                                       ctx.backward_rung)  # fmt: skip
+    # no gradient for the flags, the window, scale, num_splits and the rungs
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd(f"{NAMESPACE}::attention_forward", _attention_backward, setup_context=_setup_context)

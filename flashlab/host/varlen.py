@@ -12,9 +12,9 @@ int32 running sums of the lengths. flashlab's other entry points take ``(B, H, N
   ``check_values="sync"`` (``check_cu_seqlens_values``: one synchronisation on a GPU).
 - ``varlen_forward`` and ``varlen_backward``: the forward kernel (``flashlab.kernels.varlen``) and the gradients.
 
-The backward is FlashAttention-2's (``flashlab.kernels.flash_backward``'s three kernels, in the varlen variants of
-``flashlab.kernels.varlen``): one launch each for the whole batch, every program reading its sequence from
-cu_seqlens, the probabilities recomputed from the saved lse.
+The backward is FlashAttention-2's (``flashlab.kernels.backward.rung1_two_pass``'s three kernels, in the varlen
+variants of ``flashlab.kernels.varlen``): one launch each for the whole batch, every program reading its sequence
+from cu_seqlens, the probabilities recomputed from the saved lse.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from flashlab.host.checks import (
     check_values_flag,
 )
 from flashlab.host.kvcache_errors import boundary_message, error_record, raise_recorded, unreported_record
-from flashlab.kernels import flash_backward, varlen
+from flashlab.kernels import varlen
+from flashlab.kernels.backward import rung1_two_pass as two_pass
 from flashlab.kernels.device import DTYPES, block_d, device_index, fits_smem, kernel_band, smem_limit, stream_capturing
 
 MAX_ROW_OFFSET = 2**31  # the kernel's offsets inside one sequence are 32-bit
@@ -167,12 +168,12 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 def backward_config(kernel: str, q) -> dict:
     """The tiles of a GPU launch of the varlen dK/dV (``kernel`` "dkdv") or dQ ("dq") kernel: the first of the
-    dense backward's configs for the head-dim class (``flash_backward.TUNING_SPACE``) that fits the GPU's shared
+    dense backward's configs for the head-dim class (``two_pass.TUNING_SPACE``) that fits the GPU's shared
     memory, else of its fallbacks, else the smallest fallback."""
     bd = block_d(q.shape[-1])
     limit = smem_limit(device_index(q))
-    candidates = flash_backward.TUNING_SPACE[kernel][flash_backward.tuning_class(bd, q.dtype)]
-    options = (*candidates, *flash_backward.FALLBACK_SPACE)
+    candidates = two_pass.TUNING_SPACE[kernel][two_pass.tuning_class(bd, q.dtype)]
+    options = (*candidates, *two_pass.FALLBACK_SPACE)
     chosen = options[-1]
     for bm, bn, warps, stages in options:
         resident, streamed = (2 * bn, 2 * bm) if kernel == "dkdv" else (2 * bm, 2 * bn)

@@ -9,7 +9,8 @@
   ``kvcache`` (the same against a serving engine's paged KV cache).
 - ``varlen`` -- the skip-and-split forward over a batch of sequences of different lengths packed without padding
   (each program reads its sequence's bounds from ``cu_seqlens``).
-- ``flash_backward`` -- the FlashAttention-2 backward kernels.
+- ``backward`` -- the backward's ladder: ``rung1_two_pass`` (the FlashAttention-2 backward kernels) and
+  ``rung2_hopper`` (the same loops fed by the tensor-memory accelerator, warp-specialised).
 - ``softmax_step`` -- the ``@triton.jit`` steps they share: the band's element mask, one online-softmax step, the
   chunks' merge.
 - ``device`` -- what the kernels accept and ask of the device; ``interpreter`` -- Triton's interpreter for CPU

@@ -25,8 +25,8 @@ or tune inside a user's call. So each GPU family ships a table of the autotuners
   the tables existed.
 
 Kernel names: "split_kv", "kvcache" (decode), "skip_split", "hopper", "lesson_loop" (prefill), "backward_dkdv" and
-"backward_dq" (the backward's two main kernels, ``flashlab.kernels.flash_backward``). The KV-cache kernel takes one
-extra bucket field, ``page_size`` (0 for a contiguous cache).
+"backward_dq" (the two main kernels of the backward, ``flashlab.kernels.backward.rung1_two_pass``). The KV-cache
+kernel takes one extra bucket field, ``page_size`` (0 for a contiguous cache).
 
 The table file, ``flashlab/kernels/tuned/<family>.json`` (or the file named by ``FLASHLAB_CONFIGS``, which
 overrides the family's)::
@@ -113,9 +113,9 @@ PREFILL_DEFAULTS = {
     },
 }
 HOPPER_WARP_SPECIALIZED_WARPS = 4
-# The backward's (BLOCK_M, BLOCK_N, num_warps, num_stages): flash_backward's tuning space for the class, the config
-# its autotuner picked at every length of the H200's backward grid first (bf16, 1K-16K, causal and not:
-# docs/backward.md), then flash_backward.FALLBACK_SPACE. The dK/dV kernel keeps BLOCK_N keys of K and V resident and
+# The backward's (BLOCK_M, BLOCK_N, num_warps, num_stages): the two-pass rung's tuning space for the class, the
+# config its autotuner picked at every length of the H200's backward grid first (bf16, 1K-16K, causal and not:
+# docs/backward.md), then its FALLBACK_SPACE. The dK/dV kernel keeps BLOCK_N keys of K and V resident and
 # streams BLOCK_M rows of Q and dO; the dQ kernel the other way round (``resident_and_streamed``).
 _BACKWARD_FALLBACKS = [(32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)]
 BACKWARD_DEFAULTS = {

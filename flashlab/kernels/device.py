@@ -103,6 +103,28 @@ def _allocator(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+TMA_MIN_CAPABILITY = 9  # the tensor-memory accelerator and warp specialisation: Hopper (sm_90) or newer
+TMA_ALIGN_BYTES = 16  # a TMA descriptor's base address and every stride but the last must be multiples of this
+
+
+def rows_stacked(x: torch.Tensor) -> bool:
+    """Whether ``x`` (B, H, N, D) is one 2-D tensor of B*H*N rows the copy engine can describe: heads and batches
+    one after another at the row stride, rows 16-byte aligned, unit stride along D."""
+    b, h, n, _ = x.shape
+    row = x.stride(2) if n > 1 else x.shape[3]
+    if x.stride(3) != 1 or x.data_ptr() % TMA_ALIGN_BYTES or row * x.element_size() % TMA_ALIGN_BYTES:
+        return False
+    heads_stacked = h == 1 or x.stride(1) == n * row
+    return heads_stacked and (b == 1 or x.stride(0) == h * n * row)
+
+
+def hidden_sides(nq: int, nk: int, band) -> tuple[bool, bool]:
+    """Whether the band hides real keys from some query row on its left (the window's left edge) and on its right
+    (the diagonal or the window's right edge). Query i sees keys ``[i + offset - win_left, i + offset + win_right]``."""
+    offset, win_left, win_right, _ = band
+    return nq - 1 + offset - win_left > 0, offset + win_right < nk - 1
+
+
 def ensure_allocator():
     """Device-side tensor descriptors need somewhere to live: install an allocator unless the user has set one."""
     import triton
@@ -114,7 +136,11 @@ def ensure_allocator():
 
 
 __all__ = [
+    "TMA_ALIGN_BYTES",
+    "TMA_MIN_CAPABILITY",
     "ensure_allocator",
+    "hidden_sides",
+    "rows_stacked",
     "CPU_CONFIG",
     "DTYPES",
     "HEAD_DIM_MULTIPLE",

@@ -40,6 +40,15 @@ def edge_keys(rows, offset, win_left, win_right, NK):
 
 
 @triton.jit
+def edge_rows(keys, offset, win_left, win_right):
+    """Each key's first and last query row that sees it, ``(first_row, last_row)``: the band ``[i + offset -
+    win_left, i + offset + win_right]`` seen from the keys' side, ``[j - offset - win_right, j - offset +
+    win_left]``. What ``edge_visible`` compares rows against where a tile has its keys first (the backward's dK/dV
+    loop; rows past the last query need no bound there: their lse is +inf)."""
+    return keys - offset - win_right, keys - offset + win_left
+
+
+@triton.jit
 def edge_visible(cols, first_key, last_key, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
     """(BLOCK_M, BLOCK_N) True where a row sees key ``cols``, testing only the edges a tile can cut: the left one
     (``MASK_LEFT``: a window's start), the right one (``MASK_RIGHT``: the diagonal, a window's end or the last

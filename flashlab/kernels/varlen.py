@@ -339,7 +339,8 @@ def launch(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The backward: flashlab.kernels.flash_backward's three kernels, each program reading its sequence from cu_seqlens
+# The backward: flashlab.kernels.backward.rung1_two_pass's three kernels, each program reading its sequence from
+# cu_seqlens
 # ----------------------------------------------------------------------------------------------------------------
 
 _LOG2_E = tl.constexpr(LOG2_E)
@@ -425,7 +426,7 @@ def _bwd_dkdv_varlen(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # -- the query rows that see these keys, from the sequence's band (flash_backward's ranges)
+    # -- the query rows that see these keys, from the sequence's band (the two-pass backward's ranges)
     col_hi = tl.minimum(col_lo + BLOCK_N, NK) - 1
     lo = tl.maximum(col_lo - offset - win_right, 0)
     hi = tl.maximum(tl.minimum(col_hi - offset + win_left + 1, NQ), lo)

@@ -42,20 +42,23 @@ from flashlab.core.integers import cdiv
 from flashlab.kernels import configs, softmax_step
 from flashlab.kernels.device import (
     CPU_CONFIG,
+    TMA_ALIGN_BYTES,
+    TMA_MIN_CAPABILITY,
     block_d,
     device_index,
     dot_precision,
     dot_upcast,
     ensure_allocator,
     fits_smem,
+    hidden_sides,
+    rows_stacked,
     smem_limit,
 )
 from flashlab.kernels.interpreter import interpreted, interpreted_language
 from flashlab.kernels.ladder.rung2_skip_split import tune_key
 
 NAME = "hopper"  # the rung's name in flashlab.kernels.ladder
-MIN_CAPABILITY = 9  # TMA and warp specialisation: Hopper (sm_90) or newer
-TMA_ALIGN_BYTES = 16  # a TMA descriptor's base address and every stride but the last must be multiples of this
+MIN_CAPABILITY = TMA_MIN_CAPABILITY  # TMA and warp specialisation: Hopper (sm_90) or newer
 
 # ----------------------------------------------------------------------------------------------------------------
 # The kernel
@@ -308,17 +311,6 @@ hopper_fwd_tuned = triton.autotune(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _rows_stacked(x: torch.Tensor) -> bool:
-    """Whether ``x`` (B, H, N, D) is one 2-D tensor of B*H*N rows the copy engine can describe: heads and batches
-    one after another at the row stride, rows 16-byte aligned, unit stride along D."""
-    b, h, n, _ = x.shape
-    row = x.stride(2) if n > 1 else x.shape[3]
-    if x.stride(3) != 1 or x.data_ptr() % TMA_ALIGN_BYTES or row * x.element_size() % TMA_ALIGN_BYTES:
-        return False
-    heads_stacked = h == 1 or x.stride(1) == n * row
-    return heads_stacked and (b == 1 or x.stride(0) == h * n * row)
-
-
 def unavailable(q, k, v, causal, window) -> str | None:
     """Why this rung cannot run these inputs here, or None."""
     if q.dtype == torch.float32:
@@ -329,7 +321,7 @@ def unavailable(q, k, v, causal, window) -> str | None:
         major, minor = torch.cuda.get_device_capability(q.device)
         if major < MIN_CAPABILITY:
             return f"it needs a Hopper GPU or newer (compute capability >= {MIN_CAPABILITY}.0), not {major}.{minor}"
-    if not all(_rows_stacked(x) for x in (q, k, v)):  # the interpreter reads the same descriptors
+    if not all(rows_stacked(x) for x in (q, k, v)):  # the interpreter reads the same descriptors
         return "its copy engine reads q, k, v as rows of heads one after another (contiguous, 16-byte aligned)"
     return None
 
@@ -351,13 +343,6 @@ def preferred(q, k, v, causal, window) -> bool:
 MAX_BLOCK_N = MAX_BLOCK_M = 128
 
 
-def hidden_sides(nq: int, nk: int, band) -> tuple[bool, bool]:
-    """Whether the band hides real keys from some query row on its left (the window's left edge) and on its right
-    (the diagonal or the window's right edge). Query i sees keys ``[i + offset - win_left, i + offset + win_right]``."""
-    offset, win_left, win_right, _ = band
-    return nq - 1 + offset - win_left > 0, offset + win_right < nk - 1
-
-
 def launch(q, k, v, o, lse, causal, window, band, config=None, warp_specialize=None):
     """Run the kernel once on prepared inputs, writing ``o (B, Hq, Nq, D)`` and ``lse (B, Hq, Nq)``.
 
@@ -374,7 +359,7 @@ def launch(q, k, v, o, lse, causal, window, band, config=None, warp_specialize=N
     why = unavailable(q, k, v, causal, window)
     if why is not None:
         raise RuntimeError(f"the hopper rung cannot run these inputs: {why}")
-    if not _rows_stacked(o):
+    if not rows_stacked(o):
         raise RuntimeError("the hopper rung writes o as rows of heads one after another: o must be contiguous")
     b, hq, nq, _ = q.shape
     scalars, tune, meta = arguments(q, k, v, o.stride()[:3], causal, window, band, q.is_cuda)

@@ -68,7 +68,7 @@ _LOG2_E = tl.constexpr(LOG2_E)
 # The runtime values of each kernel: never specialised on (a value of 1, divisibility by 16), so one binary serves
 # every length, band and head count of a bucket. Strides stay specialised (whether rows are 16-element aligned is
 # what lets the compiler vectorise the loads).
-PREPROCESS_RUNTIME = ("stride_lb", "stride_lh", "HQ", "NQ")  # the lse's strides: (Hq Nq, Nq)
+PREPROCESS_RUNTIME = ("stride_lb", "stride_lh", "HQ", "NQ", "ROWS")  # the lse's strides: (Hq Nq, Nq)
 DKDV_RUNTIME = ("HQ", "HK", "GROUP", "NQ", "NK", "offset", "win_left", "win_right", "TUNE_KEY_N", "TUNE_KEY_ROWS",
                 "TUNE_KEY_BAND")  # fmt: skip
 DQ_RUNTIME = ("HQ", "GROUP", "NQ", "NK", "offset", "win_left", "win_right", "reverse_m", "TUNE_KEY_N",
@@ -83,6 +83,7 @@ def _bwd_preprocess(
     stride_dob, stride_doh, stride_dom,
     stride_lb, stride_lh, stride_lm,
     HQ, NQ,
+    ROWS,  # rows per head of delta and lse2: NQ, or more where a kernel reads whole tiles (padding: 0 and +inf)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     # fmt: on
@@ -108,9 +109,9 @@ def _bwd_preprocess(
         mask=row_ok, other=0.0,
     )
     # log2 units for exp2(s * scale * log2(e) - lse2); a row that saw no key (lse = -inf) gets +inf, so P = 0
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2_E)
-    tl.store(DELTA + pid_bh.to(tl.int64) * NQ + offs_m, delta, mask=row_ok)
-    tl.store(LSE2 + pid_bh.to(tl.int64) * NQ + offs_m, lse2, mask=row_ok)
+    lse2 = tl.where((lse == float("-inf")) | (offs_m >= NQ), float("inf"), lse * _LOG2_E)
+    tl.store(DELTA + pid_bh.to(tl.int64) * ROWS + offs_m, delta, mask=offs_m < ROWS)
+    tl.store(LSE2 + pid_bh.to(tl.int64) * ROWS + offs_m, lse2, mask=offs_m < ROWS)
 
 
 # fmt: off
@@ -441,14 +442,15 @@ CONCURRENT_DQ = True
 _SIDE_STREAMS: dict = {}
 
 
-def _side_stream(x):
+def side_stream(x):
+    """The second CUDA stream of ``x``'s device on which the dQ kernel runs beside dK/dV (``CONCURRENT_DQ``)."""
     index = device_index(x)
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
     return _SIDE_STREAMS[index]
 
 
-def _check_backward_inputs(do, q, k, v, o, lse):
+def check_backward_inputs(do, q, k, v, o, lse):
     for name, x in (("do", do), ("o", o), ("lse", lse)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
@@ -506,7 +508,7 @@ def backward_arguments(do, q, k, v, o, lse, causal, window, scale) -> BackwardAr
     dv = torch.empty_like(dk)
 
     bd = block_d(d)
-    pre_args = (o, do, lse, delta, lse2, *o.stride()[:3], *do.stride()[:3], *lse.stride(), hq, nq)
+    pre_args = (o, do, lse, delta, lse2, *o.stride()[:3], *do.stride()[:3], *lse.stride(), hq, nq, nq)
     common = dict(HEAD_DIM=d, BLOCK_D=bd, DOT_PRECISION=dot_precision(q.dtype, q.is_cuda))
     common["DOT_UPCAST"] = dot_upcast(q.dtype, q.is_cuda)
     strides = (*q_run.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
@@ -534,7 +536,7 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
     num_stages (GPU only; the interpreter always uses ``CPU_CONFIG``). None: each kernel's ``configs.pick`` for the
     call's bucket, or its autotuner when ``FLASHLAB_AUTOTUNE=1``.
     """
-    _check_backward_inputs(do, q, k, v, o, lse)
+    check_backward_inputs(do, q, k, v, o, lse)
     args = backward_arguments(do, q, k, v, o, lse, causal, window, scale)
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
@@ -558,7 +560,7 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
             # on a second stream, so its programs fill the SMs the dK/dV kernel's last (causal: shortest) programs
             # leave idle. Each writes only its own gradients, so the results do not depend on the overlap.
             main = torch.cuda.current_stream()
-            side = _side_stream(q) if CONCURRENT_DQ else main
+            side = side_stream(q) if CONCURRENT_DQ else main
             side.wait_stream(main)  # the preprocess's delta and lse2
             autotune = config is None and configs.autotune_enabled()
             if config is None and not autotune:
@@ -582,32 +584,32 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
     return dq, dk, dv
 
 
-_LAST_PICKS: dict = {}
-
-
 def picked_configs(q, kv_heads: int, nk: int, band: tuple) -> dict:
     """``{"dkdv": {...}, "dq": {...}}``: each kernel's tiles for a launch of ``q (B, Hq, Nq, D)`` against
     ``kv_heads`` K/V heads of ``nk`` keys with ``band = (offset, win_left, win_right)``, from
     ``configs.pick`` (the bucket's tuned entry, else the fixed default)."""
     fields = configs.launch_fields(q, kv_heads, nk, *band)  # the group is not in a backward bucket
-    picks = {name: configs.pick(kernel, **fields) for name, kernel in CONFIG_KERNELS.items()}
-    _LAST_PICKS.update(picks)
-    return picks
+    return {name: configs.pick(kernel, **fields) for name, kernel in CONFIG_KERNELS.items()}
 
 
 def best_configs() -> dict:
-    """The configs the two backward kernels last ran with on a GPU (the autotuners' picks under
-    ``FLASHLAB_AUTOTUNE=1``, else the looked-up ones), as strings for the benchmark's records; None before the
-    first GPU launch."""
-    out = {}
-    for name, tuned in (("dkdv", _bwd_dkdv_tuned), ("dq", _bwd_dq_tuned)):
-        best = getattr(tuned, "best_config", None)
-        if configs.autotune_enabled():
-            out[name] = None if best is None else str(best)
-        else:
-            picked = _LAST_PICKS.get(name)
-            out[name] = None if picked is None else ", ".join(f"{k}: {v}" for k, v in picked.items())
-    return out
+    """The autotuners' last picks for the two backward kernels under ``FLASHLAB_AUTOTUNE=1`` (for the
+    benchmark's records); None for a kernel that has not autotuned (without it, ``picked_configs`` says what a
+    launch takes)."""
+    picks = {"dkdv": getattr(_bwd_dkdv_tuned, "best_config", None), "dq": getattr(_bwd_dq_tuned, "best_config", None)}
+    return {name: None if c is None else str(c) for name, c in picks.items()}
 
 
-__all__ = ["CONCURRENT_DQ", "TUNING_SPACE", "attention_backward", "best_configs", "picked_configs", "tuning_class"]
+bwd_preprocess = _bwd_preprocess  # the preprocess kernel, for the rungs that share it (rung2_hopper)
+
+__all__ = [
+    "CONCURRENT_DQ",
+    "TUNING_SPACE",
+    "attention_backward",
+    "best_configs",
+    "bwd_preprocess",
+    "check_backward_inputs",
+    "picked_configs",
+    "side_stream",
+    "tuning_class",
+]
