@@ -115,7 +115,7 @@ BAD = [
     (dict(q=lambda a: a["q"][..., :32], k=lambda a: a["k"][..., :32], v=lambda a: a["v"][..., :32]), ValueError,
      r"head dim 32: the FP8 forward takes D in \(64, 128, 256\)"),
     (dict(q=lambda a: a["q"][0]), ValueError, "q must have 4 dims"),
-    (dict(num_splits=2), ValueError, "the FP8 forward takes neither"),
+    (dict(num_splits=2), ValueError, "the FP8 forward takes none of them"),
 ]  # fmt: skip
 
 
