@@ -156,3 +156,39 @@ def test_v_is_transposed_with_zero_padding_and_per_head_scales_stand_for_every_s
     o = flash_attention(q8, k8, v8, causal=True, q_descale=shared[0], k_descale=shared[1], v_descale=shared[2])
     ref = reference(*dequantize_qkv(q8, k8, v8, *(s.expand(2, -1) for s in shared)), causal=True)[0]
     assert relative_error(o.double(), ref) <= tolerance(torch.bfloat16)
+
+
+def test_a_bad_scale_is_checked_on_the_device_its_group_nan_the_others_right():
+    """The host checks the descales' shapes and dtypes only (reading their values would wait for the GPU every
+    call); the kernel writes NaN in the output rows and lse of the (sequence, K/V head) whose scale is bad, leaves
+    every other group's answer as it was, and the check kernel says which scale it was in the error record."""
+    from flashlab.host.fp8 import check_fp8_inputs
+    from flashlab.host.kvcache_errors import ErrorRecord, raise_recorded
+    from flashlab.kernels import fp8_forward
+    from flashlab.kernels.device import kernel_band
+
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(2, 4, 20, 64, generator=g) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]  # two K/V heads, two query heads each
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v)
+    bad_kd = kd.clone()
+    bad_kd[1, 0] = 0.0
+    descales = check_fp8_inputs(q8, k8, v8, False, None, None, qd, bad_kd, vd)  # no value read: no error here
+    o = torch.empty(2, 4, 20, 64, dtype=torch.bfloat16)
+    lse = torch.empty(2, 4, 20)
+    fp8_forward.launch(q8, k8, v8, o, lse, *descales, kernel_band(20, 20, 64, False, None, None)[:4])
+    assert o[1, :2].isnan().all() and lse[1, :2].isnan().all()  # sequence 1, K/V head 0: its two query heads
+    good = torch.ones_like(lse, dtype=torch.bool)
+    good[1, :2] = False
+    ro, rlse = attention_float64(*dequantize_qkv(q8, k8, v8, qd, kd, vd))
+    assert relative_error(o[good], ro[good]) < tolerance(torch.bfloat16)
+    torch.testing.assert_close(lse[good].double(), rlse[good], atol=LSE_TOL, rtol=0)
+    record = ErrorRecord(torch.device("cpu"))
+    fp8_forward.check_descales(*descales, record.tensor)
+    with pytest.raises(
+        ValueError, match=r"an earlier flash_attention call on float8 inputs .* k_descale\[1, 0\] = 0.0"
+    ):
+        raise_recorded(record, earlier=True)
+    assert not record.holds_error()  # raised once, then cleared
+    fp8_forward.check_descales(qd, kd, vd, record.tensor)  # good scales: nothing recorded
+    assert not record.holds_error()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import flashlab
 from flashlab import dequantize_qkv, flash_attention, quantize_qkv
 from flashlab.core.numerics import relative_error
 from flashlab.host.fp8 import FP8_FORWARD_TOLERANCE, MIN_CAPABILITY
@@ -52,3 +53,21 @@ def test_two_runs_are_bit_identical():
     a = flash_attention(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
     b = flash_attention(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
     assert torch.equal(a, b)
+
+
+def test_a_bad_scale_does_not_wait_for_the_gpu_and_is_raised_later():
+    """On a GPU the call with a bad scale returns without reading the scales (no synchronisation); its group's
+    rows are NaN, and the error comes out of ``check_kvcache_errors`` (which waits) or the next FP8 call."""
+    g = torch.Generator(device="cuda").manual_seed(13)
+    q, k, v = (torch.randn(1, 8, 512, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k[:, :2], v[:, :2])
+    bad = vd.clone()
+    bad[0, 1] = float("nan")
+    o = flash_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=bad)  # no error yet
+    with pytest.raises(ValueError, match=r"float8 inputs .* v_descale\[0, 1\] = nan"):
+        flashlab.check_kvcache_errors()
+    assert o[0, 4:].isnan().all() and not o[0, :4].isnan().any()  # K/V head 1's query heads only
+    flash_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=bad)
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="an earlier flash_attention call on float8 inputs"):
+        flash_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)

@@ -115,7 +115,9 @@ def flash_attention(q, k, v, causal=False, window=None, scale=None, return_lse=F
     both products on 8-bit operands, P rounded to e4m3) for D = 64, 128 or 256 on sm_89 or later (the interpreter
     on the CPU), and return o in bfloat16. Its numerics are e4m3's, not the input dtype's: the evaluation gate
     (``flashlab.host.quantize.E4M3_TOLERANCE``) bounds its error against float64 of the inputs before
-    quantisation. Not differentiable; a scale that is not finite and > 0 is a ValueError (read on the host);
+    quantisation. Not differentiable. A scale that is not finite and > 0 is checked on the device, never read on
+    the host: its group's output rows come out NaN and the next FP8 call (or ``flashlab.check_kvcache_errors()``)
+    raises a ValueError naming it; on the CPU the call itself raises;
     ``num_splits`` and ``rung`` do not apply.
     """
     if q_descale is not None or k_descale is not None or v_descale is not None or (

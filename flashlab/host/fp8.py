@@ -7,6 +7,12 @@
 - ``dequantize_qkv(q8, k8, v8, q_descale, k_descale, v_descale)``: the float64 tensors they stand for, exactly as
   the kernel reads them: what the float64 reference is run on.
 - ``fp8_attention(...)``: ``flash_attention``'s path for e4m3 inputs (``flashlab.kernels.fp8_forward``).
+
+The descales' values are checked on the device, not read on the host (that read was one synchronisation a call):
+a scale that is not finite and > 0 makes NaN of its group's output rows and lse, and the first such scale is
+reported in the device's error record (``flashlab.host.kvcache_errors``), which the next FP8 call (or
+``flashlab.check_kvcache_errors()``, which waits for the GPU first) raises as a ValueError naming it. On the CPU,
+where the interpreter has finished when the call returns, the call itself raises.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 
 from flashlab.core.masking import visible_band
 from flashlab.host.checks import check_causal, check_dense, check_scale
+from flashlab.host.kvcache_errors import error_record, raise_recorded
 from flashlab.host.quantize import FP8, check_quantisable, scales_from_amax, to_e4m3
 from flashlab.kernels import fp8_forward
 from flashlab.kernels.device import kernel_band
@@ -70,11 +77,7 @@ def _check_descale(name: str, x, b: int, hk: int, device) -> torch.Tensor:
         x = x.expand(b, hk)
     if tuple(x.shape) != (b, hk):
         raise ValueError(f"{name} must have shape (B, Hk) = ({b}, {hk}) or (Hk,); got {tuple(x.shape)}")
-    bad = ~(torch.isfinite(x) & (x > 0))
-    if bool(bad.any()):  # read on the host: one synchronisation a call on a GPU
-        index = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"{name}[{', '.join(map(str, index))}] = {float(x[index])!r}: scales must be finite and > 0")
-    return x.contiguous()
+    return x.contiguous()  # its values are checked on the device (the module docstring)
 
 
 def check_fp8_inputs(q, k, v, causal, window, scale, q_descale, k_descale, v_descale):
@@ -123,6 +126,9 @@ def fp8_attention(q, k, v, causal, window, scale, return_lse, q_descale, k_desca
         raise RuntimeError("the FP8 forward has no backward: call it under torch.no_grad() or on tensors that do "
                            "not require grad")  # fmt: skip
     descales = check_fp8_inputs(q, k, v, causal, window, scale, q_descale, k_descale, v_descale)
+    record = error_record(q.device)
+    raise_recorded(record, earlier=True)  # a bad scale an earlier call's launch met (no wait: a plain load)
+    fp8_forward.check_descales(*descales, record.tensor)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     b, hq, nq, d = q.shape
     offset, win_left, win_right, sm_scale_log2, negate = kernel_band(nq, k.shape[2], d, causal, window, scale)
@@ -136,6 +142,8 @@ def fp8_attention(q, k, v, causal, window, scale, return_lse, q_descale, k_desca
         fp8_forward.launch_tma(q, k, v, o, lse, *descales, band, causal, window)
     else:
         fp8_forward.launch(q, k, v, o, lse, *descales, band)
+    if not q.is_cuda:  # the interpreter has finished: this call's own bad scale
+        raise_recorded(record, earlier=False)
     return (o, lse) if return_lse else o
 
 

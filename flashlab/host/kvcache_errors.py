@@ -1,6 +1,6 @@
 """The values checks made on the device: where ``flash_attention_with_kvcache``'s kernel reports a bad length or
-block-table entry, or ``flash_attention_varlen``'s check bad boundaries (``cu_seqlens``), and how the host raises it
-without waiting for the GPU.
+block-table entry, ``flash_attention_varlen``'s check bad boundaries (``cu_seqlens``) and the FP8 forward's check a
+bad descale (``flashlab.kernels.fp8_forward``), and how the host raises it without waiting for the GPU.
 
 The KV-cache kernel (``flashlab.kernels.decode.kvcache``) writes NaN into every output row of a sequence whose
 length lies outside ``[0, capacity]``, whose used block-table entries include one outside the pool, or (an 8-bit
@@ -34,6 +34,7 @@ from flashlab.kernels.decode.kvcache import (
     ERROR_SCALE,
     SCALE_K,
 )
+from flashlab.kernels.fp8_forward import ERROR_FP8_SCALE, SCALE_NAMES
 from flashlab.kernels.varlen import ERROR_CU_DECREASE, ERROR_CU_LAST, ERROR_CU_LONG, ERROR_CU_START
 
 BOUNDARY_KINDS = (ERROR_CU_START, ERROR_CU_DECREASE, ERROR_CU_LAST, ERROR_CU_LONG)  # flash_attention_varlen's
@@ -123,6 +124,13 @@ def raise_recorded(record: ErrorRecord, earlier: bool) -> None:
         return
     b, column, value, limit = (int(x) for x in view[_BATCH : _LIMIT + 1])
     record.clear()
+    if kind == ERROR_FP8_SCALE:  # the FP8 forward's: b, column the sequence and K/V head; limit: which scale
+        what = scale_message(SCALE_NAMES[limit], (b, column), float(np.int32(value).view(np.float32)))
+        if earlier:
+            raise ValueError(f"an earlier flash_attention call on float8 inputs on {record.device} met a bad scale: "
+                             f"{what}; that call's output rows for sequence {b}, K/V head {column}'s query heads, are "
+                             "NaN")  # fmt: skip
+        raise ValueError(what)
     if kind in BOUNDARY_KINDS:  # b: which boundaries, column: the entry or sequence
         what = boundary_message(kind, b, column, value, limit)
         if earlier:
@@ -148,12 +156,12 @@ def raise_recorded(record: ErrorRecord, earlier: bool) -> None:
 
 
 def check_kvcache_errors(device=None) -> None:
-    """Wait for ``device`` (a CUDA device, or None: every device ``flash_attention_with_kvcache`` or
-    ``flash_attention_varlen`` has checked values on) to finish its work, then raise the ValueError of a bad
-    length, block-table entry, scale or ``cu_seqlens`` boundary any of its launches met since the last one raised
-    (the default ``check_values=True`` otherwise raises it at the first such call that begins after the faulty
-    launch has finished on the GPU). On the CPU a bad value raises in the call itself, so there is nothing left to
-    raise here."""
+    """Wait for ``device`` (a CUDA device, or None: every device ``flash_attention_with_kvcache``,
+    ``flash_attention_varlen`` or the FP8 forward has checked values on) to finish its work, then raise the
+    ValueError of a bad length, block-table entry, scale or ``cu_seqlens`` boundary any of its launches met since
+    the last one raised (the default ``check_values=True``, and the FP8 forward, otherwise raise it at the first
+    such call that begins after the faulty launch has finished on the GPU). On the CPU a bad value raises in the
+    call itself, so there is nothing left to raise here."""
     if device is None:
         devices = list(_RECORDS)
     else:

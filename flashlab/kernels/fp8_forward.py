@@ -37,8 +37,10 @@ import triton
 import triton.language as tl
 
 from flashlab.core.integers import cdiv
+from flashlab.kernels import error_record as error_record_module
 from flashlab.kernels import softmax_step
 from flashlab.kernels.device import CPU_CONFIG, block_d, ensure_allocator
+from flashlab.kernels.error_record import report_error
 from flashlab.kernels.interpreter import interpreted, interpreted_language
 
 # Lengths and the band are runtime values: a new length never compiles another binary.
@@ -57,6 +59,42 @@ FP8_DTYPE = torch.float8_e4m3fn
 P_SCALE_VALUE = 256.0
 P_SCALE = tl.constexpr(P_SCALE_VALUE)
 KEY_ALIGN = 16  # V^T's rows (one per head-dim column) padded to this many keys: 16-byte aligned vector loads
+# The descales are checked on the device, never read on the host (a synchronisation a call): a (sequence, K/V
+# head) whose q, k or v descale is not finite and > 0 gets NaN in every output row and lse of its group, and
+# ``_check_descales`` reports the first such scale in the device's error record (``flashlab.kernels.error_record``;
+# the host raises it at the next call, ``flashlab.host.kvcache_errors``): kind ERROR_FP8_SCALE, batch and column
+# the sequence and K/V head, value the scale's float32 bits, limit which scale (an index into SCALE_NAMES).
+ERROR_FP8_SCALE = 8
+SCALE_NAMES = ("q_descale", "k_descale", "v_descale")
+CHECK_BLOCK = 1024  # descales one step of the check reads
+
+
+@triton.jit
+def scales_ok(qd, kd, vd):
+    """Whether three descales are all finite and > 0 (a NaN fails every comparison)."""
+    return (qd > 0) & (qd < float("inf")) & (kd > 0) & (kd < float("inf")) & (vd > 0) & (vd < float("inf"))
+
+
+@triton.jit
+def _check_descales(Q_DESCALE, K_DESCALE, V_DESCALE, ERRORS, N, HK, BLOCK: tl.constexpr):
+    """One program: report the first descale (q's, then k's, then v's, each in (sequence, K/V head) order) that is
+    not finite and > 0. The main kernel writes NaN where one is; this says which, without the host reading them."""
+    for which in tl.static_range(3):
+        if which == 0:
+            scales = Q_DESCALE
+        elif which == 1:
+            scales = K_DESCALE
+        else:
+            scales = V_DESCALE
+        for start in range(0, N, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(scales + offs, mask=offs < N, other=1.0)
+            bad = (offs < N) & ~((x > 0) & (x < float("inf")))
+            first = tl.min(tl.where(bad, offs, N), 0)
+            if first < N:
+                value = tl.load(scales + first)
+                report_error(ERRORS, ERROR_FP8_SCALE, first // HK, first % HK, value.to(tl.int32, bitcast=True),
+                             which)  # fmt: skip
 
 
 @triton.jit
@@ -116,8 +154,9 @@ def _attn_fwd_fp8(
     vt_base = VT + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
     o_base = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
     scales = off_b * HK + off_hk
-    qk_scale = tl.load(Q_DESCALE + scales) * tl.load(K_DESCALE + scales) * sm_scale_log2
-    v_descale = tl.load(V_DESCALE + scales)
+    qd, kd, v_descale = tl.load(Q_DESCALE + scales), tl.load(K_DESCALE + scales), tl.load(V_DESCALE + scales)
+    qk_scale = qd * kd * sm_scale_log2
+    ok = scales_ok(qd, kd, v_descale)  # else NaN rows (_check_descales reports which scale)
 
     row_lo = pid_m * BLOCK_M
     offs_m = row_lo + tl.arange(0, BLOCK_M)
@@ -153,9 +192,10 @@ def _attn_fwd_fp8(
     # acc holds P_SCALE * P V, l the sum of P: o comes out P_SCALE times too large, undone with V's scale (exactly:
     # a power of two), and the log-sum-exp is P's own
     o, lse = softmax_step.normalise(acc, m_i, l_i)
-    tl.store(LSE + pid_bh.to(tl.int64) * NQ + offs_m, lse, mask=row_ok)
-    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :],
-             (o * (v_descale / P_SCALE)).to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
+    o = tl.where(ok, o * (v_descale / P_SCALE), float("nan"))
+    tl.store(LSE + pid_bh.to(tl.int64) * NQ + offs_m, tl.where(ok, lse, float("nan")), mask=row_ok)
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], o.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
 
 
 # fmt: off
@@ -188,8 +228,9 @@ def _attn_fwd_fp8_tma(
     desc_k = tl.make_tensor_descriptor(K, [heads // GROUP * NK, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_N, BLOCK_D])
     desc_vt = tl.make_tensor_descriptor(VT, [heads // GROUP * HEAD_DIM, NK_PAD], [NK_PAD, 1], [BLOCK_D, BLOCK_N])
     desc_o = tl.make_tensor_descriptor(O, [heads * NQ, HEAD_DIM], [HEAD_DIM, 1], [BLOCK_M, BLOCK_D])
-    qk_scale = tl.load(Q_DESCALE + kv_head) * tl.load(K_DESCALE + kv_head) * sm_scale_log2
-    v_descale = tl.load(V_DESCALE + kv_head)
+    qd, kd, v_descale = tl.load(Q_DESCALE + kv_head), tl.load(K_DESCALE + kv_head), tl.load(V_DESCALE + kv_head)
+    qk_scale = qd * kd * sm_scale_log2
+    ok = scales_ok(qd, kd, v_descale)  # else NaN rows (_check_descales reports which scale)
 
     row_lo = pid_m * BLOCK_M
     offs_m = row_lo + tl.arange(0, BLOCK_M)
@@ -212,8 +253,8 @@ def _attn_fwd_fp8_tma(
         m_i = m_new
 
     o, lse = softmax_step.normalise(acc, m_i, l_i)  # o P_SCALE times too large, undone with V's scale
-    tl.store(LSE + pid_bh.to(tl.int64) * NQ + offs_m, lse, mask=offs_m < NQ)
-    o = (o * (v_descale / P_SCALE)).to(O.dtype.element_ty)
+    tl.store(LSE + pid_bh.to(tl.int64) * NQ + offs_m, tl.where(ok, lse, float("nan")), mask=offs_m < NQ)
+    o = tl.where(ok, o * (v_descale / P_SCALE), float("nan")).to(O.dtype.element_ty)
     if EVEN_M:
         desc_o.store([q_row0 + row_lo, 0], o)
     else:  # the last tile would spill into the next head's rows: masked stores
@@ -259,6 +300,19 @@ def transposed_v(v):
     return vt
 
 
+def check_descales(q_descale, k_descale, v_descale, errors) -> None:
+    """Launch ``_check_descales`` over the three ``(B, Hk)`` float32 descales (contiguous): the first that is not
+    finite and > 0 goes into ``errors``, the device's error record. One program, a few loads."""
+    b, hk = q_descale.shape
+    args = (q_descale, k_descale, v_descale, errors, b * hk, hk)
+    if not q_descale.is_cuda:
+        with interpreted_language(error_record_module, sys.modules[__name__]):
+            interpreted(_check_descales)[(1,)](*args, BLOCK=CHECK_BLOCK)
+        return
+    with torch.cuda.device(q_descale.device):
+        _check_descales[(1,)](*args, BLOCK=CHECK_BLOCK)
+
+
 def launch(q, k, v, o, lse, q_descale, k_descale, v_descale, band, tiles=None):
     """Run the FP8 forward on checked inputs: q ``(B, Hq, Nq, D)``, k and v ``(B, Hk, Nk, D)`` e4m3 with unit stride
     along D, the descales float32 ``(B, Hk)`` contiguous, o ``(B, Hq, Nq, D)`` bfloat16 and lse ``(B, Hq, Nq)``
@@ -285,5 +339,6 @@ def launch(q, k, v, o, lse, q_descale, k_descale, v_descale, band, tiles=None):
 attn_fwd_fp8 = _attn_fwd_fp8
 attn_fwd_fp8_tma = _attn_fwd_fp8_tma
 
-__all__ = ["FP8_DTYPE", "GPU_TILES", "HEAD_DIMS", "KEY_ALIGN", "P_SCALE_VALUE", "RUNTIME_LENGTHS", "TMA_TILES",
-           "attn_fwd_fp8", "attn_fwd_fp8_tma", "launch", "launch_tma", "tma_available", "transposed_v"]
+__all__ = ["ERROR_FP8_SCALE", "FP8_DTYPE", "GPU_TILES", "HEAD_DIMS", "KEY_ALIGN", "P_SCALE_VALUE", "RUNTIME_LENGTHS",
+           "SCALE_NAMES", "TMA_TILES", "attn_fwd_fp8", "attn_fwd_fp8_tma", "check_descales", "launch", "launch_tma",
+           "tma_available", "transposed_v"]
