@@ -69,9 +69,10 @@ def random_case(seed):
 
 
 def test_the_rungs_run_slowest_first_and_say_what_each_removes():
-    assert RUNGS == ("two_pass", "hopper")
+    assert RUNGS == ("two_pass", "hopper", "atomic_dq")
     assert backward.BACKWARD_RUNGS[0].unavailable is backward.runs_everywhere  # the floor runs everywhere
     assert all(r.removes and r.load().attention_backward for r in backward.BACKWARD_RUNGS)
+    assert [r.deterministic for r in backward.BACKWARD_RUNGS] == [True, True, False]
 
 
 def test_an_unknown_name_is_an_error_that_lists_the_rungs():
@@ -89,12 +90,18 @@ def test_the_default_is_the_floor_until_a_rung_is_measured_faster():
     assert rung2_hopper.unavailable(q, k, v, do) is None  # the interpreter runs it ...
     assert backward.select(None, q, k, v, do) == (backward.rung_named("two_pass"), None)  # ... not by default
     assert backward.select("hopper", q, k, v, do) == (backward.rung_named("hopper"), None)
+    assert backward.select("atomic_dq", q, k, v, do) == (backward.rung_named("atomic_dq"), None)  # named: it runs
+    # not deterministic: never the default, even where it is preferred
+    atomic = backward.rung_named("atomic_dq")
+    preferred = backward.BackwardRung(atomic.name, atomic.removes, atomic.module, atomic.unavailable, None, False)
+    assert backward.select(None, q, k, v, do, rungs=(*backward.BACKWARD_RUNGS[:2], preferred))[0].name == "two_pass"
 
 
 def test_a_named_rung_that_cannot_run_says_why_and_the_floor_runs():
     q, k, v, do = make_inputs(1, 2, 2, 8, 8, 16, torch.float32, seed=0)
     chosen, note = backward.select("hopper", q, k, v, do)
     assert chosen.name == "two_pass" and "16-bit inputs only" in note and "'hopper'" in note
+    assert backward.select("atomic_dq", q, k, v, do)[0].name == "two_pass"
     x = make_inputs(1, 2, 2, 8, 16, 16, torch.float16, seed=0)[1]
     heads_last = x.transpose(1, 2).contiguous().transpose(1, 2)  # (B, N, H, D) memory: heads not stacked
     assert "rows of heads one after another" in rung2_hopper.unavailable(heads_last, x, x, x)

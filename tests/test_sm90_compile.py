@@ -9,6 +9,8 @@ constexprs of a GPU launch. Skipped where this Triton cannot compile ahead of ti
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import triton
@@ -291,11 +293,11 @@ def test_the_hopper_backward_compiles_to_copy_engine_tiles_and_specialised_warps
     stats = torch.empty(b * hq, rows)
     offset, win_left, win_right, qk_scale, _ = kernel_band(n, n, d, causal, None, None)
     sizes = (hq, hq // hk, n, n, rows, offset, win_left, win_right)
-    dkdv_args = (q, k, k, q, k, k, stats, stats, d, d, d, d, d, *sizes, qk_scale, 0.1)
+    dkdv_args = (q, k, k, q, k, k, stats, stats, stats, d, d, d, d, d, *sizes, qk_scale, 0.1)
     dq_args = (q, k, k, q, q, stats, stats, d, d, d, d, d, *sizes, qk_scale, 0.1)
     common = gpu_meta(dict(HEAD_DIM=d, BLOCK_D=d), torch.bfloat16)
     for name, kernel, args, flags in (
-        ("dkdv", rung2_hopper.bwd_dkdv_hopper, dkdv_args, dict(HIDE_BEFORE=causal, HIDE_AFTER=False)),
+        ("dkdv", rung2_hopper.bwd_dkdv_hopper, dkdv_args, dict(HIDE_BEFORE=causal, HIDE_AFTER=False, DQ_ATOMIC=False)),
         ("dq", rung2_hopper.bwd_dq_hopper, dq_args, dict(MASK_LEFT=False, MASK_RIGHT=True, REVERSE_M=causal)),
     ):
         tiles = rung2_hopper.tiles(name, d)
@@ -304,3 +306,32 @@ def test_the_hopper_backward_compiles_to_copy_engine_tiles_and_specialised_warps
         assert "cp.async.bulk.tensor" in ptx and "ld.global" not in ptx, name  # every tile by the copy engine
         assert "wgmma.mma_async" in ptx, name
         assert ("setmaxnreg" in ptx) == (d <= 128) == tiles["WARP_SPECIALIZE"], name
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_the_atomic_dq_rung_keeps_its_atomic_adds_on_eight_plain_warps(d):
+    """Rung 3's dK/dV loop with dQ added in (``DQ_ATOMIC``) at its tiles (``ATOMIC_TILES``): the float32 atomic
+    adds are in the sm_90 code, four floats at a time, and the loop is not warp-specialised (on Triton 3.6 the
+    specialising pass compiled the adds away at four warps)."""
+    from flashlab.kernels.backward import rung2_hopper
+
+    if not hasattr(triton.language, "make_tensor_descriptor"):
+        pytest.skip("this Triton has no device-side tensor descriptors")
+    b, hq, hk, n = 1, 8, 2, 1001
+    q = torch.empty(b, hq, n, d, dtype=torch.bfloat16)
+    k = torch.empty(b, hk, n, d, dtype=torch.bfloat16)
+    rows = -(-n // rung2_hopper.ROW_ALIGN) * rung2_hopper.ROW_ALIGN
+    stats, acc = torch.empty(b * hq, rows), torch.empty(b * hq, rows, d)
+    offset, win_left, win_right, qk_scale, _ = kernel_band(n, n, d, True, None, None)
+    args = (q, k, k, q, k, k, stats, stats, acc, d, d, d, d, d, hq, hq // hk, n, n, rows, offset, win_left, win_right,
+            qk_scale, 0.1)  # fmt: skip
+    tiles = rung2_hopper.tiles("dkdv_atomic", d)
+    options = {"num_warps": tiles.pop("num_warps"), "num_stages": tiles.pop("num_stages")}
+    assert options["num_warps"] == 8
+    constexprs = {**gpu_meta(dict(HEAD_DIM=d, BLOCK_D=d), torch.bfloat16), **tiles, "WARP_SPECIALIZE": False,
+                  "HIDE_BEFORE": True, "HIDE_AFTER": False, "DQ_ATOMIC": True}  # fmt: skip
+    ptx = compile_sm90(rung2_hopper.bwd_dkdv_hopper, args, constexprs, options)
+    adds = re.findall(r"\b(?:atom|red)\.global\.[\w.]*add[\w.]*f32", ptx)
+    assert adds and all(".v4." in a or ".v2." in a for a in adds), adds  # vectorised float32 adds
+    assert "setmaxnreg" not in ptx
+    assert "cp.async.bulk.tensor" in ptx

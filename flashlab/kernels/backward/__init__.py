@@ -1,17 +1,18 @@
 """The backward's ladder: flashlab's backward kernels as runnable rungs, slowest first, as the forward's ladder
 (``flashlab.kernels.ladder``) holds its forward kernels.
 
-Every rung computes the same gradients (the float64 reference decides), deterministically (each gradient element
-written once, by one program, in a fixed order: the same inputs give bit-identical gradients), takes the same
-inputs and is tested on the same cases, so a learner can run, test and time each step on its own:
-``flash_attention(..., backward_rung="hopper")``, ``python -m flashlab.bench --mode backward --backends
-flashlab,backward_hopper``.
+Every rung computes the same gradients (the float64 reference decides), takes the same inputs and is tested on the
+same cases, so a learner can run, test and time each step on its own: ``flash_attention(...,
+backward_rung="hopper")``, ``python -m flashlab.bench --mode backward --backends flashlab,backward_hopper``. Every
+rung but ``atomic_dq`` is deterministic (each gradient element written once, by one program, in a fixed order: the
+same inputs give bit-identical gradients), and the default is always one of those.
 
 ``BACKWARD_RUNGS`` is the registry, ordered slowest to fastest. A rung is its name, one line saying what it removes,
 the module that holds its kernels and their entry point ``attention_backward(do, q, k, v, o, lse, causal, window,
 scale)``, ``unavailable(q, k, v, do)``: why it cannot run these inputs on their device, or None, and
 ``preferred(q, k, v, do)``: whether the default picks it where it can run (where the benchmark measured it faster
-than the rungs below; None: wherever it can run).
+than the rungs below; None: wherever it can run), and ``deterministic``: False for a rung whose gradients may
+differ in their last bits from run to run, which only runs when named.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class BackwardRung:
     module: str
     unavailable: Callable  # (q, k, v, do) -> str | None
     preferred: Callable | None = None  # (q, k, v, do) -> bool
+    deterministic: bool = True  # bit-identical gradients run to run; False: never the default
 
     def load(self):
         return importlib.import_module(self.module)
@@ -70,6 +72,15 @@ BACKWARD_RUNGS: tuple[BackwardRung, ...] = (
         _imported("flashlab.kernels.backward.rung2_hopper", "unavailable"),
         not_yet_measured,
     ),
+    BackwardRung(
+        "atomic_dq",
+        "the dQ pass: dQ added up in the dK/dV loop with float32 atomic adds (5 matrix products, not 7); not "
+        "deterministic (dQ's last bits may change run to run), so it runs only when named",
+        "flashlab.kernels.backward.rung3_atomic_dq",
+        _imported("flashlab.kernels.backward.rung3_atomic_dq", "unavailable"),
+        not_yet_measured,
+        deterministic=False,
+    ),
 )
 
 
@@ -89,21 +100,27 @@ def rung_named(name) -> BackwardRung:
                      "fastest)")  # fmt: skip
 
 
-def select(name, q, k, v, do) -> tuple[BackwardRung, str | None]:
+def select(name, q, k, v, do, rungs=None) -> tuple[BackwardRung, str | None]:
     """The rung a backward runs, and a note to warn with (or None), as ``flashlab.kernels.ladder.select`` does for
     the forward: ``name`` None, the fastest rung that can run these inputs and is preferred for them, silently; a
-    name, that rung, or where it cannot run the fastest that can, with a note naming the rung and the reason."""
+    name, that rung, or where it cannot run the fastest that can, with a note naming the rung and the reason.
+    ``rungs``: the ladder to choose from (None: ``BACKWARD_RUNGS``)."""
+    rungs = BACKWARD_RUNGS if rungs is None else rungs
     asked = None if name is None else rung_named(name)
     why = None if asked is None else asked.unavailable(q, k, v, do)
     if asked is not None and why is None:
         return asked, None
-    for r in reversed(BACKWARD_RUNGS):
+    for r in reversed(rungs):
         if (why if r is asked else r.unavailable(q, k, v, do)) is not None:
             continue
         if asked is None:
-            if r.preferred is not None and not r.preferred(q, k, v, do) and r is not BACKWARD_RUNGS[0]:
+            if not r.deterministic:  # the default is always deterministic
+                continue
+            if r.preferred is not None and not r.preferred(q, k, v, do) and r is not rungs[0]:
                 continue
             return r, None
+        if not r.deterministic:  # a fallback is never less deterministic than what was asked for
+            continue
         return r, f"backward rung {asked.name!r} cannot run here ({why}); running backward rung {r.name!r} instead"
     raise RuntimeError("no rung of the backward's ladder can run here")  # the first rung runs everywhere
 

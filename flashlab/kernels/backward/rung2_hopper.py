@@ -70,6 +70,7 @@ DQ_RUNTIME = DKDV_RUNTIME
 @triton.jit(do_not_specialize=DKDV_RUNTIME, do_not_specialize_on_alignment=DKDV_RUNTIME)
 def _bwd_dkdv_hopper(
     Q, K, V, DO, DK, DV, LSE2, DELTA,  # lse2 and delta: (B * HQ, ROWS), padded rows +inf and 0
+    DQ_ACC,  # DQ_ATOMIC: float32 (B * HQ, ROWS, BLOCK_D), zeros, where every program adds its part of dQ / scale
     stride_qm, stride_kn, stride_vn, stride_dom, stride_dkn,  # row strides (heads stacked, D contiguous)
     HQ, GROUP, NQ, NK, ROWS,
     offset, win_left, win_right,  # the band: query i sees keys [i + offset - win_left, i + offset + win_right]
@@ -83,6 +84,7 @@ def _bwd_dkdv_hopper(
     HIDE_BEFORE: tl.constexpr,  # the diagonal or a window's right edge hides a key from rows before it
     HIDE_AFTER: tl.constexpr,  # a window's left edge hides a key from rows after it
     WARP_SPECIALIZE: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr = False,  # rung 3: dQ from this loop too (dS K added into DQ_ACC), no dQ kernel
 ):
     # fmt: on
     pid_n = tl.program_id(0)
@@ -143,6 +145,11 @@ def _bwd_dkdv_hopper(
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(Q.dtype.element_ty).to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        if DQ_ATOMIC:  # dQ += dS K for these rows: the keys past NK (the next head's) must add nothing here
+            ds_real = tl.where((offs_n < NK)[:, None], ds_t, 0.0).to(Q.dtype.element_ty).to(k.dtype)
+            dq_part = tl.dot(tl.trans(ds_real), k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D)
+            acc_rows = head.to(tl.int64) * ROWS + start_m + offs_m  # rows past NQ land in the padding
+            tl.atomic_add(DQ_ACC + acc_rows[:, None] * BLOCK_D + offs_d[None, :], dq_part, sem="relaxed")
 
     out = (kv_row0 + offs_n[:, None]) * stride_dkn + offs_d[None, :]
     tl.store(DK + out, (dk * dk_scale).to(DK.dtype.element_ty), mask=kv_ok)
@@ -237,9 +244,16 @@ GPU_TILES = {
 }
 
 
+# Rung 3's dK/dV loop (``DQ_ATOMIC``) on eight warps, never warp-specialised: with four, Triton 3.6's pass failed
+# at 128-key tiles and, at 64-key tiles, compiled the atomic adds away (no atomic instruction left in the sm_90
+# code). Eight plain warps keep them, vectorised four floats at a time, spill-free with these tiles.
+ATOMIC_TILES = {"d<=64": (64, 128, 8, 2), "d=128": (32, 128, 8, 2), "d=256": (32, 64, 8, 2)}
+
+
 def tiles(kernel: str, d: int) -> dict:
-    """The launch config of ``kernel`` ("dkdv" or "dq") at head dim ``d`` on a GPU."""
-    bm, bn, warps, stages = GPU_TILES[kernel][configs.head_dim_class(NAME, "bfloat16", block_d(d))]
+    """The launch config of ``kernel`` ("dkdv", "dq", or "dkdv_atomic": rung 3's) at head dim ``d`` on a GPU."""
+    table = ATOMIC_TILES if kernel == "dkdv_atomic" else GPU_TILES[kernel]
+    bm, bn, warps, stages = table[configs.head_dim_class(NAME, "bfloat16", block_d(d))]
     return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
                 WARP_SPECIALIZE=warps == WARP_SPECIALIZED_WARPS)  # fmt: skip
 
@@ -264,6 +278,13 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
     kernels. ``config``: ``{"dkdv": {...}, "dq": {...}}`` (BLOCK_M, BLOCK_N, num_warps, num_stages and optionally
     WARP_SPECIALIZE) instead of ``tiles``; the interpreter runs ``CPU_CONFIG``. A RuntimeError where ``unavailable``
     says why it cannot run."""
+    return run_backward(do, q, k, v, o, lse, causal, window, scale, config)
+
+
+def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, dq_atomic=False):
+    """``attention_backward``'s work; ``dq_atomic``: rung 3's (``rung3_atomic_dq``): dQ added up in the dK/dV
+    loop with atomic adds into a float32 buffer, then scaled and rounded, and no dQ kernel (``config["dq"]`` is
+    not read)."""
     two_pass.check_backward_inputs(do, q, k, v, o, lse)
     why = unavailable(q, k, v, do)
     if why is not None:
@@ -282,10 +303,12 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
     dv = torch.empty_like(dk)
     o = o if o.stride(-1) == 1 else o.contiguous()
     bd = block_d(d)
+    # rung 3's dQ, summed over key tiles in float32 (rows padded as delta's: rows past NQ add into the padding)
+    dq_acc = torch.zeros((b * hq, rows, bd), dtype=torch.float32, device=q.device) if dq_atomic else delta
     pre_args = (o, do, lse, delta, lse2, *o.stride()[:3], *do.stride()[:3], *lse.stride(), hq, nq, rows)
     band = (offset, win_left, win_right)
     sizes = (hq, hq // hk, nq, nk, rows, *band)
-    dkdv_args = (q_run, k, v, do, dk, dv, lse2, delta, q.stride(2), k.stride(2), v.stride(2), do.stride(2))
+    dkdv_args = (q_run, k, v, do, dk, dv, lse2, delta, dq_acc, q.stride(2), k.stride(2), v.stride(2), do.stride(2))
     dkdv_args += (dk.stride(2), *sizes, qk_scale, abs(signed_scale))
     dq_args = (q_run, k, v, do, dq, lse2, delta, q.stride(2), k.stride(2), v.stride(2), do.stride(2), dq.stride(2))
     dq_args += (*sizes, qk_scale, signed_scale)
@@ -299,14 +322,18 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
             interpreted(two_pass.bwd_preprocess)[(cdiv(rows, bm), b * hq)](*pre_args, HEAD_DIM=d,
                                                                                   BLOCK_D=bd, BLOCK_M=bm)  # fmt: skip
             interpreted(_bwd_dkdv_hopper)[(cdiv(nk, bn), b * hk)](*dkdv_args, **run, HIDE_BEFORE=right,
-                                                                 HIDE_AFTER=left)  # fmt: skip
-            interpreted(_bwd_dq_hopper)[(cdiv(nq, bm), b * hq)](*dq_args, **run, MASK_LEFT=left,
-                                                               MASK_RIGHT=right or nk % bn != 0,
-                                                               REVERSE_M=bool(causal))  # fmt: skip
-        return dq, dk, dv
-    config = config or {name: tiles(name, d) for name in ("dkdv", "dq")}
+                                                                 HIDE_AFTER=left, DQ_ATOMIC=dq_atomic)  # fmt: skip
+            if not dq_atomic:
+                interpreted(_bwd_dq_hopper)[(cdiv(nq, bm), b * hq)](*dq_args, **run, MASK_LEFT=left,
+                                                                   MASK_RIGHT=right or nk % bn != 0,
+                                                                   REVERSE_M=bool(causal))  # fmt: skip
+        return _summed_dq(dq_acc, dq, signed_scale) if dq_atomic else dq, dk, dv
+    if config is None:
+        config = {"dkdv": tiles("dkdv_atomic" if dq_atomic else "dkdv", d), "dq": tiles("dq", d)}
     kv_config, q_config = ({"WARP_SPECIALIZE": c["num_warps"] == WARP_SPECIALIZED_WARPS, **c} for c in
-                           (config["dkdv"], config["dq"]))  # fmt: skip
+                           (config["dkdv"], config.get("dq", tiles("dq", d))))  # fmt: skip
+    if dq_atomic:  # never specialised: the pass drops or refuses the atomic adds (ATOMIC_TILES)
+        kv_config["WARP_SPECIALIZE"] = False
     ensure_allocator()
     with torch.cuda.device(q.device):
         pre_m = two_pass.PREPROCESS_BLOCK_M
@@ -316,7 +343,10 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
         side = two_pass.side_stream(q) if two_pass.CONCURRENT_DQ else main
         side.wait_stream(main)
         _bwd_dkdv_hopper[(cdiv(nk, kv_config["BLOCK_N"]), b * hk)](*dkdv_args, **common, **kv_config,
-                                                                   HIDE_BEFORE=right, HIDE_AFTER=left)  # fmt: skip
+                                                                   HIDE_BEFORE=right, HIDE_AFTER=left,
+                                                                   DQ_ATOMIC=dq_atomic)  # fmt: skip
+        if dq_atomic:
+            return _summed_dq(dq_acc, dq, signed_scale), dk, dv
         with torch.cuda.stream(side):
             _bwd_dq_hopper[(cdiv(nq, q_config["BLOCK_M"]), b * hq)](
                 *dq_args, **common, **q_config, MASK_LEFT=left, MASK_RIGHT=right or nk % q_config["BLOCK_N"] != 0,
@@ -326,8 +356,15 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
     return dq, dk, dv
 
 
+def _summed_dq(dq_acc, dq, signed_scale):
+    """dQ from rung 3's float32 sums: the real rows and columns, times the (signed) scale, in q's dtype."""
+    b, hq, nq, d = dq.shape
+    dq.copy_(dq_acc.view(b, hq, -1, dq_acc.shape[-1])[:, :, :nq, :d] * signed_scale)
+    return dq
+
+
 bwd_dkdv_hopper = _bwd_dkdv_hopper
 bwd_dq_hopper = _bwd_dq_hopper
 
-__all__ = ["GPU_TILES", "NAME", "ROW_ALIGN", "attention_backward", "bwd_dkdv_hopper", "bwd_dq_hopper", "tiles",
-           "unavailable"]  # fmt: skip
+__all__ = ["ATOMIC_TILES", "GPU_TILES", "NAME", "ROW_ALIGN", "attention_backward", "bwd_dkdv_hopper", "bwd_dq_hopper",
+           "run_backward", "tiles", "unavailable"]  # fmt: skip
