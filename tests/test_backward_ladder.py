@@ -69,10 +69,10 @@ def random_case(seed):
 
 
 def test_the_rungs_run_slowest_first_and_say_what_each_removes():
-    assert RUNGS == ("two_pass", "hopper", "atomic_dq")
+    assert RUNGS == ("two_pass", "hopper", "atomic_dq", "ordered_dq")
     assert backward.BACKWARD_RUNGS[0].unavailable is backward.runs_everywhere  # the floor runs everywhere
     assert all(r.removes and r.load().attention_backward for r in backward.BACKWARD_RUNGS)
-    assert [r.deterministic for r in backward.BACKWARD_RUNGS] == [True, True, False]
+    assert [r.deterministic for r in backward.BACKWARD_RUNGS] == [True, True, False, True]
 
 
 def test_an_unknown_name_is_an_error_that_lists_the_rungs():
@@ -191,3 +191,13 @@ def test_the_preprocess_pads_delta_with_zeros_and_the_lse_with_plus_infinity():
     assert lse2[1, 3] == float("inf")  # no key: P = 0, never NaN
     assert (delta[:, nq:] == 0).all() and (lse2[:, nq:] == float("inf")).all()
     assert rung2_hopper.ROW_ALIGN % max(max(t[0] for t in c.values()) for c in rung2_hopper.GPU_TILES.values()) == 0
+
+
+def test_the_ordered_adds_sum_dq_in_the_key_tiles_order():
+    # on the interpreter the programs run one after another, lower key tiles first, so rung 3's atomic adds land in
+    # key-tile order too: rung 4's turns must give exactly that sum (a wrong turn would wait for ever or reorder it)
+    q, k, v, do = make_inputs(2, 6, 2, 45, 61, 24, torch.bfloat16, seed=11)
+    for causal, window in ((True, None), (False, (9, 20)), (False, None)):
+        atomic = rung_grads("atomic_dq", q, k, v, do, causal, window)
+        ordered = rung_grads("ordered_dq", q, k, v, do, causal, window)
+        assert all(torch.equal(a, b) for a, b in zip(atomic, ordered, strict=True)), (causal, window)

@@ -293,11 +293,16 @@ def test_the_hopper_backward_compiles_to_copy_engine_tiles_and_specialised_warps
     stats = torch.empty(b * hq, rows)
     offset, win_left, win_right, qk_scale, _ = kernel_band(n, n, d, causal, None, None)
     sizes = (hq, hq // hk, n, n, rows, offset, win_left, win_right)
-    dkdv_args = (q, k, k, q, k, k, stats, stats, stats, d, d, d, d, d, *sizes, qk_scale, 0.1)
+    dkdv_args = (q, k, k, q, k, k, stats, stats, stats, stats, d, d, d, d, d, *sizes, qk_scale, 0.1)
     dq_args = (q, k, k, q, q, stats, stats, d, d, d, d, d, *sizes, qk_scale, 0.1)
     common = gpu_meta(dict(HEAD_DIM=d, BLOCK_D=d), torch.bfloat16)
     for name, kernel, args, flags in (
-        ("dkdv", rung2_hopper.bwd_dkdv_hopper, dkdv_args, dict(HIDE_BEFORE=causal, HIDE_AFTER=False, DQ_ATOMIC=False)),
+        (
+            "dkdv",
+            rung2_hopper.bwd_dkdv_hopper,
+            dkdv_args,
+            dict(HIDE_BEFORE=causal, HIDE_AFTER=False, DQ_ATOMIC=False, DQ_ORDERED=False),
+        ),
         ("dq", rung2_hopper.bwd_dq_hopper, dq_args, dict(MASK_LEFT=False, MASK_RIGHT=True, REVERSE_M=causal)),
     ):
         tiles = rung2_hopper.tiles(name, d)
@@ -308,11 +313,13 @@ def test_the_hopper_backward_compiles_to_copy_engine_tiles_and_specialised_warps
         assert ("setmaxnreg" in ptx) == (d <= 128) == tiles["WARP_SPECIALIZE"], name
 
 
+@pytest.mark.parametrize("ordered", [False, True], ids=["atomic_dq", "ordered_dq"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_the_atomic_dq_rung_keeps_its_atomic_adds_on_eight_plain_warps(d):
-    """Rung 3's dK/dV loop with dQ added in (``DQ_ATOMIC``) at its tiles (``ATOMIC_TILES``): the float32 atomic
-    adds are in the sm_90 code, four floats at a time, and the loop is not warp-specialised (on Triton 3.6 the
-    specialising pass compiled the adds away at four warps)."""
+def test_the_dq_in_loop_rungs_keep_their_adds_on_eight_plain_warps(d, ordered):
+    """Rungs 3 and 4: the dK/dV loop with dQ added in (``DQ_ATOMIC``) at their tiles (``ATOMIC_TILES``), not
+    warp-specialised (on Triton 3.6 the specialising pass compiled rung 3's adds away at four warps). Rung 3: the
+    float32 atomic adds are in the sm_90 code, four floats at a time. Rung 4 (``DQ_ORDERED``): no float atomics,
+    the turn read with acquire and passed on with release, the earlier parts read past the L1 cache."""
     from flashlab.kernels.backward import rung2_hopper
 
     if not hasattr(triton.language, "make_tensor_descriptor"):
@@ -322,16 +329,20 @@ def test_the_atomic_dq_rung_keeps_its_atomic_adds_on_eight_plain_warps(d):
     k = torch.empty(b, hk, n, d, dtype=torch.bfloat16)
     rows = -(-n // rung2_hopper.ROW_ALIGN) * rung2_hopper.ROW_ALIGN
     stats, acc = torch.empty(b * hq, rows), torch.empty(b * hq, rows, d)
+    locks = torch.zeros(b * hq, rows // 16, dtype=torch.int32)
     offset, win_left, win_right, qk_scale, _ = kernel_band(n, n, d, True, None, None)
-    args = (q, k, k, q, k, k, stats, stats, acc, d, d, d, d, d, hq, hq // hk, n, n, rows, offset, win_left, win_right,
-            qk_scale, 0.1)  # fmt: skip
+    args = (q, k, k, q, k, k, stats, stats, acc, locks, d, d, d, d, d, hq, hq // hk, n, n, rows, offset, win_left,
+            win_right, qk_scale, 0.1)  # fmt: skip
     tiles = rung2_hopper.tiles("dkdv_atomic", d)
     options = {"num_warps": tiles.pop("num_warps"), "num_stages": tiles.pop("num_stages")}
     assert options["num_warps"] == 8
     constexprs = {**gpu_meta(dict(HEAD_DIM=d, BLOCK_D=d), torch.bfloat16), **tiles, "WARP_SPECIALIZE": False,
-                  "HIDE_BEFORE": True, "HIDE_AFTER": False, "DQ_ATOMIC": True}  # fmt: skip
+                  "HIDE_BEFORE": True, "HIDE_AFTER": False, "DQ_ATOMIC": True, "DQ_ORDERED": ordered}  # fmt: skip
     ptx = compile_sm90(rung2_hopper.bwd_dkdv_hopper, args, constexprs, options)
     adds = re.findall(r"\b(?:atom|red)\.global\.[\w.]*add[\w.]*f32", ptx)
-    assert adds and all(".v4." in a or ".v2." in a for a in adds), adds  # vectorised float32 adds
+    if ordered:
+        assert not adds and "acquire" in ptx and "release" in ptx and ".cg." in ptx
+    else:
+        assert adds and all(".v4." in a or ".v2." in a for a in adds), adds  # vectorised float32 adds
     assert "setmaxnreg" not in ptx
     assert "cp.async.bulk.tensor" in ptx

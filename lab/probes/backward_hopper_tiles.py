@@ -1,8 +1,8 @@
-"""The backward's rungs 2 (``hopper``) and 3 (``atomic_dq``) against rung 1 (``two_pass``), PyTorch's FLASH and
-cuDNN backends, on the benchmark's backward cells: B * N = 16K tokens, H = 2048 / D, bf16, causal and not, D = 64
-and 128, N = 1K, 4K, 16K; rungs 2 and 3 under several tile configs. Every variant's gradients are compared with
-float64 autograd on the first sequence and head first; then the backward alone (o and lse given) is timed, in
-TFLOP/s at 2.5x the forward's FLOPs.
+"""The backward's rungs 2 (``hopper``), 3 (``atomic_dq``) and 4 (``ordered_dq``) against rung 1 (``two_pass``),
+PyTorch's FLASH and cuDNN backends, on the benchmark's backward cells: B * N = 16K tokens, H = 2048 / D, bf16,
+causal and not, D = 64 and 128, N = 1K, 4K, 16K; rungs 2 and 3 under several tile configs. Every variant's
+gradients are compared with float64 autograd on the first sequence and head first; then the backward alone (o and
+lse given) is timed, in TFLOP/s at 2.5x the forward's FLOPs.
 
 python lab/probes/backward_hopper_tiles.py OUT_FILE [--quick]"""
 
@@ -17,7 +17,7 @@ from triton.testing import do_bench
 
 from flashlab import flash_attention
 from flashlab.core.numerics import grad_tolerance, relative_error
-from flashlab.kernels.backward import rung1_two_pass, rung2_hopper, rung3_atomic_dq
+from flashlab.kernels.backward import rung1_two_pass, rung2_hopper, rung3_atomic_dq, rung4_ordered_dq
 from flashlab.reference.torch_float64 import attention_float64_grads
 
 say = log_to(sys.argv[1])
@@ -43,6 +43,7 @@ ATOMIC_VARIANTS = {
     "atomic_dq": None,
     "atomic_dq 64x64": {"dkdv": dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)},
 }
+ORDERED_VARIANTS = {"ordered_dq": None}  # rung 4: rung 3's adds taking turns (deterministic)
 say(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}")
 
 
@@ -61,6 +62,9 @@ def cell(d, n, causal):
     for name, config in ATOMIC_VARIANTS.items():
         runs[name] = lambda config=config: rung3_atomic_dq.attention_backward(do, q, k, v, o, lse, causal, None,
                                                                               None, config=config)  # fmt: skip
+    for name, config in ORDERED_VARIANTS.items():
+        runs[name] = lambda config=config: rung4_ordered_dq.attention_backward(do, q, k, v, o, lse, causal, None,
+                                                                               None, config=config)  # fmt: skip
     row = [f"D{d} N{n // 1024}K {'causal' if causal else 'full  '}:"]
     for name, run in runs.items():
         try:

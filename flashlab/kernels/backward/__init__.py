@@ -81,6 +81,13 @@ BACKWARD_RUNGS: tuple[BackwardRung, ...] = (
         not_yet_measured,
         deterministic=False,
     ),
+    BackwardRung(
+        "ordered_dq",
+        "atomic_dq's nondeterminism: the key tiles add into each query tile's dQ in a fixed order, taking turns",
+        "flashlab.kernels.backward.rung4_ordered_dq",
+        _imported("flashlab.kernels.backward.rung4_ordered_dq", "unavailable"),
+        not_yet_measured,
+    ),
 )
 
 

@@ -71,6 +71,7 @@ DQ_RUNTIME = DKDV_RUNTIME
 def _bwd_dkdv_hopper(
     Q, K, V, DO, DK, DV, LSE2, DELTA,  # lse2 and delta: (B * HQ, ROWS), padded rows +inf and 0
     DQ_ACC,  # DQ_ATOMIC: float32 (B * HQ, ROWS, BLOCK_D), zeros, where every program adds its part of dQ / scale
+    LOCKS,  # DQ_ORDERED: int32 (B * HQ, ROWS // BLOCK_M), zeros: how many key tiles have added into each query tile
     stride_qm, stride_kn, stride_vn, stride_dom, stride_dkn,  # row strides (heads stacked, D contiguous)
     HQ, GROUP, NQ, NK, ROWS,
     offset, win_left, win_right,  # the band: query i sees keys [i + offset - win_left, i + offset + win_right]
@@ -84,7 +85,8 @@ def _bwd_dkdv_hopper(
     HIDE_BEFORE: tl.constexpr,  # the diagonal or a window's right edge hides a key from rows before it
     HIDE_AFTER: tl.constexpr,  # a window's left edge hides a key from rows after it
     WARP_SPECIALIZE: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr = False,  # rung 3: dQ from this loop too (dS K added into DQ_ACC), no dQ kernel
+    DQ_ATOMIC: tl.constexpr = False,  # rungs 3 and 4: dQ from this loop too (dS K added into DQ_ACC), no dQ kernel
+    DQ_ORDERED: tl.constexpr = False,  # rung 4: the key tiles add into a query tile one after another, in order
 ):
     # fmt: on
     pid_n = tl.program_id(0)
@@ -149,7 +151,22 @@ def _bwd_dkdv_hopper(
             ds_real = tl.where((offs_n < NK)[:, None], ds_t, 0.0).to(Q.dtype.element_ty).to(k.dtype)
             dq_part = tl.dot(tl.trans(ds_real), k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D)
             acc_rows = head.to(tl.int64) * ROWS + start_m + offs_m  # rows past NQ land in the padding
-            tl.atomic_add(DQ_ACC + acc_rows[:, None] * BLOCK_D + offs_d[None, :], dq_part, sem="relaxed")
+            acc_ptrs = DQ_ACC + acc_rows[:, None] * BLOCK_D + offs_d[None, :]
+            if DQ_ORDERED:
+                # Key tile pid_n is the turn-th of the key tiles that see this query tile (they are consecutive:
+                # the band is convex): wait until the turn earlier ones have added theirs, add, pass the turn on.
+                # Programs of lower key tiles are launched first, and none waits on a later one: no deadlock.
+                lock = LOCKS + head.to(tl.int64) * (ROWS // BLOCK_M) + start_m // BLOCK_M
+                turn = pid_n - tl.maximum(start_m + offset - win_left, 0) // BLOCK_N
+                seen = tl.atomic_add(lock, 0, sem="acquire")
+                while seen != turn:
+                    seen = tl.atomic_add(lock, 0, sem="acquire")
+                # past the L1 cache, which another program's adds never reach
+                tl.store(acc_ptrs, tl.load(acc_ptrs, cache_modifier=".cg") + dq_part)
+                tl.debug_barrier()  # every thread's stores are in before the turn is passed on
+                tl.atomic_xchg(lock, turn + 1, sem="release")
+            else:
+                tl.atomic_add(acc_ptrs, dq_part, sem="relaxed")
 
     out = (kv_row0 + offs_n[:, None]) * stride_dkn + offs_d[None, :]
     tl.store(DK + out, (dk * dk_scale).to(DK.dtype.element_ty), mask=kv_ok)
@@ -281,10 +298,10 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
     return run_backward(do, q, k, v, o, lse, causal, window, scale, config)
 
 
-def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, dq_atomic=False):
+def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, dq_atomic=False, dq_ordered=False):
     """``attention_backward``'s work; ``dq_atomic``: rung 3's (``rung3_atomic_dq``): dQ added up in the dK/dV
     loop with atomic adds into a float32 buffer, then scaled and rounded, and no dQ kernel (``config["dq"]`` is
-    not read)."""
+    not read); with ``dq_ordered`` too, rung 4's (``rung4_ordered_dq``): the same adds, in a fixed order."""
     two_pass.check_backward_inputs(do, q, k, v, o, lse)
     why = unavailable(q, k, v, do)
     if why is not None:
@@ -305,11 +322,15 @@ def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, dq_ato
     bd = block_d(d)
     # rung 3's dQ, summed over key tiles in float32 (rows padded as delta's: rows past NQ add into the padding)
     dq_acc = torch.zeros((b * hq, rows, bd), dtype=torch.float32, device=q.device) if dq_atomic else delta
+    if config is None:
+        config = {"dkdv": tiles("dkdv_atomic" if dq_atomic else "dkdv", d), "dq": tiles("dq", d)}
+    locks_per_head = rows // (config["dkdv"]["BLOCK_M"] if q.is_cuda else CPU_CONFIG["BLOCK_M"])
+    locks = torch.zeros((b * hq, locks_per_head), dtype=torch.int32, device=q.device) if dq_ordered else lse2
     pre_args = (o, do, lse, delta, lse2, *o.stride()[:3], *do.stride()[:3], *lse.stride(), hq, nq, rows)
     band = (offset, win_left, win_right)
     sizes = (hq, hq // hk, nq, nk, rows, *band)
-    dkdv_args = (q_run, k, v, do, dk, dv, lse2, delta, dq_acc, q.stride(2), k.stride(2), v.stride(2), do.stride(2))
-    dkdv_args += (dk.stride(2), *sizes, qk_scale, abs(signed_scale))
+    dkdv_args = (q_run, k, v, do, dk, dv, lse2, delta, dq_acc, locks, q.stride(2), k.stride(2), v.stride(2))
+    dkdv_args += (do.stride(2), dk.stride(2), *sizes, qk_scale, abs(signed_scale))
     dq_args = (q_run, k, v, do, dq, lse2, delta, q.stride(2), k.stride(2), v.stride(2), do.stride(2), dq.stride(2))
     dq_args += (*sizes, qk_scale, signed_scale)
     left, right = hidden_sides(nq, nk, (*band, qk_scale))
@@ -322,14 +343,13 @@ def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, dq_ato
             interpreted(two_pass.bwd_preprocess)[(cdiv(rows, bm), b * hq)](*pre_args, HEAD_DIM=d,
                                                                                   BLOCK_D=bd, BLOCK_M=bm)  # fmt: skip
             interpreted(_bwd_dkdv_hopper)[(cdiv(nk, bn), b * hk)](*dkdv_args, **run, HIDE_BEFORE=right,
-                                                                 HIDE_AFTER=left, DQ_ATOMIC=dq_atomic)  # fmt: skip
+                                                                 HIDE_AFTER=left, DQ_ATOMIC=dq_atomic,
+                                                                 DQ_ORDERED=dq_ordered)  # fmt: skip
             if not dq_atomic:
                 interpreted(_bwd_dq_hopper)[(cdiv(nq, bm), b * hq)](*dq_args, **run, MASK_LEFT=left,
                                                                    MASK_RIGHT=right or nk % bn != 0,
                                                                    REVERSE_M=bool(causal))  # fmt: skip
         return _summed_dq(dq_acc, dq, signed_scale) if dq_atomic else dq, dk, dv
-    if config is None:
-        config = {"dkdv": tiles("dkdv_atomic" if dq_atomic else "dkdv", d), "dq": tiles("dq", d)}
     kv_config, q_config = ({"WARP_SPECIALIZE": c["num_warps"] == WARP_SPECIALIZED_WARPS, **c} for c in
                            (config["dkdv"], config.get("dq", tiles("dq", d))))  # fmt: skip
     if dq_atomic:  # never specialised: the pass drops or refuses the atomic adds (ATOMIC_TILES)
@@ -342,9 +362,8 @@ def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, dq_ato
         main = torch.cuda.current_stream()
         side = two_pass.side_stream(q) if two_pass.CONCURRENT_DQ else main
         side.wait_stream(main)
-        _bwd_dkdv_hopper[(cdiv(nk, kv_config["BLOCK_N"]), b * hk)](*dkdv_args, **common, **kv_config,
-                                                                   HIDE_BEFORE=right, HIDE_AFTER=left,
-                                                                   DQ_ATOMIC=dq_atomic)  # fmt: skip
+        flags = dict(HIDE_BEFORE=right, HIDE_AFTER=left, DQ_ATOMIC=dq_atomic, DQ_ORDERED=dq_ordered)
+        _bwd_dkdv_hopper[(cdiv(nk, kv_config["BLOCK_N"]), b * hk)](*dkdv_args, **common, **kv_config, **flags)
         if dq_atomic:
             return _summed_dq(dq_acc, dq, signed_scale), dk, dv
         with torch.cuda.stream(side):
