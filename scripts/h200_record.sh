@@ -19,6 +19,17 @@
 #   traffic   HBM and L2 bytes of every kernel from Nsight Compute (record_traffic.sh) -> $OUT/h200-traffic-*.{json,csv}
 #   memory    training-step memory, naive against flashlab (scripts/backward_memory.py)
 #                                                                                 -> $OUT/h200-backward-memory.json
+#   coldstart the first call of 40 assorted shapes, fresh process, empty Triton cache (--mode coldstart)
+#                                                                                 -> $OUT/h200-coldstart-DATE.*
+#   loops     whole loops that change shape every call against repeated ones (--mode loops) -> $OUT/h200-loops-DATE.*
+#   rungs     every backward rung under its tile variants beside SDPA (lab/probes/backward_hopper_tiles.py)
+#                                                                                 -> $OUT/h200-backward-rungs-DATE.txt
+#   bwladder  the backward grid, every backward rung beside SDPA FLASH and cuDNN (--mode backward)
+#                                                                                 -> $OUT/h200-backward-ladder-bf16-DATE.*
+#   kvtraffic HBM bytes of one decode step, 16-bit against 8-bit paged cache (--mode traffic, ncu)
+#                                                                                 -> $OUT/h200-traffic-decode-fp8-DATE.*
+#   step      one training step of a 12-layer GPT with each attention (--mode step) -> $OUT/h200-step-DATE.*
+# TAR=FILE packs $OUT into FILE after every step (a device machine returns few files; a cut call keeps its steps).
 # The log ($LOG, by default $OUT/h200-record-DATE.log) goes to lab/results/. data/results/ keeps one current
 # recording of each kind: a new one replaces the old (git mv the old one to lab/results/) and takes its row in
 # data/results/README.md; the scripts' JSON (backward_gpu_check.json, decode_host_time.json) is renamed
@@ -38,6 +49,7 @@ step() {  # step SECONDS DESCRIPTION COMMAND...
     echo "=== $what ($(date -u +%T), cap ${cap}s): $*" | tee -a "$LOG"
     timeout "$cap" "$@" 2>&1 | tee -a "$LOG"
     echo "=== $what: exit ${PIPESTATUS[0]} ($(date -u +%T))" | tee -a "$LOG"
+    [ -z "${TAR:-}" ] || tar czf "$TAR" -C "$OUT" .
 }
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 
@@ -45,7 +57,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
     | tee -a "$LOG"
 
-want tests && step "${TESTS_CAP:-240}" "GPU tests" python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/
+want tests && step "${TESTS_CAP:-240}" "GPU tests" python3 -m pytest -q -m gpu -p no:cacheprovider -n "${TESTS_WORKERS:-12}" --durations=15 tests/
 want backward && step "${BACKWARD_CAP:-200}" "backward against SDPA" env OUT="$OUT" python3 scripts/backward_gpu_check.py
 want decode && step "${DECODE_CAP:-170}" "decode benchmark" python3 -m flashlab.bench --mode decode --no-progress \
     --backends flashlab,paged16,paged256,sdpa_flash,sdpa_cudnn --out "$OUT/h200-decode-bf16-$DATE"
@@ -68,3 +80,16 @@ if want traffic; then  # ncu leaves large reports: keep them beside, copy the ta
 fi
 want memory && step "${MEMORY_CAP:-90}" "training-step memory" python3 scripts/backward_memory.py \
     --out "$OUT/h200-backward-memory.json"
+want coldstart && step "${COLDSTART_CAP:-180}" "cold first calls" python3 -m flashlab.bench --mode coldstart --no-warmup \
+    --timeout 170 --out "$OUT/h200-coldstart-$DATE"
+want loops && step "${LOOPS_CAP:-200}" "loops that change shape" python3 -m flashlab.bench --mode loops --no-progress \
+    --out "$OUT/h200-loops-$DATE"
+want rungs && step "${RUNGS_CAP:-220}" "backward rungs and their tiles" python3 lab/probes/backward_hopper_tiles.py \
+    "$OUT/h200-backward-rungs-$DATE.txt"
+want bwladder && step "${BWLADDER_CAP:-240}" "backward ladder" python3 -m flashlab.bench --mode backward --no-progress \
+    --no-ceilings --backends "flashlab,$(python3 -c 'from flashlab.kernels import backward as b; print(",".join("backward_" + n for n in b.names()))'),sdpa_flash,sdpa_cudnn" \
+    --out "$OUT/h200-backward-ladder-bf16-$DATE"
+want kvtraffic && step "${KVTRAFFIC_CAP:-200}" "decode bytes, 8-bit cache" python3 -m flashlab.bench --mode traffic \
+    --backends paged256,paged256_fp8 --heads 64 --kv-heads 8 --batch 8 --seq-lens 32k,128k --head-dims 128 --causal no \
+    --timeout 180 --out "$OUT/h200-traffic-decode-fp8-$DATE"
+want step && step "${STEP_CAP:-240}" "training step" python3 -m flashlab.bench --mode step --out "$OUT/h200-step-$DATE"
