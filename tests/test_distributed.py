@@ -5,9 +5,10 @@ Every rank builds the same whole sequence from one seed, keeps its slice (``shar
 ``ring_attention`` or ``all_gather_attention`` forward and backward, and saves its local output and gradients; this
 process puts the slices back together (``unshard_sequence``) and compares them with ``flash_attention`` on the
 whole sequence in one process and with the float64 reference. One launch of each world size runs every case of
-that size, so the processes start twice, not once per case. The ranks are forked (spawning re-imports torch and
-Triton in every rank, several seconds each on a small machine); every launch has a deadline, and the process group
-a timeout, so a hang fails the test instead of blocking the suite.
+that size, so the processes start twice, not once per case. The ranks are forked from a fork server that has
+imported torch, Triton and flashlab once (spawning re-imports them in every rank, several seconds each on a small
+machine; forking this process itself is refused once its autograd has run); every launch has a deadline, and the
+process group a timeout, so a hang fails the test instead of blocking the suite.
 """
 
 from __future__ import annotations
@@ -145,7 +146,12 @@ def worker(rank, world, backend, init_file, out_dir, names, bad_names, bench=Fal
 def launch(world, backend="gloo", names=(), bad_names=(), bench=False):
     """Run ``worker`` on ``world`` processes; returns each rank's results. Fails past ``DEADLINE_S``."""
     with tempfile.TemporaryDirectory() as tmp:
-        method = "fork" if backend == "gloo" else "spawn"  # CUDA cannot be forked
+        # CUDA cannot be forked; nor can a process whose autograd has started its threads (torch >= 2.14 refuses,
+        # and this suite runs backwards before). A fork server forks ranks from a clean process that has imported
+        # torch and flashlab once, so each rank starts in a fraction of a spawn's time.
+        method = "forkserver" if backend == "gloo" else "spawn"
+        if method == "forkserver":
+            mp.set_forkserver_preload(["torch", "triton", "flashlab", "flashlab.distributed", __name__])
         args = (world, backend, os.path.join(tmp, "init"), tmp, list(names), list(bad_names), bench)
         context = mp.start_processes(worker, args=args, nprocs=world, join=False, start_method=method)
         deadline = time.monotonic() + DEADLINE_S
