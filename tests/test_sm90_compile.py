@@ -202,6 +202,19 @@ def test_the_varlen_boundary_check_compiles_for_hopper(dtype):
     assert "atom" in ptx and ".sys" in ptx  # the record claimed and published where the host reads it
 
 
+def test_the_fp8_forwards_descale_check_compiles_for_hopper():
+    """The FP8 forward's device check of its descales (``fp8_forward._check_descales``): the interpreter runs
+    Python and never asks whether a kernel may read a module's constant; the compiler does (only constexprs)."""
+    from flashlab.kernels import fp8_forward
+
+    scales = torch.ones(3, 2, dtype=torch.float32)
+    errors = torch.zeros(kvcache.ERROR_RECORD_INTS, dtype=torch.int32)
+    args = (scales, scales, scales, errors, scales.numel(), 2)
+    ptx = compile_sm90(fp8_forward._check_descales, args, {"BLOCK": fp8_forward.CHECK_BLOCK},
+                       {"num_warps": 4, "num_stages": 1})  # fmt: skip
+    assert "atom" in ptx and ".sys" in ptx  # the record claimed and published where the host reads it
+
+
 @pytest.mark.parametrize("d, causal", [(128, False), (64, True), (256, True)])
 def test_the_fp8_forward_compiles_to_8_bit_tensor_core_products(d, causal):
     """The FP8 forward for sm_90 with the tiles a GPU launch takes: both products are wgmma on e4m3 operands

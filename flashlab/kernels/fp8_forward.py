@@ -65,6 +65,7 @@ KEY_ALIGN = 16  # V^T's rows (one per head-dim column) padded to this many keys:
 # the host raises it at the next call, ``flashlab.host.kvcache_errors``): kind ERROR_FP8_SCALE, batch and column
 # the sequence and K/V head, value the scale's float32 bits, limit which scale (an index into SCALE_NAMES).
 ERROR_FP8_SCALE = 8
+_FP8_SCALE = tl.constexpr(ERROR_FP8_SCALE)  # a kernel reads a module's constant only as a constexpr
 SCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 CHECK_BLOCK = 1024  # descales one step of the check reads
 
@@ -93,7 +94,7 @@ def _check_descales(Q_DESCALE, K_DESCALE, V_DESCALE, ERRORS, N, HK, BLOCK: tl.co
             first = tl.min(tl.where(bad, offs, N), 0)
             if first < N:
                 value = tl.load(scales + first)
-                report_error(ERRORS, ERROR_FP8_SCALE, first // HK, first % HK, value.to(tl.int32, bitcast=True),
+                report_error(ERRORS, _FP8_SCALE, first // HK, first % HK, value.to(tl.int32, bitcast=True),
                              which)  # fmt: skip
 
 
