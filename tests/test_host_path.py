@@ -683,6 +683,25 @@ def test_no_launcher_is_built_beside_where_this_triton_builds_none_per_signature
         assert launches._launcher_maker() is None
 
 
+def test_the_options_worked_out_beside_a_launch_are_in_the_order_triton_binds_them():
+    # Triton's cache key is the str of the options dict its binder passes through: the same options in another
+    # order name a binary never compiled, and every compiled binary would look new
+    import inspect
+    from types import SimpleNamespace
+
+    from triton.runtime.jit import JITFunction
+
+    run = inspect.getsource(JITFunction.run)
+    if 'kwargs["instrumentation_mode"]' not in run:
+        pytest.skip("this Triton's launches add other options")
+    assert run.index('kwargs["debug"] =') < run.index('kwargs["instrumentation_mode"] =')  # appended, in this order
+    knobs = SimpleNamespace(runtime=SimpleNamespace(debug=False), compilation=SimpleNamespace(instrumentation_mode=""))
+    options = launches.run_options(SimpleNamespace(debug=False), {"BLOCK_M": 16, "num_warps": 1}, knobs)
+    assert list(options) == ["BLOCK_M", "num_warps", "debug", "instrumentation_mode"]
+    options = launches.run_options(SimpleNamespace(debug=False), {"debug": True, "num_warps": 1}, knobs)
+    assert list(options) == ["debug", "num_warps", "instrumentation_mode"] and options["debug"] is True
+
+
 @pytest.mark.gpu
 def test_the_launcher_built_beside_a_first_compile_is_the_one_triton_builds():
     # launcher_beside builds, while a kernel compiles, the launcher source Triton would build after it: worked out

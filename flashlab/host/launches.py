@@ -700,6 +700,16 @@ def launcher_beside(jit_function, args, kwargs):
     return thread
 
 
+def run_options(jit_function, kwargs, knobs):
+    """``kwargs`` with the two options ``JITFunction.run`` adds before it binds, in the order it adds them: the
+    options the binder passes through keep their order, and the cache key is their dict's ``str``, so the same
+    options in another order name another binary."""
+    kwargs = dict(kwargs)
+    kwargs["debug"] = kwargs.get("debug", jit_function.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    return kwargs
+
+
 def launcher_parts(jit_function, caches, args, kwargs):
     """``(constexprs, signature)`` of the binary ``jit_function[grid](*args, **kwargs)`` launches, as Triton's JIT
     works them out before compiling it (``caches``: its ``device_caches`` entry for this device), or None where
@@ -708,9 +718,7 @@ def launcher_parts(jit_function, caches, args, kwargs):
     from triton.runtime.jit import compute_cache_key
 
     kernel_cache, key_cache, backend, binder = caches[0], caches[1], caches[-2], caches[-1]
-    # the two options JITFunction.run adds before it binds
-    kwargs = {"debug": kwargs.get("debug", jit_function.debug) or knobs.runtime.debug,
-              "instrumentation_mode": knobs.compilation.instrumentation_mode, **kwargs}  # fmt: skip
+    kwargs = run_options(jit_function, kwargs, knobs)
     bound, specialization, options = binder(*args, **kwargs)
     if compute_cache_key(key_cache, specialization, options) in kernel_cache:
         return None  # compiled already: its launcher was built with it
