@@ -91,3 +91,14 @@ def test_the_atomic_dq_rung_keeps_dk_and_dv_bit_identical_and_dq_within_rounding
         assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2])
         assert relative_error(again[0], first[0]) < 1e-2
     assert relative_error(first[0], floor[0]) < 1e-2
+
+
+def test_the_default_backward_runs_the_hopper_rung_where_it_measured_faster():
+    # padded to 128 on a Hopper GPU: the hopper rung, bit for bit; at D = 64: rung 1, bit for bit
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the hopper rung needs a Hopper GPU or newer")
+    for d, rung in ((128, "hopper"), (96, "hopper"), (64, "two_pass")):
+        q, k, v, do = make_inputs(1, 8, 2, 1000, 1000, d, torch.bfloat16, seed=d)
+        assert backward.select(None, q, k, v, do)[0].name == rung
+        default, named = flash_grads(q, k, v, do, True), flash_grads(q, k, v, do, True, rung=rung)
+        assert all(torch.equal(a, b) for a, b in zip(default, named, strict=True)), d

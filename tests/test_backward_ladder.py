@@ -85,10 +85,13 @@ def test_an_unknown_name_is_an_error_that_lists_the_rungs():
         flash_attention(q, k, v, backward_rung="fast")
 
 
-def test_the_default_is_the_floor_until_a_rung_is_measured_faster():
+def test_the_default_is_the_floor_except_where_a_rung_measured_faster():
     q, k, v, do = make_inputs(1, 2, 2, 8, 8, 16, torch.bfloat16, seed=0)
     assert rung2_hopper.unavailable(q, k, v, do) is None  # the interpreter runs it ...
     assert backward.select(None, q, k, v, do) == (backward.rung_named("two_pass"), None)  # ... not by default
+    # on a GPU, the hopper rung where it measured faster: the head dims that pad to 128, not 64 or 256
+    assert [d for d in (32, 64, 72, 80, 96, 128, 160, 256) if rung2_hopper.prefers_head_dim(d)] == [72, 80, 96, 128]
+    assert not backward.rung_named("ordered_dq").preferred(q, k, v, do)  # measured slower than rung 1
     assert backward.select("hopper", q, k, v, do) == (backward.rung_named("hopper"), None)
     assert backward.select("atomic_dq", q, k, v, do) == (backward.rung_named("atomic_dq"), None)  # named: it runs
     # not deterministic: never the default, even where it is preferred

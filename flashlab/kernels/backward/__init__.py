@@ -70,7 +70,7 @@ BACKWARD_RUNGS: tuple[BackwardRung, ...] = (
         "load latency: whole tiles copied by the tensor-memory accelerator, issued by warps of their own",
         "flashlab.kernels.backward.rung2_hopper",
         _imported("flashlab.kernels.backward.rung2_hopper", "unavailable"),
-        not_yet_measured,
+        _imported("flashlab.kernels.backward.rung2_hopper", "preferred"),
     ),
     BackwardRung(
         "atomic_dq",

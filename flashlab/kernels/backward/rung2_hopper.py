@@ -290,6 +290,23 @@ def unavailable(q, k, v, do) -> str | None:
     return None  # do in another layout is copied into one (one pass over dO, against the backward's many)
 
 
+# Where the default backward runs this rung: the head dims that pad to this tile width. Measured against rung 1 on
+# the backward grid (bf16, 16K tokens a batch, N 1K-16K, causal and not, one H100, 2026-12-06): 1.17-1.52x at
+# D = 128; at D = 64 0.76-0.94x with a causal mask or N <= 2K, 0.99-1.03x above (docs/backward.md).
+PREFERRED_BLOCK_D = 128
+
+
+def prefers_head_dim(d: int) -> bool:
+    """Whether ``d`` pads to ``PREFERRED_BLOCK_D``, the tile width where this rung measured faster than rung 1."""
+    return block_d(d) == PREFERRED_BLOCK_D
+
+
+def preferred(q, k, v, do) -> bool:
+    """Whether the default backward picks this rung where it can run: on a GPU, at the head dims
+    ``prefers_head_dim`` names (the interpreter keeps rung 1, the one the notebooks read)."""
+    return q.is_cuda and prefers_head_dim(q.shape[-1])
+
+
 def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
     """Gradients ``(dq, dk, dv)`` as ``two_pass.attention_backward`` returns them, through this rung's
     kernels. ``config``: ``{"dkdv": {...}, "dq": {...}}`` (BLOCK_M, BLOCK_N, num_warps, num_stages and optionally
