@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Record the GPU figures flashlab commits, on an NVIDIA H200 (or any CUDA GPU), from the repository root:
+# Record the GPU figures flashlab commits, on an NVIDIA H200 (or any CUDA GPU), from the repository root (files are
+# named after the GPU: h200-..., h100-...; the names below say h200):
 #
 #     OUT=/tmp/h200 bash scripts/h200_record.sh                 # every step
 #     OUT=/tmp/h200 STEPS="tests backward" bash scripts/h200_record.sh
@@ -26,6 +27,8 @@
 #                                                                                 -> $OUT/h200-backward-rungs-DATE.txt
 #   bwladder  the backward grid, every backward rung beside SDPA FLASH and cuDNN (--mode backward)
 #                                                                                 -> $OUT/h200-backward-ladder-bf16-DATE.*
+#   bwshapes  the backward at GQA 8:1 (D = 128) and at D = 256, rungs 1 and 2 beside SDPA, N 1K-8K (--mode backward)
+#                                                                                 -> $OUT/h200-backward-{gqa8,d256}-bf16-DATE.*
 #   kvtraffic HBM bytes of one decode step, 16-bit against 8-bit paged cache (--mode traffic, ncu)
 #                                                                                 -> $OUT/h200-traffic-decode-fp8-DATE.*
 #   step      one training step of a 12-layer GPT with each attention (--mode step) -> $OUT/h200-step-DATE.*
@@ -40,7 +43,9 @@ OUT=${OUT:-data/results}
 STEPS=${STEPS:-"tests backward decode host prefill ladder sdpa traffic memory"}
 mkdir -p "$OUT"
 DATE=$(date -u +%F)
-LOG=${LOG:-$OUT/h200-record-$DATE.log}
+GPU=${GPU:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk '{print tolower($2)}')}
+GPU=${GPU:-gpu}
+LOG=${LOG:-$OUT/$GPU-record-$DATE.log}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 step() {  # step SECONDS DESCRIPTION COMMAND...
@@ -60,18 +65,18 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torc
 want tests && step "${TESTS_CAP:-240}" "GPU tests" python3 -m pytest -q -m gpu -p no:cacheprovider -n "${TESTS_WORKERS:-12}" --durations=15 tests/
 want backward && step "${BACKWARD_CAP:-200}" "backward against SDPA" env OUT="$OUT" python3 scripts/backward_gpu_check.py
 want decode && step "${DECODE_CAP:-170}" "decode benchmark" python3 -m flashlab.bench --mode decode --no-progress \
-    --backends flashlab,paged16,paged256,sdpa_flash,sdpa_cudnn --out "$OUT/h200-decode-bf16-$DATE"
+    --backends flashlab,paged16,paged256,sdpa_flash,sdpa_cudnn --out "$OUT/$GPU-decode-bf16-$DATE"
 want host && step "${HOST_CAP:-150}" "decode host time, ragged paged decode" env OUT="$OUT" \
     python3 scripts/decode_host_time.py --budget-s 90
 want prefill && step "${BENCH_CAP:-300}" "prefill benchmark" python3 -m flashlab.bench --no-progress \
-    --out "$OUT/h200-bf16-$DATE"
+    --out "$OUT/$GPU-bf16-$DATE"
 want quick && step "${QUICK_CAP:-100}" "quick prefill check" python3 -m flashlab.bench --no-progress --no-ceilings \
-    --backends flashlab,sdpa_flash,sdpa_cudnn --head-dims 64,128 --seq-lens 1k,4k,16k --out "$OUT/h200-bf16-$DATE-quick"
+    --backends flashlab,sdpa_flash,sdpa_cudnn --head-dims 64,128 --seq-lens 1k,4k,16k --out "$OUT/$GPU-bf16-$DATE-quick"
 want ladder && step "${LADDER_CAP:-300}" "kernel ladder" python3 -m flashlab.bench --no-progress --head-dims 64,128 \
     --backends "flashlab,$(python3 -c 'from flashlab.kernels import ladder; print(",".join("flashlab_" + n for n in ladder.names()))'),sdpa_flash,sdpa_cudnn" \
-    --out "$OUT/h200-ladder-bf16-$DATE-all-rungs"
+    --out "$OUT/$GPU-ladder-bf16-$DATE-all-rungs"
 want sdpa && step 60 "SDPA backend probe" python3 -m flashlab.sdpa --device cuda --head-dims 64,96,100,128,192,256,512,1024 \
-    --out "$OUT/h200-sdpa-backends.json"
+    --out "$OUT/$GPU-sdpa-backends.json"
 if want traffic; then  # ncu leaves large reports: keep them beside, copy the tables
     mkdir -p /tmp/flashlab-traffic
     step "${TRAFFIC_CAP:-240}" "traffic (Nsight Compute)" env OUT=/tmp/flashlab-traffic SMOKE="${SMOKE:-1}" \
@@ -79,17 +84,22 @@ if want traffic; then  # ncu leaves large reports: keep them beside, copy the ta
     cp /tmp/flashlab-traffic/*-traffic-*.json /tmp/flashlab-traffic/*-traffic-*.csv "$OUT"/ 2>/dev/null
 fi
 want memory && step "${MEMORY_CAP:-90}" "training-step memory" python3 scripts/backward_memory.py \
-    --out "$OUT/h200-backward-memory.json"
+    --out "$OUT/$GPU-backward-memory.json"
 want coldstart && step "${COLDSTART_CAP:-180}" "cold first calls" python3 -m flashlab.bench --mode coldstart --no-warmup \
-    --timeout 170 --out "$OUT/h200-coldstart-$DATE"
+    --timeout 170 --out "$OUT/$GPU-coldstart-$DATE"
 want loops && step "${LOOPS_CAP:-200}" "loops that change shape" python3 -m flashlab.bench --mode loops --no-progress \
-    --out "$OUT/h200-loops-$DATE"
+    --out "$OUT/$GPU-loops-$DATE"
 want rungs && step "${RUNGS_CAP:-220}" "backward rungs and their tiles" python3 lab/probes/backward_hopper_tiles.py \
-    "$OUT/h200-backward-rungs-$DATE.txt"
+    "$OUT/$GPU-backward-rungs-$DATE.txt"
 want bwladder && step "${BWLADDER_CAP:-240}" "backward ladder" python3 -m flashlab.bench --mode backward --no-progress \
-    --no-ceilings --backends "flashlab,$(python3 -c 'from flashlab.kernels import backward as b; print(",".join("backward_" + n for n in b.names()))'),sdpa_flash,sdpa_cudnn" \
-    --out "$OUT/h200-backward-ladder-bf16-$DATE"
+    --no-ceilings --backends "${BWLADDER_BACKENDS:-flashlab,$(python3 -c 'from flashlab.kernels import backward as b; print(",".join("backward_" + n for n in b.names()))'),sdpa_flash,sdpa_cudnn}" \
+    --out "$OUT/$GPU-backward-ladder-bf16-$DATE"
+BWSHAPES="--mode backward --no-progress --no-ceilings --seq-lens 1k,4k,8k --backends flashlab,backward_two_pass,backward_hopper,sdpa_flash,sdpa_cudnn"
+want bwshapes && step "${BWSHAPES_CAP:-100}" "backward, GQA 8:1" python3 -m flashlab.bench $BWSHAPES --gqa 8 --head-dims 128 \
+    --out "$OUT/$GPU-backward-gqa8-bf16-$DATE"
+want bwshapes && step "${BWSHAPES_CAP:-100}" "backward, D = 256" python3 -m flashlab.bench $BWSHAPES --head-dims 256 \
+    --out "$OUT/$GPU-backward-d256-bf16-$DATE"
 want kvtraffic && step "${KVTRAFFIC_CAP:-200}" "decode bytes, 8-bit cache" python3 -m flashlab.bench --mode traffic \
     --backends paged256,paged256_fp8 --heads 64 --kv-heads 8 --batch 8 --seq-lens 32k,128k --head-dims 128 --causal no \
-    --timeout 180 --out "$OUT/h200-traffic-decode-fp8-$DATE"
-want step && step "${STEP_CAP:-240}" "training step" python3 -m flashlab.bench --mode step --out "$OUT/h200-step-$DATE"
+    --timeout 180 --out "$OUT/$GPU-traffic-decode-fp8-$DATE"
+want step && step "${STEP_CAP:-240}" "training step" python3 -m flashlab.bench --mode step --out "$OUT/$GPU-step-$DATE"
