@@ -52,8 +52,9 @@ def _imported(module: str, name: str) -> Callable:
     return call
 
 
-def not_yet_measured(q, k, v, do) -> bool:
-    """``preferred`` of a rung the benchmark has not yet timed against the rung below it: never the default."""
+def measured_slower(q, k, v, do) -> bool:
+    """``preferred`` of a rung the benchmark measured slower than the rungs below it (docs/backward.md): never the
+    default, run by name."""
     return False
 
 
@@ -78,7 +79,7 @@ BACKWARD_RUNGS: tuple[BackwardRung, ...] = (
         "deterministic (dQ's last bits may change run to run), so it runs only when named",
         "flashlab.kernels.backward.rung3_atomic_dq",
         _imported("flashlab.kernels.backward.rung3_atomic_dq", "unavailable"),
-        not_yet_measured,
+        measured_slower,
         deterministic=False,
     ),
     BackwardRung(
@@ -86,7 +87,7 @@ BACKWARD_RUNGS: tuple[BackwardRung, ...] = (
         "atomic_dq's nondeterminism: the key tiles add into each query tile's dQ in a fixed order, taking turns",
         "flashlab.kernels.backward.rung4_ordered_dq",
         _imported("flashlab.kernels.backward.rung4_ordered_dq", "unavailable"),
-        not_yet_measured,
+        measured_slower,
     ),
 )
 
