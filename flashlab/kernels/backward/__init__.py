@@ -1,5 +1,5 @@
-"""The backward's ladder: flashlab's backward kernels as runnable rungs, slowest first, as the forward's ladder
-(``flashlab.kernels.ladder``) holds its forward kernels.
+"""The backward's ladder: flashlab's backward kernels as runnable rungs, each removing one cost of the rung below,
+as the forward's ladder (``flashlab.kernels.ladder``) holds its forward kernels.
 
 Every rung computes the same gradients (the float64 reference decides), takes the same inputs and is tested on the
 same cases, so a learner can run, test and time each step on its own: ``flash_attention(...,
@@ -7,10 +7,11 @@ backward_rung="hopper")``, ``python -m flashlab.bench --mode backward --backends
 rung but ``atomic_dq`` is deterministic (each gradient element written once, by one program, in a fixed order: the
 same inputs give bit-identical gradients), and the default is always one of those.
 
-``BACKWARD_RUNGS`` is the registry, ordered slowest to fastest. A rung is its name, one line saying what it removes,
-the module that holds its kernels and their entry point ``attention_backward(do, q, k, v, o, lse, causal, window,
-scale)``, ``unavailable(q, k, v, do)``: why it cannot run these inputs on their device, or None, and
-``preferred(q, k, v, do)``: whether the default picks it where it can run (where the benchmark measured it faster
+``BACKWARD_RUNGS`` is the registry, in the order the rungs build on each other; the benchmark decides which is
+fastest where (on Triton 3.6 rungs 3 and 4 measured slower than rung 1, so they never run by default). A rung is
+its name, one line saying what it removes, the module that holds its kernels and their entry point
+``attention_backward(do, q, k, v, o, lse, causal, window, scale)``, ``unavailable(q, k, v, do)``: why it cannot
+run these inputs on their device, or None, and ``preferred(q, k, v, do)``: whether the default picks it where it can run (where the benchmark measured it faster
 than the rungs below; None: wherever it can run), and ``deterministic``: False for a rung whose gradients may
 differ in their last bits from run to run, which only runs when named.
 """
@@ -104,13 +105,13 @@ def rung_named(name) -> BackwardRung:
     for r in BACKWARD_RUNGS:
         if r.name == name:
             return r
-    raise ValueError(f"unknown backward_rung {name!r}; the backward's rungs are {', '.join(names())} (slowest to "
-                     "fastest)")  # fmt: skip
+    raise ValueError(f"unknown backward_rung {name!r}; the backward's rungs are {', '.join(names())} (in "
+                     "the order they build on each other)")  # fmt: skip
 
 
 def select(name, q, k, v, do, rungs=None) -> tuple[BackwardRung, str | None]:
     """The rung a backward runs, and a note to warn with (or None), as ``flashlab.kernels.ladder.select`` does for
-    the forward: ``name`` None, the fastest rung that can run these inputs and is preferred for them, silently; a
+    the forward: ``name`` None, the highest rung that can run these inputs and is preferred for them, silently; a
     name, that rung, or where it cannot run the fastest that can, with a note naming the rung and the reason.
     ``rungs``: the ladder to choose from (None: ``BACKWARD_RUNGS``)."""
     rungs = BACKWARD_RUNGS if rungs is None else rungs
