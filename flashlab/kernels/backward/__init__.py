@@ -7,12 +7,12 @@ backward_rung="hopper")``, ``python -m flashlab.bench --mode backward --backends
 rung but ``atomic_dq`` is deterministic (each gradient element written once, by one program, in a fixed order: the
 same inputs give bit-identical gradients), and the default is always one of those.
 
-``BACKWARD_RUNGS`` is the registry, in the order the rungs build on each other; the benchmark decides which is
-fastest where (on Triton 3.6 rungs 3 and 4 measured slower than rung 1, so they never run by default). A rung is
-its name, one line saying what it removes, the module that holds its kernels and their entry point
-``attention_backward(do, q, k, v, o, lse, causal, window, scale)``, ``unavailable(q, k, v, do)``: why it cannot
-run these inputs on their device, or None, and ``preferred(q, k, v, do)``: whether the default picks it where it can run (where the benchmark measured it faster
-than the rungs below; None: wherever it can run), and ``deterministic``: False for a rung whose gradients may
+``BACKWARD_RUNGS`` is the registry, in the order the rungs build on each other; the benchmark decides which is fastest
+where (on Triton 3.6 rungs 3 and 4 measured slower than rung 1, so they never run by default). A rung is its name, one
+line saying what it removes, the module that holds its kernels and their entry point ``attention_backward(do, q, k, v,
+o, lse, causal, window, scale)``, ``unavailable(q, k, v, do)``: why it cannot run these inputs on their device, or
+None, and ``preferred(q, k, v, do)``: whether the default picks it where it can run (where the benchmark measured it
+faster than the rungs below; None: wherever it can run), and ``deterministic``: False for a rung whose gradients may
 differ in their last bits from run to run, which only runs when named.
 """
 
