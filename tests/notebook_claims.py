@@ -19,7 +19,7 @@ from pathlib import Path
 from conftest import ROOT
 
 RESULTS = ROOT / "data" / "results"
-RECORDING_NAME = re.compile(r"h200-[\w.-]+?\.(?:json|csv)")
+RECORDING_NAME = re.compile(r"h[12]00-[\w.-]+?\.(?:json|csv)")  # a recording of an H200 or an H100
 RATIO = re.compile(r"(\d+(?:\.\d+)?)\s*[x×](?![\w])")
 # a ratio typed into Markdown: "1.6x", "2×" (not "1 x n", a shape, nor "0 × NaN", a product)
 TYPED_RATIO = re.compile(r"(?<![\w.])\d+(?:\.\d+)?[x×](?![\w])")
@@ -112,6 +112,8 @@ class Drawn:
         return newest_of_kind(self.kind)
 
 
+BACKWARD_LADDER = "h100-backward-ladder-bf16-2026-12-06.json"  # every backward rung beside SDPA's, one run
+BACKWARD_RUNGS = ("backward_two_pass", "backward_hopper", "backward_atomic_dq", "backward_ordered_dq")
 EIGHT_BIT = "h200-decode-fp8-2026-12-04.json"  # an 8-bit paged cache beside the 16-bit one, one run
 LADDER = "h200-ladder-bf16-2026-12-02-all-rungs.json"  # every rung of the ladder and SDPA's kernels, one run
 FULL_GRID = "h200-bf16-2026-11-29.json"  # the whole grid, naive attention and every SDPA kernel included
@@ -210,6 +212,34 @@ def check_09(text: str, markdown: str) -> None:
         assert low * 0.95 <= float(quoted) <= high * 1.05, f"notebook 09 quotes {quoted}x for {ratio:.3f}x"
 
 
+def backward_ladder_file(data) -> bool:
+    """A backward run of the benchmark holding every rung of the backward's ladder and SDPA's two kernels."""
+    return bench_file("backward")(data) and set(BACKWARD_RUNGS) | {"sdpa_flash", "sdpa_cudnn"} <= {
+        r["backend"] for r in ok_rows(data)
+    }
+
+
+def check_09_ladder(text: str, markdown: str) -> None:
+    """Each backend's speed over two_pass at D = 128 as printed (geo-mean of two_pass's time over its own, cell by
+    cell), and the displayed sentence's words for the three rungs above two_pass."""
+    data = load(BACKWARD_LADDER)
+
+    def times(backend):
+        return {(r["causal"], r["seq_len"]): r["time_ms"] for r in ok_rows(data, backend=backend, head_dim=128)}
+
+    floor, speed = times("backward_two_pass"), {}
+    labels = {r: r.removeprefix("backward_") for r in BACKWARD_RUNGS}
+    for name, label in {**labels, "sdpa_flash": "FlashAttention-2", "sdpa_cudnn": "cuDNN"}.items():
+        mine = times(name)
+        speed[name] = geomean(floor[c] / mine[c] for c in mine)
+        line = f"D = 128, {label}: {speed[name]:.2f}x two_pass's speed (geo-mean over {len(mine)} cells)"
+        assert line in text, f"notebook 09 should print {line!r}"
+    words = [standing(speed[r]) for r in BACKWARD_RUNGS[1:]]
+    sentence = (f"`hopper` is {words[0]} `two_pass`; `atomic_dq`, with five multiplies where `two_pass` does seven, "
+                f"is {words[1]} it; and `ordered_dq` is {words[2]} it.")  # fmt: skip
+    assert sentence in markdown, f"notebook 09 should display {sentence!r}"
+
+
 # Notebook 08's 8-bit cache: what its prose says of each case of the evaluation gate
 GATE_SAID = {"random": "passes", "outlier keys": "fails", "outlier values": "passes"}
 
@@ -265,7 +295,11 @@ CLAIMS = {
     ),
     "10_longer_than_one_gpu.ipynb": Claims([Drawn(prefill_with("flashlab", "sdpa_flash", "sdpa_cudnn"), LADDER)]),
     "09_backward.ipynb": Claims(
-        [Drawn(made_by("scripts/backward_memory.py"), "h200-backward-memory.json")], [check_09]
+        [
+            Drawn(made_by("scripts/backward_memory.py"), "h200-backward-memory.json"),
+            Drawn(backward_ladder_file, BACKWARD_LADDER),
+        ],
+        [check_09, check_09_ladder],
     ),
 }
 
