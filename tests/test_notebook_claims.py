@@ -159,3 +159,26 @@ def test_notebook_08s_gate_words_follow_its_verdicts(lines, sentence, ok):
     else:
         with pytest.raises(AssertionError):
             claims.check_08(text, markdown)
+
+
+def test_notebook_09_may_not_call_a_slower_rung_ahead():
+    # the recording's atomic_dq runs behind two_pass; a sentence that says otherwise is refused, and so is a line
+    # that prints a ratio the recording does not give
+    lines = "\n".join(
+        f"D = 128, {label}: {x}x two_pass's speed (geo-mean over 10 cells)"
+        for label, x in (
+            ("two_pass", "1.00"),
+            ("hopper", "1.30"),
+            ("atomic_dq", "0.71"),
+            ("ordered_dq", "0.27"),
+            ("FlashAttention-2", "0.89"),
+            ("cuDNN", "1.54"),
+        )  # fmt: skip
+    )
+    said = ("`hopper` is ahead of `two_pass`; `atomic_dq`, with five multiplies where `two_pass` does seven, is {} it; "
+            "and `ordered_dq` is behind it.")  # fmt: skip
+    claims.check_09_ladder(lines, said.format("behind"))
+    with pytest.raises(AssertionError, match="should display"):
+        claims.check_09_ladder(lines, said.format("ahead of"))
+    with pytest.raises(AssertionError, match="should print"):
+        claims.check_09_ladder(lines.replace("atomic_dq: 0.71x", "atomic_dq: 0.91x"), said.format("behind"))
