@@ -291,8 +291,8 @@ def unavailable(q, k, v, do) -> str | None:
 
 
 # Where the default backward runs this rung: the head dims that pad to this tile width. Measured against rung 1 on
-# the backward grid (bf16, 16K tokens a batch, N 1K-16K, causal and not, one H100, 2026-12-06): 1.17-1.52x at
-# D = 128; at D = 64 0.76-0.94x with a causal mask or N <= 2K, 0.99-1.03x above (docs/backward.md).
+# the backward grid (bf16, 16K tokens a batch, N 1K-16K, causal and not, one H100, 2026-12-06): 1.18-1.52x at
+# D = 128; at D = 64 0.76-1.04x, geo-mean 0.94x, losing most at short and causal lengths (docs/backward.md).
 PREFERRED_BLOCK_D = 128
 
 
