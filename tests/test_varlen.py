@@ -151,6 +151,38 @@ def test_gradients_equal_float64_per_sequence(lq, lk, hq, hk, causal, window, sc
             assert not sequence(qg.grad, cu_q, b).any() and not sequence(kg.grad, cu_k, b).any()
 
 
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        {"dkdv": {"TILE_MAJOR": True}, "dq": {"TILE_MAJOR": True, "FROM_END": True}},
+        {"dkdv": {"GROUP_SPLIT": 2}, "dq": {"FROM_END": True}},
+        {"dkdv": {"GROUP_SPLIT": 4, "TILE_MAJOR": True}, "dq": {}},
+    ],
+)
+def test_every_backward_schedule_gives_the_float64_gradients(schedule):
+    """The grid orders and the GQA group split change which program does what, not the gradients: each schedule's
+    dq, dk, dv (a sequence of 0 rows, of 1, several query tiles, a window) equal float64 per sequence, and a group
+    split's parts add up to what one program per K/V head writes, run after run."""
+    lq, lk, causal, window = [21, 0, 1, 35], [30, 5, 3, 35], True, (19, None)
+    q, k, v, do, cu_q, cu_k = packed_case(lq, lk, 4, 1, 16, torch.float32, seed=11)
+    o, lse = varlen_forward(q, k, v, cu_q, cu_k, max(lq), max(lk), causal, window, None)
+    grads = varlen.backward(do, q, k, v, o, lse, cu_q, cu_k, max(lq), max(lk), causal, window, None, schedule)
+    refs = varlen_grads_float64(q, k, v, do, cu_q, cu_k, causal, window)
+    for name, x, ref in zip("qkv", grads, refs, strict=True):
+        err = relative_error(x, ref)
+        assert err <= grad_tolerance(torch.float32), f"d{name} under {schedule}: relative error {err:.2e}"
+    again = varlen.backward(do, q, k, v, o, lse, cu_q, cu_k, max(lq), max(lk), causal, window, None, schedule)
+    for x, y in zip(grads, again, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_a_group_split_that_does_not_divide_the_group_is_an_error():
+    q, k, v, do, cu_q, cu_k = packed_case([3], [3], 4, 2, 16)
+    o, lse = varlen_forward(q, k, v, cu_q, cu_k, 3, 3, False, None, None)
+    with pytest.raises(ValueError, match="GROUP_SPLIT=3"):
+        varlen.backward(do, q, k, v, o, lse, cu_q, cu_k, 3, 3, False, None, None, {"dkdv": {"GROUP_SPLIT": 3}})
+
+
 def test_loss_on_lse_is_an_error():
     q, k, v, _, cu_q, cu_k = packed_case([3, 2], [3, 2], 1, 1, 16)
     q.requires_grad_()

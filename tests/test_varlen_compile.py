@@ -96,7 +96,7 @@ def test_varlen_kernel_compiles_for_hopper(dtype, d, causal, window):
 @pytest.mark.parametrize("dtype, d", [(torch.bfloat16, 64)])
 def test_varlen_backward_kernels_compile_for_hopper(dtype, d):
     """Preprocess, dK/dV and dQ with the tiles ``flashlab.host.varlen.backward_config`` gives an H200 (its shared
-    memory)."""
+    memory), under the default schedule and the other grid orders and group split."""
     b, hq, hk, max_q, max_k = 3, 8, 2, 1000, 3000
     q = torch.empty(b * max_q, hq, d, dtype=dtype)
     k = torch.empty(b * max_k, hk, d, dtype=dtype)
@@ -112,7 +112,7 @@ def test_varlen_backward_kernels_compile_for_hopper(dtype, d):
     compile_sm90(varlen.bwd_preprocess_varlen, pre, pre_meta, {"num_warps": 4, "num_stages": 1})
     launches = {
         "dkdv": (varlen.bwd_dkdv_varlen, (q, k, k, q, k, k, stats, stats, cu, cu, *strides, k.stride(0), k.stride(1),
-                                          hq, hk, hq // hk, b * max_q, win_left, win_right, qk_scale, 0.1)),
+                                          0, hq, hk, hq // hk, b * max_q, win_left, win_right, qk_scale, 0.1)),
         "dq": (varlen.bwd_dq_varlen, (q, k, k, q, q, stats, stats, cu, cu, *strides, q.stride(0), q.stride(1), hq,
                                       hq // hk, b * max_q, win_left, win_right, qk_scale, 0.1)),
     }  # fmt: skip
@@ -122,5 +122,7 @@ def test_varlen_backward_kernels_compile_for_hopper(dtype, d):
             patch.setattr(host_varlen, "device_index", lambda x: 0)
             config = host_varlen.backward_config(kernel, q)
         options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
-        ptx = compile_sm90(fn, args, {**meta, **config}, options)
-        assert "mma" in ptx, kernel  # the tensor cores
+        other = {"dkdv": {"TILE_MAJOR": True, "GROUP_SPLIT": 2}, "dq": {"TILE_MAJOR": True, "FROM_END": True}}[kernel]
+        for schedule in (varlen.SCHEDULE_DEFAULTS[kernel], other):
+            ptx = compile_sm90(fn, args, {**meta, **config, **schedule}, options)
+            assert "mma" in ptx, (kernel, schedule)  # the tensor cores

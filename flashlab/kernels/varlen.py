@@ -389,6 +389,7 @@ def _bwd_dkdv_varlen(
     CU_Q, CU_K,
     stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_dom, stride_doh,
     stride_dkn, stride_dkh,  # dk and dv share one layout
+    stride_part,  # GROUP_SPLIT > 1: elements between one part's dk (and dv) and the next's
     HQ, HK, GROUP, TOTAL_Q,
     win_left, win_right,
     qk_scale, dk_scale,  # softmax scale * log2(e); the softmax scale
@@ -396,10 +397,18 @@ def _bwd_dkdv_varlen(
     BLOCK_M: tl.constexpr,  # query rows per inner-loop step
     BLOCK_N: tl.constexpr,  # keys per program
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    TILE_MAJOR: tl.constexpr = False,  # grid (B * HK * GROUP_SPLIT, key tiles): every sequence's first tile first
+    GROUP_SPLIT: tl.constexpr = 1,  # programs sharing a GQA group's query heads, each writing its own part
 ):
     # fmt: on
-    pid_n = tl.program_id(0)
-    pid_bk = tl.program_id(1)
+    if TILE_MAJOR:  # the causal band's heaviest key tiles (the first of each sequence) start first
+        pid_n = tl.program_id(1)
+        pid_y = tl.program_id(0)
+    else:
+        pid_n = tl.program_id(0)
+        pid_y = tl.program_id(1)
+    part = pid_y % GROUP_SPLIT
+    pid_bk = pid_y // GROUP_SPLIT
     off_b = pid_bk // HK
     off_hk = pid_bk % HK
     q_start = tl.load(CU_Q + off_b)
@@ -448,10 +457,11 @@ def _bwd_dkdv_varlen(
         else:
             t_start, t_end = t_full_hi, t_hi
         n_tiles = t_end - t_start
-        for step in range(0, GROUP * n_tiles):  # (query head of the group, query tile): the GQA sum in registers
+        heads = GROUP // GROUP_SPLIT  # this program's query heads of the group
+        for step in range(0, heads * n_tiles):  # (query head of the group, query tile): the GQA sum in registers
             g = step // n_tiles
             start_m = (t_start + step - g * n_tiles) * BLOCK_M
-            off_h = off_hk * GROUP + g
+            off_h = off_hk * GROUP + part * heads + g
             rows = start_m + offs_m  # (BLOCK_M,) within the sequence
             q_ptrs = q_seq + off_h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :]
             do_ptrs = do_seq + off_h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :]
@@ -484,7 +494,7 @@ def _bwd_dkdv_varlen(
             dk = tl.dot(ds_t.to(Q.dtype.element_ty).to(q.dtype), q, dk, input_precision=DOT_PRECISION)
 
     dk = dk * dk_scale
-    out = keys[:, None] * stride_dkn + off_hk * stride_dkh + offs_d[None, :]
+    out = part.to(tl.int64) * stride_part + keys[:, None] * stride_dkn + off_hk * stride_dkh + offs_d[None, :]
     tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
@@ -503,10 +513,16 @@ def _bwd_dq_varlen(
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per inner-loop step
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    TILE_MAJOR: tl.constexpr = False,  # grid (B * HQ, query tiles): every sequence's first tile first
+    FROM_END: tl.constexpr = False,  # count the query tiles from each sequence's end (causal: the heaviest first)
 ):
     # fmt: on
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    if TILE_MAJOR:
+        pid_m = tl.program_id(1)
+        pid_bh = tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
     off_b = pid_bh // HQ
     off_h = pid_bh % HQ
     off_hk = off_h // GROUP
@@ -514,9 +530,11 @@ def _bwd_dq_varlen(
     NQ = tl.load(CU_Q + off_b + 1) - q_start
     k_start = tl.load(CU_K + off_b)
     NK = tl.load(CU_K + off_b + 1) - k_start
-    row_lo = pid_m * BLOCK_M
-    if row_lo >= NQ:
+    if pid_m * BLOCK_M >= NQ:
         return
+    if FROM_END:
+        pid_m = tl.cdiv(NQ, BLOCK_M) - 1 - pid_m
+    row_lo = pid_m * BLOCK_M
     offset = NK - NQ
 
     offs_m = row_lo + tl.arange(0, BLOCK_M)
@@ -593,8 +611,11 @@ def backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     from cu_seqlens. A sequence with no queries or no keys gets zero gradients. Deterministic (no atomics).
 
     ``config`` is required on a GPU: ``{"dkdv": {...}, "dq": {...}}``, each a dict of BLOCK_M, BLOCK_N, num_warps,
-    num_stages (the host engine picks them); the interpreter uses ``CPU_CONFIG``. ``errors``: as ``launch`` takes
-    it (bad boundaries give NaN gradients)."""
+    num_stages (the host engine picks them); the interpreter uses ``CPU_CONFIG``'s tiles. Either dict may also hold
+    the schedule (on the interpreter too): ``TILE_MAJOR`` (the grid walks every sequence's first tile, then every
+    second, ...), ``FROM_END`` (dq: tiles counted from each sequence's end) and ``GROUP_SPLIT`` (dkdv: that many
+    programs share a GQA group's query heads, each writing a float32 part of dK and dV that one fixed-order sum
+    adds up: deterministic). ``errors``: as ``launch`` takes it (bad boundaries give NaN gradients)."""
     total_q, hq, d = q.shape
     total_k, hk, _ = k.shape
     b = cu_seqlens_q.shape[0] - 1
@@ -610,14 +631,19 @@ def backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         return grads
     # every packed row is written: by its query tile (dq, even without keys) or its key tile (dk, dv, even without
     # queries)
+    dkdv_config, dq_config = split_schedule(config, q.is_cuda, hq // hk)
+    split = dkdv_config["GROUP_SPLIT"]
     delta = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
     dq = torch.empty((total_q, hq, d), dtype=q.dtype, device=q.device)
     dk = torch.empty((total_k, hk, d), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
+    # with the group split, each part of dK and dV in float32, summed once all are written
+    dk_out, dv_out = (dk, dv) if split == 1 else (torch.empty((split, total_k, hk, d), dtype=torch.float32,
+                                                              device=q.device) for _ in "kv")  # fmt: skip
     if errors is not None:
         cu_seqlens_q, cu_seqlens_k = checked_boundaries(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
-                                                        max_seqlen_k, errors, (dq, dk, dv))  # fmt: skip
+                                                        max_seqlen_k, errors, (dq, dk_out, dv_out))  # fmt: skip
     bd = block_d(d)
     common = dict(HEAD_DIM=d, BLOCK_D=bd, DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
                   DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda))  # fmt: skip
@@ -626,25 +652,58 @@ def backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     strides = (q_run.stride(0), q_run.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
     strides += (do.stride(0), do.stride(1))
     band = (win_left, win_right)
-    dkdv_args = (q_run, k, v, do, dk, dv, lse2, delta, cu_seqlens_q, cu_seqlens_k, *strides, dk.stride(0),
-                 dk.stride(1), hq, hk, hq // hk, total_q, *band, qk_scale, abs(signed_scale))  # fmt: skip
+    dkdv_args = (q_run, k, v, do, dk_out, dv_out, lse2, delta, cu_seqlens_q, cu_seqlens_k, *strides,
+                 dk_out.stride(-3), dk_out.stride(-2), dk_out.stride(0) if split > 1 else 0, hq, hk, hq // hk, total_q,
+                 *band, qk_scale, abs(signed_scale))  # fmt: skip
     dq_args = (q_run, k, v, do, dq, lse2, delta, cu_seqlens_q, cu_seqlens_k, *strides, dq.stride(0), dq.stride(1),
                hq, hq // hk, total_q, *band, qk_scale, signed_scale)  # fmt: skip
+    dkdv_grid = _grid(cdiv(max_seqlen_k, dkdv_config["BLOCK_N"]), b * hk * split, dkdv_config["TILE_MAJOR"])
+    dq_grid = _grid(cdiv(max_seqlen_q, dq_config["BLOCK_M"]), b * hq, dq_config["TILE_MAJOR"])
     if not q.is_cuda:
-        bm, bn = CPU_CONFIG["BLOCK_M"], CPU_CONFIG["BLOCK_N"]
+        pre_m = CPU_CONFIG["BLOCK_M"]
         with interpreted_language(softmax_step):
-            interpreted(_bwd_preprocess_varlen)[(cdiv(max_seqlen_q, bm), b * hq)](*pre_args, HEAD_DIM=d, BLOCK_D=bd,
-                                                                                   BLOCK_M=bm)  # fmt: skip
-            interpreted(_bwd_dkdv_varlen)[(cdiv(max_seqlen_k, bn), b * hk)](*dkdv_args, **common, **CPU_CONFIG)
-            interpreted(_bwd_dq_varlen)[(cdiv(max_seqlen_q, bm), b * hq)](*dq_args, **common, **CPU_CONFIG)
-        return dq, dk, dv
-    dkdv_config, dq_config = config["dkdv"], config["dq"]
-    pre_m = PREPROCESS_BLOCK_M
-    with torch.cuda.device(q.device):
-        _bwd_preprocess_varlen[(cdiv(max_seqlen_q, pre_m), b * hq)](*pre_args, HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=pre_m)
-        _bwd_dkdv_varlen[(cdiv(max_seqlen_k, dkdv_config["BLOCK_N"]), b * hk)](*dkdv_args, **common, **dkdv_config)
-        _bwd_dq_varlen[(cdiv(max_seqlen_q, dq_config["BLOCK_M"]), b * hq)](*dq_args, **common, **dq_config)
+            interpreted(_bwd_preprocess_varlen)[(cdiv(max_seqlen_q, pre_m), b * hq)](*pre_args, HEAD_DIM=d,
+                                                                                      BLOCK_D=bd, BLOCK_M=pre_m)
+            interpreted(_bwd_dkdv_varlen)[dkdv_grid](*dkdv_args, **common, **dkdv_config)
+            interpreted(_bwd_dq_varlen)[dq_grid](*dq_args, **common, **dq_config)
+    else:
+        pre_m = PREPROCESS_BLOCK_M
+        with torch.cuda.device(q.device):
+            _bwd_preprocess_varlen[(cdiv(max_seqlen_q, pre_m), b * hq)](*pre_args, HEAD_DIM=d, BLOCK_D=bd,
+                                                                         BLOCK_M=pre_m)  # fmt: skip
+            _bwd_dkdv_varlen[dkdv_grid](*dkdv_args, **common, **dkdv_config)
+            _bwd_dq_varlen[dq_grid](*dq_args, **common, **dq_config)
+    if split > 1:  # the parts in one fixed order: the same gradients every run
+        torch.sum(dk_out, 0, out=dk) if dk.dtype == torch.float32 else dk.copy_(dk_out.sum(0))
+        torch.sum(dv_out, 0, out=dv) if dv.dtype == torch.float32 else dv.copy_(dv_out.sum(0))
     return dq, dk, dv
+
+
+SCHEDULE_DEFAULTS = {"dkdv": {"TILE_MAJOR": False, "GROUP_SPLIT": 1}, "dq": {"TILE_MAJOR": False, "FROM_END": False}}
+
+
+def split_schedule(config, on_gpu: bool, group: int) -> tuple[dict, dict]:
+    """The dK/dV and dQ launches' keyword arguments: the tiles (``config``'s on a GPU, ``CPU_CONFIG``'s on the
+    interpreter) and the schedule (``config``'s where it says, else ``SCHEDULE_DEFAULTS``). A ``GROUP_SPLIT`` that
+    does not divide the GQA group is an error."""
+    config = config or {}
+    if on_gpu and not {"dkdv", "dq"} <= set(config):
+        raise ValueError("the varlen backward on a GPU needs config = {'dkdv': {...}, 'dq': {...}}")
+    out = []
+    for name in ("dkdv", "dq"):
+        given = dict(config.get(name, {}))
+        kwargs = {key: given.pop(key, default) for key, default in SCHEDULE_DEFAULTS[name].items()}
+        if not on_gpu:  # the interpreter's tiles; the schedule as given
+            given = dict(CPU_CONFIG)
+        out.append({**given, **kwargs})
+    split = out[0]["GROUP_SPLIT"]
+    if not (isinstance(split, int) and split >= 1 and group % split == 0):
+        raise ValueError(f"GROUP_SPLIT={split!r} must be a positive int dividing the GQA group ({group})")
+    return out[0], out[1]
+
+
+def _grid(tiles: int, rows: int, tile_major: bool) -> tuple[int, int]:
+    return (rows, tiles) if tile_major else (tiles, rows)
 
 
 bwd_preprocess_varlen = _bwd_preprocess_varlen
@@ -665,6 +724,7 @@ __all__ = [
     "check_boundaries",
     "checked_boundaries",
     "RUNTIME_LENGTHS",
+    "SCHEDULE_DEFAULTS",
     "attn_fwd_varlen",
     "PREPROCESS_BLOCK_M",
     "backward",
@@ -673,4 +733,5 @@ __all__ = [
     "bwd_preprocess_varlen",
     "launch",
     "mask_kind",
+    "split_schedule",
 ]

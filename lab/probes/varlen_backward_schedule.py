@@ -1,0 +1,109 @@
+"""The packed varlen forward + backward on the varlen bar's cells (log-normal batches of 32 documents, H = 16 over
+4 K/V heads, bf16) under several schedules of the backward's two kernels, beside torch's varlen_attn:
+
+- ``TILE_MAJOR``: the grid walks every sequence's first tile, then every second, ... (the causal band's heaviest
+  dK/dV tiles start first, instead of one sequence's tiles after another's);
+- ``FROM_END``: dQ's tiles counted from each sequence's end (causal: its heaviest tile first);
+- ``GROUP_SPLIT``: 2 or 4 programs share a K/V head's group of query heads, each writing a float32 part of dK, dV
+  (4x the programs where 32 sequences x 4 K/V heads leave the GPU's 132 SMs unevenly loaded).
+
+Then where the time goes: each kernel's GPU time (torch.profiler) and the host's time to issue a step.
+
+python lab/probes/varlen_backward_schedule.py OUT_FILE"""
+
+import sys
+import time
+
+import torch
+from probe_log import log_to
+from triton.testing import do_bench
+
+from flashlab import flash_attention_varlen
+from flashlab.bench.varlen import VarlenPlan, mix_lengths, torch_varlen_attn
+from flashlab.host import varlen as host_varlen
+
+say = log_to(sys.argv[1])
+default_config = host_varlen.backward_config
+
+SCHEDULES = {
+    "default": ({}, {}),
+    "tile-major": ({"TILE_MAJOR": True}, {"TILE_MAJOR": True}),
+    "tile-major+from-end": ({"TILE_MAJOR": True}, {"TILE_MAJOR": True, "FROM_END": True}),
+    "split2": ({"GROUP_SPLIT": 2}, {}),
+    "split4": ({"GROUP_SPLIT": 4}, {}),
+    "split2+tm+fe": ({"GROUP_SPLIT": 2, "TILE_MAJOR": True}, {"TILE_MAJOR": True, "FROM_END": True}),
+    "split4+tm+fe": ({"GROUP_SPLIT": 4, "TILE_MAJOR": True}, {"TILE_MAJOR": True, "FROM_END": True}),
+    "dkdv32x64+tm+fe": ({"TILE_MAJOR": True, "tiles": (32, 64, 4, 3)}, {"TILE_MAJOR": True, "FROM_END": True}),
+    "split2+dkdv32x64+tm+fe": ({"GROUP_SPLIT": 2, "TILE_MAJOR": True, "tiles": (32, 64, 4, 3)},
+                               {"TILE_MAJOR": True, "FROM_END": True}),
+}  # fmt: skip
+theirs = torch_varlen_attn()
+say(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}")
+
+
+def use(schedule):
+    def config(kernel, q):
+        base = default_config(kernel, q)
+        extra = dict(schedule[0] if kernel == "dkdv" else schedule[1])
+        tiles = extra.pop("tiles", None)
+        if tiles is not None:
+            base = {"BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "num_warps": tiles[2], "num_stages": tiles[3]}
+        return {**base, **extra}
+
+    host_varlen.backward_config = config
+
+
+def run_cell(tokens, d, causal, profile=False):
+    lengths = mix_lengths("log-normal", VarlenPlan(tokens=tokens), seed=0)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    nmax = max(lengths)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(tokens, 16, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k, v = (torch.randn(tokens, 4, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_() for _ in "kv")
+    do = torch.randn_like(q)
+
+    def step_theirs():
+        theirs(q, k, v, cu, nmax, causal).backward(do)
+
+    def step():
+        flash_attention_varlen(q, k, v, cu, cu, nmax, nmax, causal=causal).backward(do)
+
+    step_theirs()
+    ref = [x.grad.clone() for x in (q, k, v)]
+    ms_ref = do_bench(step_theirs, rep=200, grad_to_none=[q, k, v])
+    row = [f"{tokens // 1024}K D{d} {'causal' if causal else 'full'}: varlen_attn {ms_ref * 1e3:6.0f}"]
+    for name, schedule in SCHEDULES.items():
+        use(schedule)
+        for x in (q, k, v):
+            x.grad = None
+        step()
+        err = max(((x.grad.float() - r.float()).abs().max() / r.float().abs().max()).item()
+                  for x, r in zip((q, k, v), ref, strict=True))  # fmt: skip
+        ms = do_bench(step, rep=200, grad_to_none=[q, k, v])
+        row.append(f"{name} {ms * 1e3:6.0f} x{ms_ref / ms:.2f} e{err:.0e}")
+    say(" | ".join(row))
+    if not profile:
+        return
+    for label, fn in (("flashlab default", step), ("varlen_attn", step_theirs)):
+        use(SCHEDULES["default"])
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        issued = (time.perf_counter() - t0) / 20
+        torch.cuda.synchronize()
+        done = (time.perf_counter() - t0) / 20
+        say(f"  {label}: host issues a step in {issued * 1e6:.0f} us, a step takes {done * 1e6:.0f} us back to back")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
+            say(f"    {ev.key[:60]:60s} {ev.device_time_total / 5:8.1f} us/step  x{ev.count // 5}")
+
+
+for tokens, d, causal in ((16384, 64, True), (16384, 64, False), (16384, 128, True), (16384, 128, False),
+                          (65536, 64, True), (65536, 128, True)):  # fmt: skip
+    run_cell(tokens, d, causal, profile=(tokens == 16384 and d == 64))
