@@ -9,8 +9,12 @@
 
 Then where the time goes: each kernel's GPU time (torch.profiler) and the host's time to issue a step.
 
-python lab/probes/varlen_backward_schedule.py OUT_FILE"""
+Last, the bench's varlen grid (``--mode varlen``, the log-normal mixes) runs under the schedule with the best
+geo-mean speedup here, writing to BENCH_OUT (when given).
 
+python lab/probes/varlen_backward_schedule.py OUT_FILE [BENCH_OUT]"""
+
+import math
 import sys
 import time
 
@@ -72,6 +76,7 @@ def run_cell(tokens, d, causal, profile=False):
     ref = [x.grad.clone() for x in (q, k, v)]
     ms_ref = do_bench(step_theirs, rep=200, grad_to_none=[q, k, v])
     row = [f"{tokens // 1024}K D{d} {'causal' if causal else 'full'}: varlen_attn {ms_ref * 1e3:6.0f}"]
+    speedups = {}
     for name, schedule in SCHEDULES.items():
         use(schedule)
         for x in (q, k, v):
@@ -81,9 +86,10 @@ def run_cell(tokens, d, causal, profile=False):
                   for x, r in zip((q, k, v), ref, strict=True))  # fmt: skip
         ms = do_bench(step, rep=200, grad_to_none=[q, k, v])
         row.append(f"{name} {ms * 1e3:6.0f} x{ms_ref / ms:.2f} e{err:.0e}")
+        speedups[name] = ms_ref / ms if err < 0.05 else 0.0
     say(" | ".join(row))
     if not profile:
-        return
+        return speedups
     for label, fn in (("flashlab default", step), ("varlen_attn", step_theirs)):
         use(SCHEDULES["default"])
         for _ in range(3):
@@ -102,8 +108,21 @@ def run_cell(tokens, d, causal, profile=False):
             torch.cuda.synchronize()
         for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
             say(f"    {ev.key[:60]:60s} {ev.device_time_total / 5:8.1f} us/step  x{ev.count // 5}")
+    return speedups
 
 
-for tokens, d, causal in ((16384, 64, True), (16384, 64, False), (16384, 128, True), (16384, 128, False),
-                          (65536, 64, True), (65536, 128, True)):  # fmt: skip
-    run_cell(tokens, d, causal, profile=(tokens == 16384 and d == 64))
+cells = [run_cell(tokens, d, causal, profile=(tokens == 16384 and d == 64))
+         for tokens, d, causal in ((16384, 64, True), (16384, 64, False), (16384, 128, True), (16384, 128, False),
+                                   (65536, 64, True), (65536, 128, True))]  # fmt: skip
+geo = {name: math.prod(c[name] for c in cells) ** (1 / len(cells)) for name in SCHEDULES}
+lowest = {name: min(c[name] for c in cells) for name in SCHEDULES}
+for name in SCHEDULES:
+    say(f"{name:24s} geo-mean x{geo[name]:.3f} over varlen_attn, lowest x{lowest[name]:.3f}")
+best = max(SCHEDULES, key=lambda name: geo[name])
+say(f"best: {best}")
+if len(sys.argv) > 2:
+    from flashlab.bench.cli import main
+
+    use(SCHEDULES[best])
+    main(["--mode", "varlen", "--mixes", "log-normal", "--tokens", "16384,65536", "--head-dim", "64,128",
+          "--kv-heads", "4", "--no-progress", "--out", sys.argv[2]])  # fmt: skip
