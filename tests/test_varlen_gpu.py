@@ -142,3 +142,36 @@ def test_a_varlen_call_is_captured_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, flash_attention_varlen(q, k, v, cu_q, cu_k, 400, 500))
+
+
+def test_calls_with_new_lengths_launch_directly_and_give_the_jits_bits(monkeypatch):
+    """A training loop's batches: new lengths every step, one binary per kernel. After its first calls each of the
+    five varlen kernels (the boundary check, the forward, the backward's three) runs from a checked direct launch
+    of the host engine (no Triton JIT per launch), and every step gives the bits launches through the JIT give."""
+    from flashlab.host import plan as plans
+    from flashlab.host import varlen as host_varlen
+    from flashlab.kernels import varlen as kernels
+
+    def jit_only(jit_function, grid, args, kwargs, runtime, outputs):
+        jit_function[grid](*args, **kwargs)
+
+    def step(q, k, v, do, cu_q, cu_k, lq, lk):
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        o = flash_attention_varlen(qg, kg, vg, cu_q, cu_k, max(lq), max(lk), causal=True)
+        o.backward(do)
+        return o, qg.grad, kg.grad, vg.grad
+
+    for seed in range(5):
+        lq, lk = ragged_lengths(20 + seed, 6, 700)
+        case = on_gpu(*packed_case(lq, lk, 16, 4, 64, torch.bfloat16, seed=seed))
+        planned = step(*case, lq, lk)
+        with monkeypatch.context() as patch:
+            patch.setattr(host_varlen, "planned_launch", jit_only)
+            through_jit = step(*case, lq, lk)
+        for a, b in zip(planned, through_jit, strict=True):
+            assert torch.equal(a, b), seed
+    jit_functions = (kernels.check_boundaries, kernels.attn_fwd_varlen, kernels.bwd_preprocess_varlen,
+                     kernels.bwd_dkdv_varlen, kernels.bwd_dq_varlen)  # fmt: skip
+    for fn in jit_functions:
+        states = [p.state for key, p in plans.PLANS.items() if key[0] == "planned" and key[1] is fn]
+        assert plans.CHECKED in states, (fn, states)

@@ -24,7 +24,7 @@ import torch
 from flashlab.core.integers import cdiv
 from flashlab.host import direct_launch, kvcache_errors
 from flashlab.host import plan as plans
-from flashlab.host.launcher import FastLaunch, current_stream, reproduces
+from flashlab.host.launcher import FastLaunch, current_stream, reproduces, same_bits
 from flashlab.host.plan import BUILT, CHECKED, OFF, Call, Plan
 from flashlab.host.scratch import scratch, workspace
 from flashlab.kernels import configs, ladder, softmax_step
@@ -1062,9 +1062,82 @@ def _overlap_jit(plan, call, overlap, q, k, v, o, lse):
     plan.advance(build, check)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels planned by their arguments' classes: the packed varlen kernels
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _int_class(x: int) -> tuple:
+    """What Triton specialises an int argument on: 1, divisible by 16, 32 or 64 bits."""
+    return x == 1, x % 16 == 0, -(2**31) <= x < 2**31
+
+
+def launch_key(jit_function, args, kwargs, runtime_positions) -> tuple | None:
+    """The plan key of ``jit_function[grid](*args, **kwargs)``: everything that picks its binary and the values a
+    direct launch packs once -- each tensor's dtype and 16-byte alignment, every fixed scalar's value, the class
+    (``_int_class``) of each int at ``runtime_positions`` (given per launch), the constexprs and options. None
+    where an argument is of a kind this does not key."""
+    parts = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            parts.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif i in runtime_positions:
+            parts.append(_int_class(a) if isinstance(a, int) else type(a))
+        elif isinstance(a, (int, float, bool)) or a is None:
+            parts.append(a)
+        else:
+            return None
+    return ("planned", jit_function, torch.cuda.current_device(), tuple(parts), tuple(kwargs.items()))
+
+
+def planned_launch(jit_function, grid, args, kwargs, runtime=(), outputs=()):
+    """``jit_function[grid](*args, **kwargs)`` on the current device, through a plan (``flashlab.host.plan``) kept
+    under ``launch_key``: through Triton's JIT until the plan's direct launch is checked, then directly, with this
+    call's ``grid`` and the values of the scalars named in ``runtime`` (lengths, scales: what changes between calls
+    of one binary). The kernel must take its tensors and scalars positionally, its constexprs by name, and be
+    idempotent: launched again on the same arguments it writes the same bits to ``outputs`` (the names of the
+    tensors it writes), which is how the direct launch is checked once, against the JIT launch before it."""
+    names = jit_function.arg_names
+    positions = tuple(names.index(n) for n in runtime)
+    key = launch_key(jit_function, args, kwargs, positions)
+    plan = plans.PLANS.get(key) if key is not None else None
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    values = [args[i] for i in positions]
+    stream = current_stream(torch.cuda.current_device())
+    if plan is not None and plan.state is CHECKED:
+        plan.fast[0](stream, grid, values, *tensors)
+        return
+    kernel = jit_function[grid](*args, **kwargs)
+    if key is None:
+        return
+    if plan is None:
+        plan = plans.remember(key, Plan("planned", None))
+    if plan.state is BUILT and kernel is not plan.binary:
+        plan.state = OFF  # another binary under this key: it misses a specialisation
+        return
+    tensor_names = [n for n, a in zip(names[: len(args)], args, strict=True) if isinstance(a, torch.Tensor)]
+    # the outputs in device memory (a record in page-locked host memory is written while the host reads on)
+    written = [t for t in (args[names.index(n)] for n in outputs) if t.is_cuda]
+
+    def build():
+        plan.binary = kernel
+        return (FastLaunch.build(jit_function, kernel, grid, args, kwargs, tensor_names, runtime=runtime),)
+
+    def check():  # the JIT's bits, then the direct launch's on the same arguments
+        before = [t.clone() for t in written]
+        try:
+            plan.fast[0](stream, grid, values, *tensors)
+        except Exception:  # noqa: BLE001 -- a launcher that does not take these arguments: JIT launches stay
+            return False
+        return all(same_bits(a, b) for a, b in zip(before, written, strict=True))
+
+    plan.advance(build, check)
+
+
 _BUCKETED = ("skip_split", "overlap")  # the rungs whose plans a bucket of signatures shares
 _PLANNED = {"skip_split": skip_split_call, "hopper": hopper_plan, "overlap": overlap_call}
 
 
-__all__ = ["KVCACHE", "SPLIT_KV", "attention_call", "autotuning", "kernel_config", "kvcache_plan", "run_attention",
-           "run_kvcache", "skip_split_call", "split_call", "unit_stride_d"]  # fmt: skip
+__all__ = ["KVCACHE", "SPLIT_KV", "attention_call", "autotuning", "kernel_config", "kvcache_plan", "launch_key",
+           "planned_launch", "run_attention", "run_kvcache", "skip_split_call", "split_call",
+           "unit_stride_d"]  # fmt: skip

@@ -10,7 +10,9 @@ int32 running sums of the lengths. flashlab's other entry points take ``(B, H, N
   the boundaries themselves are checked on the device by default (``flashlab.kernels.varlen.checked_boundaries``,
   reported through the device's error record, ``flashlab.host.kvcache_errors``), or read on the host with
   ``check_values="sync"`` (``check_cu_seqlens_values``: one synchronisation on a GPU).
-- ``varlen_forward`` and ``varlen_backward``: the forward kernel (``flashlab.kernels.varlen``) and the gradients.
+- ``varlen_forward`` and ``varlen_backward``: the forward kernel (``flashlab.kernels.varlen``) and the gradients,
+  launched on a GPU through the host engine's plans (``flashlab.host.launches.planned_launch``): Triton's JIT for
+  the first calls of a binary, then a direct launch of it, whatever the batch's lengths.
 
 The backward is FlashAttention-2's (``flashlab.kernels.backward.rung1_two_pass``'s three kernels, in the varlen
 variants of ``flashlab.kernels.varlen``): one launch each for the whole batch, every program reading its sequence
@@ -19,6 +21,7 @@ from cu_seqlens, the probabilities recomputed from the saved lse.
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
@@ -38,6 +41,7 @@ from flashlab.host.checks import (
     check_values_flag,
 )
 from flashlab.host.kvcache_errors import boundary_message, error_record, raise_recorded, unreported_record
+from flashlab.host.launches import planned_launch
 from flashlab.kernels import varlen
 from flashlab.kernels.backward import rung1_two_pass as two_pass
 from flashlab.kernels.device import DTYPES, block_d, device_index, fits_smem, kernel_band, smem_limit, stream_capturing
@@ -160,7 +164,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     q_run = -q if negate else q  # the running max needs a positive scale: (-q) . k * |scale| is exact
     band = (win_left, win_right, qk_scale)
     varlen.launch(q_run, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, band,
-                  errors=None if record is None else record.tensor)  # fmt: skip
+                  errors=None if record is None else record.tensor, launcher=planned_launch)  # fmt: skip
     if mode is DEVICE_CHECK and not q.is_cuda:  # the interpreter has finished: this call's own error
         raise_recorded(record, earlier=False)
     return o, lse
@@ -170,18 +174,22 @@ def backward_config(kernel: str, q) -> dict:
     """The tiles of a GPU launch of the varlen dK/dV (``kernel`` "dkdv") or dQ ("dq") kernel: the first of the
     dense backward's configs for the head-dim class (``two_pass.TUNING_SPACE``) that fits the GPU's shared
     memory, else of its fallbacks, else the smallest fallback."""
-    bd = block_d(q.shape[-1])
-    limit = smem_limit(device_index(q))
-    candidates = two_pass.TUNING_SPACE[kernel][two_pass.tuning_class(bd, q.dtype)]
+    return dict(_backward_tiles(kernel, device_index(q), block_d(q.shape[-1]), q.dtype, q.element_size()))
+
+
+@functools.cache
+def _backward_tiles(kernel: str, index: int, bd: int, dtype, element_size: int) -> tuple:
+    limit = smem_limit(index)
+    candidates = two_pass.TUNING_SPACE[kernel][two_pass.tuning_class(bd, dtype)]
     options = (*candidates, *two_pass.FALLBACK_SPACE)
     chosen = options[-1]
     for bm, bn, warps, stages in options:
         resident, streamed = (2 * bn, 2 * bm) if kernel == "dkdv" else (2 * bm, 2 * bn)
-        if fits_smem(resident, streamed, stages, bd, q.element_size(), limit):
+        if fits_smem(resident, streamed, stages, bd, element_size, limit):
             chosen = (bm, bn, warps, stages)
             break
     bm, bn, warps, stages = chosen
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+    return ("BLOCK_M", bm), ("BLOCK_N", bn), ("num_warps", warps), ("num_stages", stages)
 
 
 def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
@@ -193,7 +201,7 @@ def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     # even for boundaries changed since, and bad ones give NaN gradients
     errors = unreported_record(q.device).tensor
     return varlen.backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                           window, scale, config, errors)  # fmt: skip
+                           window, scale, config, errors, planned_launch)  # fmt: skip
 
 
 class VarlenAttentionFunction(torch.autograd.Function):

@@ -40,6 +40,24 @@ from flashlab.kernels.interpreter import interpreted, interpreted_language
 
 # Lengths, the band and the row counts are runtime values: a new batch of lengths never compiles another binary.
 RUNTIME_LENGTHS = ("HQ", "GROUP", "TOTAL_Q", "win_left", "win_right")
+# Each kernel's (scalars that change between calls of one binary, tensors it writes): what a launcher that plans
+# launches (``launch``'s ``launcher``) passes per call, and checks a direct launch on
+PLANNED = {
+    "forward": (("TOTAL_Q", "win_left", "win_right", "qk_scale"), ("O", "LSE")),
+    "check": (("N0", "N1", "N2", "B", "TOTAL_Q", "TOTAL_K", "MOST_Q", "MOST_K"), ("SAFE", "ERRORS")),
+    "preprocess": (("TOTAL_Q",), ("DELTA", "LSE2")),
+    "dkdv": (("stride_part", "TOTAL_Q", "win_left", "win_right", "qk_scale", "dk_scale"), ("DK", "DV")),
+    "dq": (("TOTAL_Q", "win_left", "win_right", "qk_scale", "dq_scale"), ("DQ",)),
+}
+
+
+def _launch(jit_function, grid, args, kwargs, launcher, kernel):
+    """``jit_function[grid](*args, **kwargs)``, or through ``launcher`` (``flashlab.host.launches.planned_launch``:
+    the host engine's direct launches) with the kernel's ``PLANNED`` names."""
+    if launcher is None:
+        jit_function[grid](*args, **kwargs)
+    else:
+        launcher(jit_function, grid, args, kwargs, *PLANNED[kernel])
 
 
 # fmt: off
@@ -269,11 +287,12 @@ def _check_boundaries(
             tl.store(FILL2 + i, tl.full([FILL], float("nan"), FILL2.dtype.element_ty), mask=i < N2)
 
 
-def checked_boundaries(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, errors, fills):
+def checked_boundaries(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, errors, fills,
+                       launcher=None):  # fmt: skip
     """``(cu_q, cu_k)`` for the attention kernels: the caller's boundaries where they are good, zeros where not,
     worked out on the device by one small launch (``_check_boundaries``) that also records what is bad in
     ``errors`` (an int32 error record) and sets every tensor of ``fills`` (up to three, contiguous) to NaN. The
-    host reads nothing, so a call never waits for the GPU."""
+    host reads nothing, so a call never waits for the GPU. ``launcher``: as ``launch`` takes it."""
     b = cu_seqlens_q.shape[0] - 1
     safe = torch.empty(2 * (b + 1), dtype=torch.int32, device=cu_seqlens_q.device)
     spare = fills[0] if fills else torch.empty(1, device=cu_seqlens_q.device)  # an unused slot's pointer
@@ -285,7 +304,8 @@ def checked_boundaries(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_
             interpreted(_check_boundaries)[(1,)](*args, BLOCK=CHECK_BLOCK, FILL=FILL_BLOCK)
     else:
         with torch.cuda.device(cu_seqlens_q.device):
-            _check_boundaries[(CHECK_PROGRAMS,)](*args, BLOCK=CHECK_BLOCK, FILL=FILL_BLOCK, num_warps=4)
+            _launch(_check_boundaries, (CHECK_PROGRAMS,), args, dict(BLOCK=CHECK_BLOCK, FILL=FILL_BLOCK, num_warps=4),
+                    launcher, "check")  # fmt: skip
     return safe[: b + 1], safe[b + 1 :]
 
 
@@ -298,7 +318,7 @@ def mask_kind(causal: bool, window) -> str:
 
 
 def launch(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, band,
-           config=None, tiles=None, errors=None):  # fmt: skip
+           config=None, tiles=None, errors=None, launcher=None):  # fmt: skip
     """Run the kernel once on prepared inputs, writing ``o (total_q, Hq, D)`` and ``lse (Hq, total_q)``.
 
     q ``(total_q, Hq, D)``, k and v ``(total_k, Hk, D)`` with unit stride along D (negated q for a negative
@@ -308,14 +328,16 @@ def launch(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     ``configs.pick("skip_split", ...)``). ``tiles``, an int32 tensor of ``B * Hq`` zeros, turns on the count of
     the key tiles each (sequence, head) visits. ``errors``, an error record, has the boundaries checked on the
     device first (``checked_boundaries``: bad ones are recorded there, o and lse come out NaN, nothing is read
-    outside the tensors); None trusts them (the host has checked them).
+    outside the tensors); None trusts them (the host has checked them). ``launcher(jit_function, grid, args,
+    kwargs, runtime, outputs)`` launches on a GPU instead of Triton's JIT (the host engine's
+    ``planned_launch``: direct launches once checked); None: ``jit_function[grid](*args, **kwargs)``.
     """
     total_q, hq, d = q.shape
     hk = k.shape[1]
     b = cu_seqlens_q.shape[0] - 1
     if errors is not None:
         cu_seqlens_q, cu_seqlens_k = checked_boundaries(cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0], max_seqlen_q,
-                                                        max_seqlen_k, errors, (o, lse))  # fmt: skip
+                                                        max_seqlen_k, errors, (o, lse), launcher)  # fmt: skip
     if max_seqlen_q == 0 or b == 0:
         return
     win_left, win_right, qk_scale = band
@@ -335,7 +357,7 @@ def launch(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                               group=hq // hk, nq=max(max_seqlen_q, 1), nk=max(max_seqlen_k, 1))  # fmt: skip
     grid = (cdiv(max_seqlen_q, config["BLOCK_M"]), b * hq)
     with torch.cuda.device(q.device):
-        _attn_fwd_varlen[grid](*args, **meta, **config)
+        _launch(_attn_fwd_varlen, grid, args, {**meta, **config}, launcher if tiles is None else None, "forward")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -605,7 +627,7 @@ def _bwd_dq_varlen(
 
 
 def backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale,
-             config=None, errors=None):  # fmt: skip
+             config=None, errors=None, launcher=None):  # fmt: skip
     """Gradients ``(dq, dk, dv)`` shaped like the packed q, k, v, of the forward's ``o`` and ``lse (Hq, total_q)``
     given ``do``: three launches for the whole batch (preprocess, dK/dV, dQ), each program reading its sequence
     from cu_seqlens. A sequence with no queries or no keys gets zero gradients. Deterministic (no atomics).
@@ -615,7 +637,8 @@ def backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     the schedule (on the interpreter too): ``TILE_MAJOR`` (the grid walks every sequence's first tile, then every
     second, ...), ``FROM_END`` (dq: tiles counted from each sequence's end) and ``GROUP_SPLIT`` (dkdv: that many
     programs share a GQA group's query heads, each writing a float32 part of dK and dV that one fixed-order sum
-    adds up: deterministic). ``errors``: as ``launch`` takes it (bad boundaries give NaN gradients)."""
+    adds up: deterministic). ``errors`` and ``launcher``: as ``launch`` takes them (bad boundaries give NaN
+    gradients)."""
     total_q, hq, d = q.shape
     total_k, hk, _ = k.shape
     b = cu_seqlens_q.shape[0] - 1
@@ -627,7 +650,8 @@ def backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     if b == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:  # no query sees a key: every gradient is zero
         grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         if errors is not None:
-            checked_boundaries(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, errors, grads)
+            checked_boundaries(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, errors, grads,
+                               launcher)  # fmt: skip
         return grads
     # every packed row is written: by its query tile (dq, even without keys) or its key tile (dk, dv, even without
     # queries)
@@ -643,7 +667,8 @@ def backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                                                               device=q.device) for _ in "kv")  # fmt: skip
     if errors is not None:
         cu_seqlens_q, cu_seqlens_k = checked_boundaries(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
-                                                        max_seqlen_k, errors, (dq, dk_out, dv_out))  # fmt: skip
+                                                        max_seqlen_k, errors, (dq, dk_out, dv_out),
+                                                        launcher)  # fmt: skip
     bd = block_d(d)
     common = dict(HEAD_DIM=d, BLOCK_D=bd, DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
                   DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda))  # fmt: skip
@@ -669,10 +694,10 @@ def backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     else:
         pre_m = PREPROCESS_BLOCK_M
         with torch.cuda.device(q.device):
-            _bwd_preprocess_varlen[(cdiv(max_seqlen_q, pre_m), b * hq)](*pre_args, HEAD_DIM=d, BLOCK_D=bd,
-                                                                         BLOCK_M=pre_m)  # fmt: skip
-            _bwd_dkdv_varlen[dkdv_grid](*dkdv_args, **common, **dkdv_config)
-            _bwd_dq_varlen[dq_grid](*dq_args, **common, **dq_config)
+            _launch(_bwd_preprocess_varlen, (cdiv(max_seqlen_q, pre_m), b * hq), pre_args,
+                    dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=pre_m), launcher, "preprocess")  # fmt: skip
+            _launch(_bwd_dkdv_varlen, dkdv_grid, dkdv_args, {**common, **dkdv_config}, launcher, "dkdv")
+            _launch(_bwd_dq_varlen, dq_grid, dq_args, {**common, **dq_config}, launcher, "dq")
     if split > 1:  # the parts in one fixed order: the same gradients every run
         torch.sum(dk_out, 0, out=dk) if dk.dtype == torch.float32 else dk.copy_(dk_out.sum(0))
         torch.sum(dv_out, 0, out=dv) if dv.dtype == torch.float32 else dv.copy_(dv_out.sum(0))
@@ -721,6 +746,7 @@ __all__ = [
     "ERROR_CU_LAST",
     "ERROR_CU_LONG",
     "ERROR_CU_START",
+    "PLANNED",
     "check_boundaries",
     "checked_boundaries",
     "RUNTIME_LENGTHS",
