@@ -732,3 +732,38 @@ def test_the_launcher_built_beside_a_first_compile_is_the_one_triton_builds():
     assert ours == theirs
     check = attention(q.double().cpu().numpy(), k.double().cpu().numpy(), v.double().cpu().numpy())[0]
     assert np.abs(o.double().cpu().numpy() - check).max() < 1e-2
+
+
+def test_a_planned_launchs_key_splits_on_what_triton_specialises_only():
+    """``launches.launch_key`` (the packed varlen kernels' plans): a new batch of lengths keeps the key where the
+    kernel takes the lengths unspecialised, and moves it where Triton would compile another binary (an int that
+    becomes divisible by 16, or 1; a tensor's alignment; a constexpr)."""
+    from flashlab.kernels import varlen
+
+    fn = varlen.bwd_dkdv_varlen  # TOTAL_Q is do_not_specialize; stride_qm (fixed) is keyed by value
+    names = fn.arg_names
+    positions = launches.runtime_positions(fn, ("TOTAL_Q", "qk_scale"))
+    assert list(positions) == [names.index("TOTAL_Q"), names.index("qk_scale")]
+    assert positions[names.index("TOTAL_Q")] is False  # a float is never specialised: its flag is not read
+    t = torch.zeros(64)
+    args = [t] * names.index("stride_qm") + [1] * (names.index("HEAD_DIM") - names.index("stride_qm"))
+    args[names.index("qk_scale")] = 0.5
+
+    def key(**changes):
+        a = list(args)
+        for name, value in changes.items():
+            a[names.index(name)] = value
+        return launches.launch_key(fn, a, {"BLOCK_M": 64}, positions, 0)
+
+    assert key(TOTAL_Q=17, qk_scale=0.1) == key(TOTAL_Q=32, qk_scale=0.3) == key(TOTAL_Q=1)
+    assert key(TOTAL_Q=2**31) != key(TOTAL_Q=17)  # 64-bit
+    assert key(stride_qm=16) != key(stride_qm=32)  # a fixed scalar: its value
+    assert key(Q=t[1:]) != key()  # an address off 16 bytes
+    assert launches.launch_key(fn, args, {"BLOCK_M": 32}, positions, 0) != key()
+    specialised = launches.runtime_positions(varlen.bwd_dkdv_varlen, ("stride_qm",))
+    assert list(specialised.values()) == [True]
+    a, b = list(args), list(args)
+    a[names.index("stride_qm")], b[names.index("stride_qm")] = 17, 18
+    assert launches.launch_key(fn, a, {}, specialised, 0) == launches.launch_key(fn, b, {}, specialised, 0)
+    b[names.index("stride_qm")] = 32
+    assert launches.launch_key(fn, a, {}, specialised, 0) != launches.launch_key(fn, b, {}, specialised, 0)

@@ -1072,22 +1072,34 @@ def _int_class(x: int) -> tuple:
     return x == 1, x % 16 == 0, -(2**31) <= x < 2**31
 
 
-def launch_key(jit_function, args, kwargs, runtime_positions) -> tuple | None:
+@functools.cache
+def runtime_positions(jit_function, runtime: tuple) -> dict:
+    """{position: whether Triton specialises it} of the parameters named in ``runtime``."""
+    names = jit_function.arg_names
+    return {names.index(n): not getattr(jit_function.params[names.index(n)], "do_not_specialize", False)
+            for n in runtime}  # fmt: skip
+
+
+def launch_key(jit_function, args, kwargs, runtime_positions, device: int) -> tuple | None:
     """The plan key of ``jit_function[grid](*args, **kwargs)``: everything that picks its binary and the values a
-    direct launch packs once -- each tensor's dtype and 16-byte alignment, every fixed scalar's value, the class
-    (``_int_class``) of each int at ``runtime_positions`` (given per launch), the constexprs and options. None
-    where an argument is of a kind this does not key."""
+    direct launch packs once -- each tensor's dtype and 16-byte alignment, every fixed scalar's value, for each
+    int at ``runtime_positions`` (``{position: specialised}``, given per launch) the class Triton specialises it on
+    (``_int_class``; only 32 or 64 bits where the kernel says ``do_not_specialize``), the constexprs and options.
+    ``device``: the CUDA device's index. None where an argument is of a kind this does not key."""
     parts = []
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             parts.append((a.dtype, a.data_ptr() % 16 == 0))
         elif i in runtime_positions:
-            parts.append(_int_class(a) if isinstance(a, int) else type(a))
+            if not isinstance(a, int):
+                parts.append(type(a))
+            else:
+                parts.append(_int_class(a) if runtime_positions[i] else -(2**31) <= a < 2**31)
         elif isinstance(a, (int, float, bool)) or a is None:
             parts.append(a)
         else:
             return None
-    return ("planned", jit_function, torch.cuda.current_device(), tuple(parts), tuple(kwargs.items()))
+    return ("planned", jit_function, device, tuple(parts), tuple(kwargs.items()))
 
 
 def planned_launch(jit_function, grid, args, kwargs, runtime=(), outputs=()):
@@ -1098,12 +1110,13 @@ def planned_launch(jit_function, grid, args, kwargs, runtime=(), outputs=()):
     idempotent: launched again on the same arguments it writes the same bits to ``outputs`` (the names of the
     tensors it writes), which is how the direct launch is checked once, against the JIT launch before it."""
     names = jit_function.arg_names
-    positions = tuple(names.index(n) for n in runtime)
-    key = launch_key(jit_function, args, kwargs, positions)
+    positions = runtime_positions(jit_function, tuple(runtime))
+    device = torch.cuda.current_device()
+    key = launch_key(jit_function, args, kwargs, positions, device)
     plan = plans.PLANS.get(key) if key is not None else None
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    values = [args[i] for i in positions]
-    stream = current_stream(torch.cuda.current_device())
+    values = tuple(args[i] for i in positions)  # in runtime's order
+    stream = current_stream(device)
     if plan is not None and plan.state is CHECKED:
         plan.fast[0](stream, grid, values, *tensors)
         return
@@ -1139,5 +1152,5 @@ _PLANNED = {"skip_split": skip_split_call, "hopper": hopper_plan, "overlap": ove
 
 
 __all__ = ["KVCACHE", "SPLIT_KV", "attention_call", "autotuning", "kernel_config", "kvcache_plan", "launch_key",
-           "planned_launch", "run_attention", "run_kvcache", "skip_split_call", "split_call",
+           "planned_launch", "run_attention", "run_kvcache", "runtime_positions", "skip_split_call", "split_call",
            "unit_stride_d"]  # fmt: skip

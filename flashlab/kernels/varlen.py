@@ -246,7 +246,7 @@ def _first_bad(CU, B, TOTAL, MOST, BLOCK: tl.constexpr):
     return kind, column, value, limit
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("N0", "N1", "N2", "B", "TOTAL_Q", "TOTAL_K", "MOST_Q", "MOST_K"))
 def _check_boundaries(
     CU_Q, CU_K,  # the caller's boundaries, int32 (B + 1,) each
     SAFE,  # int32 (2 * (B + 1),): the boundaries the attention kernels walk (q's, then k's), written here
@@ -401,7 +401,7 @@ def _bwd_preprocess_varlen(
     tl.store(LSE2 + off_h.to(tl.int64) * TOTAL_Q + rows, lse2, mask=row_ok)
 
 
-BWD_RUNTIME = ("HQ", "HK", "GROUP", "TOTAL_Q", "win_left", "win_right")
+BWD_RUNTIME = ("stride_part", "HQ", "HK", "GROUP", "TOTAL_Q", "win_left", "win_right")
 
 
 # fmt: off
