@@ -753,17 +753,19 @@ def test_a_planned_launchs_key_splits_on_what_triton_specialises_only():
         a = list(args)
         for name, value in changes.items():
             a[names.index(name)] = value
-        return launches.launch_key(fn, a, {"BLOCK_M": 64}, positions, 0)
+        return launches.launch_key(fn, a, {"BLOCK_M": 64}, ("TOTAL_Q", "qk_scale"), 0)
 
     assert key(TOTAL_Q=17, qk_scale=0.1) == key(TOTAL_Q=32, qk_scale=0.3) == key(TOTAL_Q=1)
     assert key(TOTAL_Q=2**31) != key(TOTAL_Q=17)  # 64-bit
     assert key(stride_qm=16) != key(stride_qm=32)  # a fixed scalar: its value
     assert key(Q=t[1:]) != key()  # an address off 16 bytes
-    assert launches.launch_key(fn, args, {"BLOCK_M": 32}, positions, 0) != key()
-    specialised = launches.runtime_positions(varlen.bwd_dkdv_varlen, ("stride_qm",))
-    assert list(specialised.values()) == [True]
+    assert launches.launch_key(fn, args, {"BLOCK_M": 32}, ("TOTAL_Q", "qk_scale"), 0) != key()
+    specialised = ("stride_qm",)
+    assert list(launches.runtime_positions(fn, specialised).values()) == [True]
     a, b = list(args), list(args)
     a[names.index("stride_qm")], b[names.index("stride_qm")] = 17, 18
     assert launches.launch_key(fn, a, {}, specialised, 0) == launches.launch_key(fn, b, {}, specialised, 0)
     b[names.index("stride_qm")] = 32
     assert launches.launch_key(fn, a, {}, specialised, 0) != launches.launch_key(fn, b, {}, specialised, 0)
+    a[names.index("stride_qk" if "stride_qk" in names else "stride_qh")] = object()  # a scalar this cannot key
+    assert launches.launch_key(fn, a, {}, specialised, 0) is None

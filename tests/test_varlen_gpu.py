@@ -173,5 +173,5 @@ def test_calls_with_new_lengths_launch_directly_and_give_the_jits_bits(monkeypat
     jit_functions = (kernels.check_boundaries, kernels.attn_fwd_varlen, kernels.bwd_preprocess_varlen,
                      kernels.bwd_dkdv_varlen, kernels.bwd_dq_varlen)  # fmt: skip
     for fn in jit_functions:
-        states = [p.state for key, p in plans.PLANS.items() if key[0] == "planned" and key[1] is fn]
+        states = [p.state for key, p in plans.PLANS.items() if p.path == "planned" and key[0] is fn]
         assert plans.CHECKED in states, (fn, states)

@@ -1080,26 +1080,40 @@ def runtime_positions(jit_function, runtime: tuple) -> dict:
             for n in runtime}  # fmt: skip
 
 
-def launch_key(jit_function, args, kwargs, runtime_positions, device: int) -> tuple | None:
+@functools.cache
+def _key_positions(jit_function, runtime: tuple, kinds: tuple) -> tuple:
+    """For arguments of ``kinds`` (True: a tensor), positionally: the tensors' positions, the fixed scalars', and the
+    runtime ints' (specialised by Triton, not specialised)."""
+    positions = runtime_positions(jit_function, runtime)
+    tensors = tuple(i for i, tensor in enumerate(kinds) if tensor)
+    fixed = tuple(i for i, tensor in enumerate(kinds) if not tensor and i not in positions)
+    specialised = tuple(i for i, flag in positions.items() if flag)
+    unspecialised = tuple(i for i, flag in positions.items() if not flag)
+    return tensors, fixed, specialised, unspecialised
+
+
+def launch_key(jit_function, args, kwargs, runtime, device: int) -> tuple | None:
     """The plan key of ``jit_function[grid](*args, **kwargs)``: everything that picks its binary and the values a
     direct launch packs once -- each tensor's dtype and 16-byte alignment, every fixed scalar's value, for each
-    int at ``runtime_positions`` (``{position: specialised}``, given per launch) the class Triton specialises it on
-    (``_int_class``; only 32 or 64 bits where the kernel says ``do_not_specialize``), the constexprs and options.
-    ``device``: the CUDA device's index. None where an argument is of a kind this does not key."""
-    parts = []
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            parts.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif i in runtime_positions:
-            if not isinstance(a, int):
-                parts.append(type(a))
-            else:
-                parts.append(_int_class(a) if runtime_positions[i] else -(2**31) <= a < 2**31)
-        elif isinstance(a, (int, float, bool)) or a is None:
-            parts.append(a)
-        else:
-            return None
-    return ("planned", jit_function, device, tuple(parts), tuple(kwargs.items()))
+    runtime scalar (``runtime``: the names of those given per launch) the class Triton specialises an int on
+    (``_int_class``; only 32 or 64 bits where the kernel says ``do_not_specialize``; a float's type), the
+    constexprs and options. ``device``: the CUDA device's index. None where a scalar is of a kind this does not
+    key."""
+    kinds = tuple([type(a) not in _SCALAR_TYPES for a in args])  # (isinstance on a tensor is slow)
+    tensors, fixed, specialised, unspecialised = _key_positions(jit_function, runtime, kinds)
+    try:
+        ptrs = [args[i].data_ptr() for i in tensors]
+        dtypes = tuple([args[i].dtype for i in tensors])
+    except AttributeError:  # an argument neither a tensor nor a plain scalar
+        return None
+    aligned = tuple([p & 15 == 0 for p in ptrs])
+    classes = tuple([_int_class(args[i]) if type(args[i]) is int else type(args[i]) for i in specialised])
+    wide = tuple([type(args[i]) is not int or -(2**31) <= args[i] < 2**31 for i in unspecialised])
+    scalars = tuple([args[i] for i in fixed])
+    return (jit_function, device, kinds, dtypes, aligned, scalars, classes, wide, tuple(kwargs.items()))
+
+
+_SCALAR_TYPES = frozenset((int, float, bool, type(None)))
 
 
 def planned_launch(jit_function, grid, args, kwargs, runtime=(), outputs=()):
@@ -1110,11 +1124,12 @@ def planned_launch(jit_function, grid, args, kwargs, runtime=(), outputs=()):
     idempotent: launched again on the same arguments it writes the same bits to ``outputs`` (the names of the
     tensors it writes), which is how the direct launch is checked once, against the JIT launch before it."""
     names = jit_function.arg_names
-    positions = runtime_positions(jit_function, tuple(runtime))
+    runtime = tuple(runtime)
+    positions = runtime_positions(jit_function, runtime)
     device = torch.cuda.current_device()
-    key = launch_key(jit_function, args, kwargs, positions, device)
+    key = launch_key(jit_function, args, kwargs, runtime, device)
     plan = plans.PLANS.get(key) if key is not None else None
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    tensors = [a for a in args if type(a) not in _SCALAR_TYPES]
     values = tuple(args[i] for i in positions)  # in runtime's order
     stream = current_stream(device)
     if plan is not None and plan.state is CHECKED:
@@ -1128,7 +1143,7 @@ def planned_launch(jit_function, grid, args, kwargs, runtime=(), outputs=()):
     if plan.state is BUILT and kernel is not plan.binary:
         plan.state = OFF  # another binary under this key: it misses a specialisation
         return
-    tensor_names = [n for n, a in zip(names[: len(args)], args, strict=True) if isinstance(a, torch.Tensor)]
+    tensor_names = [n for n, a in zip(names[: len(args)], args, strict=True) if type(a) not in _SCALAR_TYPES]
     # the outputs in device memory (a record in page-locked host memory is written while the host reads on)
     written = [t for t in (args[names.index(n)] for n in outputs) if t.is_cuda]
 

@@ -44,8 +44,8 @@ for _ in range(5):
     forward().backward(do)
 torch.cuda.synchronize()
 for key, p in plans.PLANS.items():
-    if key[0] == "planned":
-        say(f"plan {key[1].fn.__name__}: {p.state}")
+    if p.path == "planned":
+        say(f"plan {key[0].fn.__name__}: {p.state}")
 say("forward: issued {:.0f} us, back to back {:.0f} us".format(*per_call(forward)))
 say("forward + backward: issued {:.0f} us, back to back {:.0f} us".format(*per_call(lambda: forward().backward(do))))
 
@@ -72,8 +72,7 @@ forward()
 varlen._launch = original
 grid, args, kwargs, runtime, outputs = captured[varlen.attn_fwd_varlen]
 fn = varlen.attn_fwd_varlen
-positions = launches.runtime_positions(fn, runtime)
-say(f"launch_key: {per_call(lambda: launches.launch_key(fn, args, kwargs, positions, 0), 2000)[0]:.1f} us")
+say(f"launch_key: {per_call(lambda: launches.launch_key(fn, args, kwargs, tuple(runtime), 0), 2000)[0]:.1f} us")
 say(f"current_stream: {per_call(lambda: current_stream(0), 2000)[0]:.1f} us")
 planned = per_call(lambda: launches.planned_launch(fn, grid, args, kwargs, runtime, outputs))
 say("planned_launch: issued {:.1f} us, back to back {:.1f} us".format(*planned))
