@@ -14,6 +14,7 @@ from flashlab import flash_attention_varlen
 from flashlab.bench.varlen import VarlenPlan, mix_lengths
 from flashlab.host import launches
 from flashlab.host import plan as plans
+from flashlab.host import varlen as host_varlen
 from flashlab.host.launcher import current_stream
 from flashlab.kernels import varlen
 
@@ -46,8 +47,16 @@ torch.cuda.synchronize()
 for key, p in plans.PLANS.items():
     if p.path == "planned":
         say(f"plan {key[0].fn.__name__}: {p.state}")
-say("forward: issued {:.0f} us, back to back {:.0f} us".format(*per_call(forward)))
-say("forward + backward: issued {:.0f} us, back to back {:.0f} us".format(*per_call(lambda: forward().backward(do))))
+# 40 calls: few enough launches that the driver's queue never fills (a full queue makes the host wait for the GPU)
+say("forward: issued {:.0f} us, back to back {:.0f} us".format(*per_call(forward, 40)))
+step = per_call(lambda: forward().backward(do), 40)
+say("forward + backward: issued {:.0f} us, back to back {:.0f} us".format(*step))
+o, lse = flash_attention_varlen(q, k, v, cu, cu, nmax, nmax, causal=True, return_lse=True)
+say(
+    "backward alone (varlen_backward): issued {:.0f} us, back to back {:.0f} us".format(
+        *per_call(lambda: host_varlen.varlen_backward(do, q, k, v, o, lse, cu, cu, nmax, nmax, True, None, None), 40)
+    )
+)
 
 # one forward launch, piece by piece
 captured = {}
