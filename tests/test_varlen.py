@@ -416,3 +416,22 @@ def test_the_device_check_reads_boundaries_across_several_of_its_blocks():
         assert not safe_q.any(), "bad boundaries: every sequence empty for the kernels"
         with pytest.raises(ValueError, match=message):
             raise_recorded(record, earlier=False)
+
+
+def test_a_new_batch_of_lengths_compiles_no_new_binary():
+    """Every int a varlen kernel takes per call (lengths, packed rows, the band, a stride that follows the totals)
+    is unspecialised: Triton would otherwise compile a new binary each time one of them changed its divisibility by
+    16, and the planned launches would not be shared across batches. Floats (the scales) are never specialised."""
+    kernels = {"forward": varlen.attn_fwd_varlen, "check": varlen.check_boundaries,
+               "preprocess": varlen.bwd_preprocess_varlen, "dkdv": varlen.bwd_dkdv_varlen,
+               "dq": varlen.bwd_dq_varlen}  # fmt: skip
+    floats = {"qk_scale", "dk_scale", "dq_scale"}
+    assert set(kernels) == set(varlen.PLANNED)
+    for name, fn in kernels.items():
+        runtime, outputs = varlen.PLANNED[name]
+        params = dict(zip(fn.arg_names, fn.params, strict=True))
+        for arg in runtime:
+            assert arg in params and not params[arg].is_constexpr, (name, arg)
+            if arg not in floats:
+                assert params[arg].do_not_specialize, f"{name}: {arg} is specialised"
+        assert all(out in params for out in outputs), name
