@@ -4,20 +4,23 @@ those that import one at load time, directly or through a module they import."""
 from __future__ import annotations
 
 import ast
+import functools
 
 from conftest import JUPYTER_TESTS, ROOT
 
 
-def _top_level_imports(path) -> set[str]:
+@functools.cache  # every test file's walk meets the same package modules: each is parsed once
+def _top_level_imports(path) -> frozenset[str]:
     names = set()
     for node in ast.parse(path.read_text(encoding="utf-8")).body:
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
-    return names
+    return frozenset(names)
 
 
+@functools.cache
 def _source(module: str):
     """The file of a flashlab module or of a module in tests/, or None for any other."""
     parts = module.split(".")
