@@ -1067,11 +1067,6 @@ def _overlap_jit(plan, call, overlap, q, k, v, o, lse):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _int_class(x: int) -> tuple:
-    """What Triton specialises an int argument on: 1, divisible by 16, 32 or 64 bits."""
-    return x == 1, x % 16 == 0, -(2**31) <= x < 2**31
-
-
 @functools.cache
 def runtime_positions(jit_function, runtime: tuple) -> dict:
     """{position: whether Triton specialises it} of the parameters named in ``runtime``."""
@@ -1092,14 +1087,19 @@ def _key_positions(jit_function, runtime: tuple, kinds: tuple) -> tuple:
     return tensors, fixed, specialised, unspecialised
 
 
-def launch_key(jit_function, args, kwargs, runtime, device: int) -> tuple | None:
+def _kinds(args) -> tuple:
+    """Per argument, whether it is a tensor (anything but a plain scalar; isinstance on a tensor is slow)."""
+    return tuple([type(a) not in _SCALAR_TYPES for a in args])
+
+
+def launch_key(jit_function, args, kwargs, runtime, device: int, kinds=None) -> tuple | None:
     """The plan key of ``jit_function[grid](*args, **kwargs)``: everything that picks its binary and the values a
     direct launch packs once -- each tensor's dtype and 16-byte alignment, every fixed scalar's value, for each
     runtime scalar (``runtime``: the names of those given per launch) the class Triton specialises an int on
-    (``_int_class``; only 32 or 64 bits where the kernel says ``do_not_specialize``; a float's type), the
-    constexprs and options. ``device``: the CUDA device's index. None where a scalar is of a kind this does not
-    key."""
-    kinds = tuple([type(a) not in _SCALAR_TYPES for a in args])  # (isinstance on a tensor is slow)
+    (``plan.int_class``; only its width, 32 or 64 bits, where the kernel says ``do_not_specialize``; else its
+    type), the constexprs and options. ``device``: the CUDA device's index; ``kinds``: ``_kinds(args)``, where
+    the caller has it. None where a scalar is of a kind this does not key."""
+    kinds = _kinds(args) if kinds is None else kinds
     tensors, fixed, specialised, unspecialised = _key_positions(jit_function, runtime, kinds)
     try:
         ptrs = [args[i].data_ptr() for i in tensors]
@@ -1107,8 +1107,8 @@ def launch_key(jit_function, args, kwargs, runtime, device: int) -> tuple | None
     except AttributeError:  # an argument neither a tensor nor a plain scalar
         return None
     aligned = tuple([p & 15 == 0 for p in ptrs])
-    classes = tuple([_int_class(args[i]) if type(args[i]) is int else type(args[i]) for i in specialised])
-    wide = tuple([type(args[i]) is not int or -(2**31) <= args[i] < 2**31 for i in unspecialised])
+    classes = tuple([plans.int_class(args[i]) if type(args[i]) is int else type(args[i]) for i in specialised])
+    wide = tuple([plans.int_class(args[i]) & 4 if type(args[i]) is int else type(args[i]) for i in unspecialised])
     scalars = tuple([args[i] for i in fixed])
     return (jit_function, device, kinds, dtypes, aligned, scalars, classes, wide, tuple(kwargs.items()))
 
@@ -1123,14 +1123,14 @@ def planned_launch(jit_function, grid, args, kwargs, runtime=(), outputs=()):
     of one binary). The kernel must take its tensors and scalars positionally, its constexprs by name, and be
     idempotent: launched again on the same arguments it writes the same bits to ``outputs`` (the names of the
     tensors it writes), which is how the direct launch is checked once, against the JIT launch before it."""
-    names = jit_function.arg_names
     runtime = tuple(runtime)
-    positions = runtime_positions(jit_function, runtime)
     device = torch.cuda.current_device()
-    key = launch_key(jit_function, args, kwargs, runtime, device)
+    kinds = _kinds(args)
+    tensor_positions = _key_positions(jit_function, runtime, kinds)[0]
+    key = launch_key(jit_function, args, kwargs, runtime, device, kinds)
     plan = plans.PLANS.get(key) if key is not None else None
-    tensors = [a for a in args if type(a) not in _SCALAR_TYPES]
-    values = tuple(args[i] for i in positions)  # in runtime's order
+    tensors = [args[i] for i in tensor_positions]
+    values = tuple(args[i] for i in runtime_positions(jit_function, runtime))  # in runtime's order
     stream = current_stream(device)
     if plan is not None and plan.state is CHECKED:
         plan.fast[0](stream, grid, values, *tensors)
@@ -1143,7 +1143,8 @@ def planned_launch(jit_function, grid, args, kwargs, runtime=(), outputs=()):
     if plan.state is BUILT and kernel is not plan.binary:
         plan.state = OFF  # another binary under this key: it misses a specialisation
         return
-    tensor_names = [n for n, a in zip(names[: len(args)], args, strict=True) if type(a) not in _SCALAR_TYPES]
+    names = jit_function.arg_names
+    tensor_names = [names[i] for i in tensor_positions]
     # the outputs in device memory (a record in page-locked host memory is written while the host reads on)
     written = [t for t in (args[names.index(n)] for n in outputs) if t.is_cuda]
 
