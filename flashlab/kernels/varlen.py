@@ -357,6 +357,7 @@ def launch(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                               group=hq // hk, nq=max(max_seqlen_q, 1), nk=max(max_seqlen_k, 1))  # fmt: skip
     grid = (cdiv(max_seqlen_q, config["BLOCK_M"]), b * hq)
     with torch.cuda.device(q.device):
+        # counting tiles adds into TILES: a launch that is not idempotent, so never a planned one
         _launch(_attn_fwd_varlen, grid, args, {**meta, **config}, launcher if tiles is None else None, "forward")
 
 
@@ -699,8 +700,8 @@ def backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
             _launch(_bwd_dkdv_varlen, dkdv_grid, dkdv_args, {**common, **dkdv_config}, launcher, "dkdv")
             _launch(_bwd_dq_varlen, dq_grid, dq_args, {**common, **dq_config}, launcher, "dq")
     if split > 1:  # the parts in one fixed order: the same gradients every run
-        torch.sum(dk_out, 0, out=dk) if dk.dtype == torch.float32 else dk.copy_(dk_out.sum(0))
-        torch.sum(dv_out, 0, out=dv) if dv.dtype == torch.float32 else dv.copy_(dv_out.sum(0))
+        dk.copy_(dk_out.sum(0))
+        dv.copy_(dv_out.sum(0))
     return dq, dk, dv
 
 
