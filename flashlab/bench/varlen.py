@@ -621,10 +621,27 @@ def mixed_batch_lengths(batch: MixedBatch, seed: int = 0) -> tuple[list[int], li
     return rows, lengths
 
 
-def run_mixed_batch(plan: VarlenPlan, batch: MixedBatch, device: str, meta: dict, seed: int = 0) -> list[dict]:
-    """One step of ``batch`` through ``flash_attention_with_kvcache``: in one launch (q packed ``(total_q, Hq,
-    D)`` with ``cu_seqlens_q``) and as separate calls (one per prefill chunk, one for all decode rows), both
-    checked against float64 per sequence on sampled rows, then timed; one row each."""
+@dataclass
+class MixedCase:
+    """One step of a mixed batch, ready to run: each sequence's new rows (``rows_of``) and cache length
+    (``lengths``), the packed q ``(total_q, Hq, D)`` and its boundaries (``bounds``), the paged cache (``kc``,
+    ``vc``, ``table``), and the step two ways: ``one_launch()`` (q packed, with ``cu_seqlens_q``) and
+    ``separate_calls()`` (one call per prefill chunk, one for all decode rows)."""
+
+    rows_of: list[int]
+    lengths: list[int]
+    bounds: list[int]
+    q: torch.Tensor
+    kc: torch.Tensor
+    vc: torch.Tensor
+    table: torch.Tensor
+    one_launch: Callable
+    separate_calls: Callable
+
+
+def mixed_batch_case(plan: VarlenPlan, batch: MixedBatch, device: str, seed: int = 0) -> MixedCase:
+    """``batch``'s step (``mixed_batch_lengths``) with random inputs of ``plan``'s heads, head dim and dtype, its
+    16-bit cache paged in ``batch.block_size``-token blocks, as a ``MixedCase``; the same for the same seed."""
     from flashlab.host import flash_attention_with_kvcache
     from flashlab.kernels.decode.kvcache import paged_kv_cache
 
@@ -656,6 +673,19 @@ def run_mixed_batch(plan: VarlenPlan, batch: MixedBatch, device: str, meta: dict
                                                      check_values=False))  # fmt: skip
         return outs
 
+    return MixedCase(rows_of, lengths, bounds, q, kc, vc, table, one_launch, separate_calls)
+
+
+def run_mixed_batch(plan: VarlenPlan, batch: MixedBatch, device: str, meta: dict, seed: int = 0) -> list[dict]:
+    """One step of ``batch`` through ``flash_attention_with_kvcache``: in one launch (q packed ``(total_q, Hq,
+    D)`` with ``cu_seqlens_q``) and as separate calls (one per prefill chunk, one for all decode rows), both
+    checked against float64 per sequence on sampled rows, then timed; one row each."""
+    case = mixed_batch_case(plan, batch, device, seed)
+    rows_of, lengths, bounds, q = case.rows_of, case.lengths, case.bounds, case.q
+    kc, vc, table = case.kc, case.vc, case.table
+    dtype, kv = DTYPES[plan.dtype], plan.heads if plan.kv_heads is None else plan.kv_heads
+    b, d, p = len(lengths), plan.head_dim, batch.prefills
+
     def per_sequence(name, out):  # sequence i's rows as (1, Hq, n, D)
         if name == "one_launch":
             return [out[bounds[i] : bounds[i + 1]].transpose(0, 1).unsqueeze(0) for i in range(b)]
@@ -671,7 +701,7 @@ def run_mixed_batch(plan: VarlenPlan, batch: MixedBatch, device: str, meta: dict
     del pool_k, pool_v
     flops = float(sum(plan.heads * 4 * d * sum(n_k - n_q + j + 1 for j in range(n_q))
                       for n_q, n_k in zip(rows_of, lengths, strict=True)))  # fmt: skip
-    steps, rows = {"one_launch": one_launch, "separate_calls": separate_calls}, []
+    steps, rows = {"one_launch": case.one_launch, "separate_calls": case.separate_calls}, []
     for name in MIXED_VARIANTS:
         row = dict(mix="mixed-batch", causal=True, direction="forward", variant=name, status="ok", reason=None,
                    exact=None, dtype=plan.dtype, heads=plan.heads, kv_heads=kv, head_dim=d, tokens=sum(rows_of),

@@ -16,43 +16,14 @@ import torch
 from probe_log import log_to
 from triton.testing import do_bench
 
-from flashlab.bench.varlen import MixedBatch, mixed_batch_lengths
-from flashlab.host import flash_attention_with_kvcache
+from flashlab.bench.varlen import MixedBatch, VarlenPlan, mixed_batch_case
 from flashlab.host import plan as plans
 from flashlab.kernels.decode import split_kv
-from flashlab.kernels.decode.kvcache import paged_kv_cache
 
 say = log_to(sys.argv[1])
 say(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}")
-batch = MixedBatch()
-rows_of, lengths = mixed_batch_lengths(batch)
-hq, hk, d = 16, 4, 128
-gen = torch.Generator().manual_seed(0)
-b, nmax = len(lengths), max(lengths)
-k, v = (torch.randn(b, hk, nmax, d, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
-kc, vc, table, seqlens = paged_kv_cache(k, v, batch.block_size, lengths=lengths)
-del k, v
-q = torch.randn(sum(rows_of), hq, d, generator=gen).to("cuda", torch.bfloat16)
-bounds = [0]
-for n in rows_of:
-    bounds.append(bounds[-1] + n)
-cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
-p = batch.prefills
-chunks = [q[bounds[i] : bounds[i + 1]].transpose(0, 1).unsqueeze(0).contiguous() for i in range(p)]
-q_decode = q[bounds[p] :].unsqueeze(2).contiguous()
-
-
-def one_launch():
-    return flash_attention_with_kvcache(q, kc, vc, seqlens, table, causal=True, cu_seqlens_q=cu,
-                                        max_seqlen_q=max(rows_of), check_values=False)  # fmt: skip
-
-
-def separate_calls():
-    outs = [flash_attention_with_kvcache(c, kc, vc, seqlens[i : i + 1], table[i : i + 1], causal=True,
-                                         check_values=False) for i, c in enumerate(chunks)]  # fmt: skip
-    outs.append(flash_attention_with_kvcache(q_decode, kc, vc, seqlens[p:], table[p:], causal=True,
-                                             check_values=False))  # fmt: skip
-    return outs
+case = mixed_batch_case(VarlenPlan(kv_heads=4), MixedBatch(), "cuda")  # 16 query / 4 K/V heads, D = 128, bf16
+one_launch, separate_calls = case.one_launch, case.separate_calls
 
 
 def fresh_plans():
