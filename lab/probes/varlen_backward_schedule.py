@@ -21,9 +21,10 @@ import time
 import torch
 from probe_log import log_to
 from triton.testing import do_bench
+from varlen_batch import issue_and_finish, lognormal_batch
 
 from flashlab import flash_attention_varlen
-from flashlab.bench.varlen import VarlenPlan, mix_lengths, torch_varlen_attn
+from flashlab.bench.varlen import torch_varlen_attn
 from flashlab.host import varlen as host_varlen
 
 say = log_to(sys.argv[1])
@@ -58,13 +59,7 @@ def use(schedule):
 
 
 def run_cell(tokens, d, causal, profile=False):
-    lengths = mix_lengths("log-normal", VarlenPlan(tokens=tokens), seed=0)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    nmax = max(lengths)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(tokens, 16, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    k, v = (torch.randn(tokens, 4, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_() for _ in "kv")
-    do = torch.randn_like(q)
+    q, k, v, do, cu, nmax = lognormal_batch(tokens, d)
 
     def step_theirs():
         theirs(q, k, v, cu, nmax, causal).backward(do)
@@ -94,14 +89,8 @@ def run_cell(tokens, d, causal, profile=False):
         use(SCHEDULES["default"])
         for _ in range(3):
             fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            fn()
-        issued = (time.perf_counter() - t0) / 20
-        torch.cuda.synchronize()
-        done = (time.perf_counter() - t0) / 20
-        say(f"  {label}: host issues a step in {issued * 1e6:.0f} us, a step takes {done * 1e6:.0f} us back to back")
+        issued, done = issue_and_finish(fn, 20)
+        say(f"  {label}: host issues a step in {issued:.0f} us, a step takes {done:.0f} us back to back")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 fn()

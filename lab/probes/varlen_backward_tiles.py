@@ -11,9 +11,10 @@ import time
 import torch
 from probe_log import log_to
 from triton.testing import do_bench
+from varlen_batch import lognormal_batch
 
 from flashlab import flash_attention_varlen
-from flashlab.bench.varlen import VarlenPlan, mix_lengths, torch_varlen_attn
+from flashlab.bench.varlen import torch_varlen_attn
 from flashlab.host import varlen as host_varlen
 
 say = log_to(sys.argv[1])
@@ -34,13 +35,7 @@ say(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime(
 
 
 def run_cell(tokens, d, causal):
-    lengths = mix_lengths("log-normal", VarlenPlan(tokens=tokens), seed=0)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    nmax = max(lengths)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(tokens, 16, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    k, v = (torch.randn(tokens, 4, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_() for _ in "kv")
-    do = torch.randn_like(q)
+    q, k, v, do, cu, nmax = lognormal_batch(tokens, d)
 
     def step_theirs():
         theirs(q, k, v, cu, nmax, causal).backward(do)

@@ -8,21 +8,15 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 
 import torch
 from probe_log import log_to
+from varlen_batch import issue_and_finish, lognormal_batch
 
 from flashlab import flash_attention_varlen
-from flashlab.bench.varlen import VarlenPlan, mix_lengths
 
 say = log_to(sys.argv[1])
-lengths = mix_lengths("log-normal", VarlenPlan(tokens=16384), seed=0)
-cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-nmax = max(lengths)
-q = torch.randn(16384, 16, 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
-k, v = (torch.randn(16384, 4, 64, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in "kv")
-do = torch.randn_like(q)
+q, k, v, do, cu, nmax = lognormal_batch(16384, 64)
 
 
 def forward():
@@ -36,14 +30,8 @@ def step():
 for label, fn in (("forward", forward), ("forward + backward", step)):
     for _ in range(5):
         fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(50):
-        fn()
-    issued = (time.perf_counter() - t0) / 50
-    torch.cuda.synchronize()
-    done = (time.perf_counter() - t0) / 50
-    say(f"{label}: the host issues one in {issued * 1e6:.0f} us; back to back one takes {done * 1e6:.0f} us")
+    issued, done = issue_and_finish(fn, 50)
+    say(f"{label}: the host issues one in {issued:.0f} us; back to back one takes {done:.0f} us")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(50):
