@@ -745,7 +745,7 @@ def test_a_planned_launchs_key_splits_on_what_triton_specialises_only():
     names = fn.arg_names
     positions = launches.runtime_positions(fn, ("TOTAL_Q", "qk_scale"))
     assert list(positions) == [names.index("TOTAL_Q"), names.index("qk_scale")]
-    assert positions[names.index("TOTAL_Q")] is False  # a float is never specialised: its flag is not read
+    assert positions[names.index("TOTAL_Q")] is False  # do_not_specialize (qk_scale's flag is not read: a float)
     t = torch.zeros(64)
     args = [t] * names.index("stride_qm") + [1] * (names.index("HEAD_DIM") - names.index("stride_qm"))
     args[names.index("qk_scale")] = 0.5
@@ -768,5 +768,5 @@ def test_a_planned_launchs_key_splits_on_what_triton_specialises_only():
     assert launches.launch_key(fn, a, {}, specialised, 0) == launches.launch_key(fn, b, {}, specialised, 0)
     b[names.index("stride_qm")] = 32
     assert launches.launch_key(fn, a, {}, specialised, 0) != launches.launch_key(fn, b, {}, specialised, 0)
-    a[names.index("stride_qk" if "stride_qk" in names else "stride_qh")] = object()  # a scalar this cannot key
+    a[names.index("stride_qh")] = object()  # a scalar this cannot key
     assert launches.launch_key(fn, a, {}, specialised, 0) is None
