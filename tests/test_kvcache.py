@@ -152,6 +152,30 @@ def test_chunked_prefill_longer_than_a_row_block():
     check(q, kc, vc, seqlens, table)
 
 
+def test_many_rows_split_the_key_loop_at_the_band_and_still_mask_its_edges():
+    # 64 query rows x group 4 = 256 packed rows (TALL_ROWS): the key loop runs in three, the tiles inside every
+    # row's band unmasked. Windows put masked tiles on both sides of the unmasked ones; a length shorter than Nq
+    # leaves rows that see nothing; a bad entry inside the unmasked tiles still turns the sequence to NaN without
+    # a read outside the pool (its neighbours exact)
+    from flashlab.host.plan import PLANS, kvcache_signature
+    from flashlab.kernels.decode import kvcache
+
+    q, kc, vc, seqlens, table = paged_case(
+        7, b=3, hq=4, hk=1, nq=64, d=16, bs=16, dtype=torch.float32, max_len=190, lengths=[190, 101, 40]
+    )
+    assert 4 * 64 == kvcache.TALL_ROWS
+    for causal, window in ((True, None), (False, None), (True, (70, 0)), (False, (40, 30))):
+        check(q, kc, vc, seqlens, table, causal=causal, window=window)
+    args = PLANS[kvcache_signature(q, kc, vc, seqlens, table, False, (40, 30), None)].args
+    assert args.meta["SPLIT_BAND"]
+    bad = table.clone()
+    bad[0, 2] = 10**6  # keys 32..47 of sequence 0: inside every row's band (causal, 190 keys, 64 rows)
+    o = flash_attention_with_kvcache(q, kc, vc, seqlens, bad, causal=True, check_values=False)
+    assert torch.isnan(o[0]).all()
+    ro, _ = reference(q[1:], kc, vc, seqlens[1:], table[1:], True, None)
+    torch.testing.assert_close(o[1:].double(), ro, rtol=1e-5, atol=1e-5)
+
+
 def test_block_size_that_is_not_a_power_of_two():
     q, kc, vc, seqlens, table = paged_case(4, b=2, hq=2, hk=2, nq=2, d=16, bs=48, dtype=torch.float16, max_len=100)
     check(q, kc, vc, seqlens, table, causal=True)

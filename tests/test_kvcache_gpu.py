@@ -40,6 +40,36 @@ def test_chunked_prefill_against_a_long_cache(causal):
     check(*on_gpu(*case), causal=causal)
 
 
+def slabs(cache, table, seqlens, capacity):
+    """A paged cache's sequences copied into one zero-padded slab each: ``(B, capacity, Hk, D)``."""
+    out = cache.new_zeros(len(seqlens), capacity, *cache.shape[2:])
+    for i, n in enumerate(seqlens.tolist()):
+        out[i, :n] = gather(cache, table[i], n)[0].transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chunked_prefill_takes_tall_row_blocks_from_the_threshold(dtype):
+    # GROUP = 4: 63 query rows make 252 packed rows (64-row blocks, the decode tiles), 64 make 256 (TALL_ROWS:
+    # 128-row blocks of eight warps); both match float64, causal, windowed and not, in 16-token blocks and a
+    # contiguous cache
+    from flashlab.host.plan import PLANS, kvcache_signature
+    from flashlab.kernels.decode import kvcache
+
+    for nq, tall in ((kvcache.TALL_ROWS // 4 - 1, False), (kvcache.TALL_ROWS // 4, True), (700, True)):
+        for bs in (16, 0):
+            q, kc, vc, seqlens, table = on_gpu(*paged_case(10 + nq, b=3, hq=32, hk=8, nq=nq, d=128, bs=16,
+                                                           dtype=dtype, max_len=5000, zero=False))  # fmt: skip
+            if bs == 0:  # the same keys as one slab a sequence (B, capacity, Hk, D), no table
+                kc, vc = (slabs(x, table, seqlens, 5008) for x in (kc, vc))
+                table = None
+            for causal, window in ((True, None), (False, None), (True, (700, 0))):
+                check(q, kc, vc, seqlens, table, causal=causal, window=window)
+            args = PLANS[kvcache_signature(q, kc, vc, seqlens, table, True, (700, 0), None)].args
+            assert (args.meta["BLOCK_M"] == kvcache.TALL_BLOCK_M) == tall, (nq, args.meta)
+            assert (args.meta["num_warps"] == kvcache.TALL_CONFIG[1]) if tall else args.meta["BLOCK_M"] == 64
+
+
 def test_contiguous_cache_and_odd_head_dim():
     g = torch.Generator(device="cuda").manual_seed(3)
     kc, vc = torch.randn(2, 3, 5000, 2, 80, device="cuda", generator=g).to(torch.float16).unbind(0)

@@ -626,7 +626,7 @@ class MixedCase:
     """One step of a mixed batch, ready to run: each sequence's new rows (``rows_of``) and cache length
     (``lengths``), the packed q ``(total_q, Hq, D)`` and its boundaries (``bounds``), the paged cache (``kc``,
     ``vc``, ``table``), and the step two ways: ``one_launch()`` (q packed, with ``cu_seqlens_q``) and
-    ``separate_calls()`` (one call per prefill chunk, one for all decode rows)."""
+    ``separate_calls()`` (one call per prefill chunk, one for all decode rows, each in ``calls`` with a label)."""
 
     rows_of: list[int]
     lengths: list[int]
@@ -637,6 +637,7 @@ class MixedCase:
     table: torch.Tensor
     one_launch: Callable
     separate_calls: Callable
+    calls: list[tuple[str, Callable]]
 
 
 def mixed_batch_case(plan: VarlenPlan, batch: MixedBatch, device: str, seed: int = 0) -> MixedCase:
@@ -665,15 +666,19 @@ def mixed_batch_case(plan: VarlenPlan, batch: MixedBatch, device: str, seed: int
         return flash_attention_with_kvcache(q, kc, vc, seqlens, table, causal=True, cu_seqlens_q=cu,
                                             max_seqlen_q=max(rows_of), check_values=False)  # fmt: skip
 
-    def separate_calls():
-        outs = [flash_attention_with_kvcache(c, kc, vc, seqlens[i : i + 1], table[i : i + 1], causal=True,
-                                             check_values=False) for i, c in enumerate(chunks)]  # fmt: skip
-        if batch.decodes:
-            outs.append(flash_attention_with_kvcache(q_decode, kc, vc, seqlens[p:], table[p:], causal=True,
-                                                     check_values=False))  # fmt: skip
-        return outs
+    def chunk_call(i):
+        return lambda: flash_attention_with_kvcache(chunks[i], kc, vc, seqlens[i : i + 1], table[i : i + 1],
+                                                    causal=True, check_values=False)  # fmt: skip
 
-    return MixedCase(rows_of, lengths, bounds, q, kc, vc, table, one_launch, separate_calls)
+    calls = [(f"prefill chunk of {rows_of[i]} rows over {lengths[i]} keys", chunk_call(i)) for i in range(p)]
+    if batch.decodes:
+        calls.append((f"{batch.decodes} decode rows", lambda: flash_attention_with_kvcache(
+            q_decode, kc, vc, seqlens[p:], table[p:], causal=True, check_values=False)))  # fmt: skip
+
+    def separate_calls():
+        return [call() for _, call in calls]
+
+    return MixedCase(rows_of, lengths, bounds, q, kc, vc, table, one_launch, separate_calls, calls)
 
 
 def run_mixed_batch(plan: VarlenPlan, batch: MixedBatch, device: str, meta: dict, seed: int = 0) -> list[dict]:

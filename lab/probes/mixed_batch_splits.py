@@ -18,7 +18,7 @@ from triton.testing import do_bench
 
 from flashlab.bench.varlen import MixedBatch, VarlenPlan, mixed_batch_case
 from flashlab.host import plan as plans
-from flashlab.kernels.decode import split_kv
+from flashlab.kernels.decode import kvcache, split_kv
 
 say = log_to(sys.argv[1])
 say(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}")
@@ -34,18 +34,26 @@ def fresh_plans():
 
 separate_ms = do_bench(separate_calls, rep=300)
 say(f"separate calls: {separate_ms:.3f} ms")
+for what, call in case.calls:  # each separate call alone: where the separate calls' time goes
+    say(f"  {what}: {do_bench(call, rep=100):.3f} ms")
 choose = split_kv.choose_splits
 expect = one_launch()
-for splits in (None, 2, 4, 8):
+block_m, small = split_kv.packed_block_m, kvcache.SMALL_BLOCK_CONFIG
+for splits, tiles in ((None, None), (2, None), (4, None), (8, None), (16, None), (None, (128, 8)), (4, (128, 8))):
     fresh_plans()
     if splits is not None:
         split_kv.choose_splits = lambda units, band_keys, sms, programs_per_sm=None, s=splits: s
+    if tiles is not None:  # taller row blocks (more warps) for every sequence of the launch
+        split_kv.packed_block_m = lambda rows, m=tiles[0]: m
+        kvcache.SMALL_BLOCK_CONFIG = (small[0], tiles[1], small[2])
     try:
         out = one_launch()
         err = ((out.float() - expect.float()).abs().max() / expect.float().abs().max()).item()
         ms = do_bench(one_launch, rep=300)
-        label = "the planner's" if splits is None else f"{splits}"
+        label = ("the planner's" if splits is None else f"{splits}") + (
+            "" if tiles is None else f", {tiles[0]}-row blocks, {tiles[1]} warps"
+        )
         say(f"one launch, keys in {label} chunks: {ms:.3f} ms, separate / one {separate_ms / ms:.3f}x, "
             f"max error against the default {err:.1e}")  # fmt: skip
     finally:
-        split_kv.choose_splits = choose
+        split_kv.choose_splits, split_kv.packed_block_m, kvcache.SMALL_BLOCK_CONFIG = choose, block_m, small

@@ -126,6 +126,62 @@ def e4m3_to_float16(x):
 
 # fmt: off
 @triton.jit
+def _cache_tile(Q, q, acc, m_i, l_i, start_n, k_head, v_head, table, diag, win_left, win_right, hi, NUM_PAGES,
+                score_scale, offs_n, offs_d, d_ok, stride_kp, stride_ks, stride_vp, stride_vs,
+                PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                DOT_UPCAST: tl.constexpr, KV_SCALED: tl.constexpr, MASKED: tl.constexpr):
+    # fmt: on
+    """One key tile, keys ``[start_n, start_n + BLOCK_N)``, of ``_kvcache_partial``'s loop: its K and V tiles
+    found through the block table, one online-softmax step, ``(acc, m_i, l_i)`` updated. ``MASKED``: the tile
+    crosses the band's edge or the last key, so each score is masked to the band and to keys whose table entry
+    lies in the pool; without it every row sees every key of the tile. Either way a table entry outside the pool
+    is never followed (its keys load as zeros), and the scan after the loop turns the sequence's rows to NaN."""
+    cols = start_n + offs_n  # (BLOCK_N,) logical key positions in the sequence
+    # -- where the tile's keys live: (page, slot) for each key
+    if PAGE_SIZE == 0:  # one slab per sequence: k_head, v_head point into it
+        page = tl.zeros([], dtype=tl.int64)
+        slot = cols
+    elif PAGE_SIZE % BLOCK_N == 0:  # the tile lies inside one block: one table entry
+        page = tl.load(table + start_n // PAGE_SIZE).to(tl.int64)
+        slot = start_n % PAGE_SIZE + offs_n
+    else:  # the tile spans several blocks: one table entry per key
+        page = tl.load(table + cols // PAGE_SIZE, mask=cols < hi, other=0).to(tl.int64)
+        slot = cols % PAGE_SIZE
+    if PAGE_SIZE == 0:
+        key_ok = cols < hi
+    elif PAGE_SIZE % BLOCK_N == 0:  # one entry for the tile: a bad one hides the whole tile
+        key_ok = cols < tl.where((page >= 0) & (page < NUM_PAGES), hi, 0)
+    else:
+        key_ok = (cols < hi) & (page >= 0) & (page < NUM_PAGES)
+    k_off = page * stride_kp + slot * stride_ks  # (BLOCK_N,) or broadcast scalar page
+    v_off = page * stride_vp + slot * stride_vs
+    # -- K tile: BLOCK_N * D * bytes(dtype), read once for all GROUP query heads
+    k = tl.load(k_head + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & key_ok[None, :], other=0.0)
+    if DOT_UPCAST:
+        k = k.to(tl.float32)
+    elif KV_SCALED:  # e4m3 -> float16, exactly: the dot runs on the tensor cores with 16-bit inputs
+        k = k.to(tl.float16)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+    if MASKED:
+        visible = softmax_step.band_mask(diag, cols, win_left, win_right, hi) & key_ok[None, :]
+        s = tl.where(visible, s * score_scale, float("-inf"))
+    else:
+        s = s * score_scale
+    p, m_new, alpha, l_i = softmax_step.online_softmax_step(s, m_i, l_i)
+    # -- V tile: BLOCK_N * D * bytes(dtype)
+    v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_UPCAST:
+        v = v.to(tl.float32)
+    elif KV_SCALED:
+        v = e4m3_to_float16(v)
+    acc = acc * alpha[:, None]
+    p = p.to(tl.float16 if KV_SCALED and not DOT_UPCAST else Q.dtype.element_ty)  # P enters in q's dtype
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+# fmt: off
+@triton.jit
 def _kvcache_partial(
     Q, K, V, BLOCK_TABLE, SEQLENS,  # q; the K/V cache; the block table (unused when PAGE_SIZE == 0); lengths
     K_DESCALE, V_DESCALE,  # with KV_SCALED: float32 scales of the 8-bit cache per (sequence, K/V head); else unused
@@ -159,6 +215,7 @@ def _kvcache_partial(
     MERGE_GROUP: tl.constexpr,  # chunks per group of the merge's tree; 0: one level (softmax_step.finish_chunk)
     RAGGED_Q: tl.constexpr = False,  # q packed (total_q, Hq, D), each sequence's rows found through CU_SEQLENS_Q
     KV_SCALED: tl.constexpr = False,  # an 8-bit cache: K, V float8 e4m3, their scales in K_DESCALE, V_DESCALE
+    SPLIT_BAND: tl.constexpr = False,  # the key loop in three: the tiles inside every row's band unmasked
 ):
     # fmt: on
     pid_s = tl.program_id(0)  # which chunk of keys
@@ -199,6 +256,9 @@ def _kvcache_partial(
         q = q.to(tl.float32)
     k_head = K + off_hk.to(tl.int64) * stride_kh
     v_head = V + off_hk.to(tl.int64) * stride_vh
+    if PAGE_SIZE == 0:  # no block table: the sequence's own slab of the cache
+        k_head += off_b.to(tl.int64) * stride_kp
+        v_head += off_b.to(tl.int64) * stride_vp
     table = BLOCK_TABLE + off_b.to(tl.int64) * stride_tb
     score_scale = qk_scale
     if KV_SCALED:  # this (sequence, K/V head)'s scales: two float32 loads for the whole chunk
@@ -239,47 +299,38 @@ def _kvcache_partial(
     lo = tl.maximum(lo, 0) // BLOCK_N * BLOCK_N
     diag = qi + offset
 
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n  # (BLOCK_N,) logical key positions in the sequence
-        # -- where the tile's keys live: (page, slot) for each key
-        if PAGE_SIZE == 0:  # one slab per sequence
-            page = off_b.to(tl.int64)
-            slot = cols
-        elif PAGE_SIZE % BLOCK_N == 0:  # the tile lies inside one block: one table entry
-            page = tl.load(table + start_n // PAGE_SIZE).to(tl.int64)
-            slot = start_n % PAGE_SIZE + offs_n
-        else:  # the tile spans several blocks: one table entry per key
-            page = tl.load(table + cols // PAGE_SIZE, mask=cols < hi, other=0).to(tl.int64)
-            slot = cols % PAGE_SIZE
-        # a table entry outside the pool is never followed: its keys are masked (and found by the scan below)
-        if PAGE_SIZE == 0:
-            key_ok = cols < hi
-        elif PAGE_SIZE % BLOCK_N == 0:  # one entry for the tile: a bad one hides the whole tile
-            key_ok = cols < tl.where((page >= 0) & (page < NUM_PAGES), hi, 0)
-        else:
-            key_ok = (cols < hi) & (page >= 0) & (page < NUM_PAGES)
-        k_off = page * stride_kp + slot * stride_ks  # (BLOCK_N,) or broadcast scalar page
-        v_off = page * stride_vp + slot * stride_vs
-        # -- K tile: BLOCK_N * D * bytes(dtype), read once for all GROUP query heads
-        k = tl.load(k_head + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & key_ok[None, :], other=0.0)
-        if DOT_UPCAST:
-            k = k.to(tl.float32)
-        elif KV_SCALED:  # e4m3 -> float16, exactly: the dot runs on the tensor cores with 16-bit inputs
-            k = k.to(tl.float16)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
-        visible = softmax_step.band_mask(diag, cols, win_left, win_right, hi) & key_ok[None, :]
-        s = tl.where(visible, s * score_scale, float("-inf"))
-        p, m_new, alpha, l_i = softmax_step.online_softmax_step(s, m_i, l_i)
-        # -- V tile: BLOCK_N * D * bytes(dtype)
-        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-        if DOT_UPCAST:
-            v = v.to(tl.float32)
-        elif KV_SCALED:
-            v = e4m3_to_float16(v)
-        acc = acc * alpha[:, None]
-        p = p.to(tl.float16 if KV_SCALED and not DOT_UPCAST else Q.dtype.element_ty)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if SPLIT_BAND:
+        # tiles that every row of the block sees whole, [mid_lo, mid_hi), need no mask: a causal prefill chunk's
+        # tiles before its diagonal. The band's edge tiles, before and after, are masked
+        full_lo = qi_hi + offset - win_left  # the first key every row sees
+        full_hi = tl.minimum(qi_lo + offset + win_right + 1, hi)  # past the last key every row sees
+        mid_lo = tl.minimum(tl.maximum(lo, (full_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N), hi)
+        mid_hi = tl.maximum(mid_lo, full_hi // BLOCK_N * BLOCK_N)
+        for start_n in range(lo, mid_lo, BLOCK_N):
+            acc, m_i, l_i = _cache_tile(
+                Q, q, acc, m_i, l_i, start_n, k_head, v_head, table, diag, win_left, win_right, hi, NUM_PAGES,
+                score_scale, offs_n, offs_d, d_ok, stride_kp, stride_ks, stride_vp, stride_vs,
+                PAGE_SIZE, BLOCK_N, DOT_PRECISION, DOT_UPCAST, KV_SCALED, MASKED=True,
+            )  # fmt: skip
+        for start_n in range(mid_lo, mid_hi, BLOCK_N):
+            acc, m_i, l_i = _cache_tile(
+                Q, q, acc, m_i, l_i, start_n, k_head, v_head, table, diag, win_left, win_right, hi, NUM_PAGES,
+                score_scale, offs_n, offs_d, d_ok, stride_kp, stride_ks, stride_vp, stride_vs,
+                PAGE_SIZE, BLOCK_N, DOT_PRECISION, DOT_UPCAST, KV_SCALED, MASKED=False,
+            )  # fmt: skip
+        for start_n in range(mid_hi, hi, BLOCK_N):
+            acc, m_i, l_i = _cache_tile(
+                Q, q, acc, m_i, l_i, start_n, k_head, v_head, table, diag, win_left, win_right, hi, NUM_PAGES,
+                score_scale, offs_n, offs_d, d_ok, stride_kp, stride_ks, stride_vp, stride_vs,
+                PAGE_SIZE, BLOCK_N, DOT_PRECISION, DOT_UPCAST, KV_SCALED, MASKED=True,
+            )  # fmt: skip
+    else:  # one loop, every tile masked: three loops cost the small-block kernel registers (docs/decode.md)
+        for start_n in range(lo, hi, BLOCK_N):
+            acc, m_i, l_i = _cache_tile(
+                Q, q, acc, m_i, l_i, start_n, k_head, v_head, table, diag, win_left, win_right, hi, NUM_PAGES,
+                score_scale, offs_n, offs_d, d_ok, stride_kp, stride_ks, stride_vp, stride_vs,
+                PAGE_SIZE, BLOCK_N, DOT_PRECISION, DOT_UPCAST, KV_SCALED, MASKED=True,
+            )  # fmt: skip
     if KV_SCALED:  # acc = sum_j p_j (v_scale * v8_j) = v_scale * sum_j p_j v8_j: one multiply per row, after the loop
         acc = acc * tl.where(v_scale_bad, 1.0, v_scale)
 
@@ -345,6 +396,17 @@ SMALL_BLOCK_TREE_PROGRAMS_PER_SM = 2
 # with two stages) (docs/decode.md).
 EIGHT_BIT_CONFIG = (64, 4, 3)
 EIGHT_BIT_SMALL_BLOCK_CONFIG = (128, 4, 3)
+# A launch whose sequences hold many query rows (chunked prefill against a cache, a mixed batch's prefill chunks)
+# is bound by its products, not by streaming the cache. From TALL_ROWS packed rows a sequence (query heads of a
+# group x query rows) its key loop is split in three (SPLIT_BAND): the tiles inside every row's band skip the
+# mask. With 16-bit inputs on a GPU its row blocks are also TALL_BLOCK_M rows of TALL_CONFIG's eight warps, twice
+# the decode blocks' rows for each key tile loaded. On an H100 the mixed batch of
+# ``python -m flashlab.bench --mode varlen --mixed-batch`` ran 1.12x faster with the split loop and 1.86x with
+# both (docs/decode.md); decode's own launches keep one masked loop (three cost the small-block kernel 13-20 %).
+TALL_ROWS = 256
+TALL_BLOCK_M = 128
+TALL_CONFIG = (128, 8, 2)
+TALL_PROGRAMS_PER_SM = 1  # its tiles' 160 KB of shared memory: the keys are cut into chunks for one program an SM
 
 kvcache_partial_tuned = triton.autotune(
     configs=[
@@ -368,7 +430,8 @@ class KVCacheArguments:
     keys. Blocks smaller than ``SMALL_BLOCK_TOKENS`` tokens (16-bit inputs on a GPU) take ``SMALL_BLOCK_CONFIG``
     and fold their chunks in one level, or the tree at ``SMALL_BLOCK_TREE_PROGRAMS_PER_SM`` programs an SM past
     ``split_kv.MAX_FOLD_SPLITS`` chunks. An 8-bit cache on a GPU takes ``EIGHT_BIT_CONFIG`` (or, in small blocks,
-    ``EIGHT_BIT_SMALL_BLOCK_CONFIG``).
+    ``EIGHT_BIT_SMALL_BLOCK_CONFIG``). A 16-bit launch on a GPU with at least ``TALL_ROWS`` packed rows a sequence
+    takes ``TALL_BLOCK_M``-row blocks and ``TALL_CONFIG``, its keys cut for ``TALL_PROGRAMS_PER_SM``.
 
     ``ragged`` ``(B, max_seqlen_q)`` says q is packed ``(total_q, Hq, D)``, sequence b's rows found on the device
     through ``cu_seqlens_q`` (``RAGGED_Q``): the row blocks and chunks are cut for ``max_seqlen_q`` rows a sequence,
@@ -394,13 +457,16 @@ class KVCacheArguments:
         hk = k_cache.shape[2]
         group = hq // hk
         rows = group * nq
-        block_m = split_kv.packed_block_m(rows)
+        split_band = rows >= TALL_ROWS  # the products bound it: the tiles inside the band skip the mask
+        tall = split_band and q.is_cuda and q.element_size() == 2 and descales is None
+        block_m = TALL_BLOCK_M if tall else split_kv.packed_block_m(rows)
         row_blocks = cdiv(rows, block_m)
         sms = sm_count(device_index(q)) if q.is_cuda else split_kv.CPU_SM_COUNT
         small_blocks = q.is_cuda and q.element_size() == 2 and 0 < page_size < SMALL_BLOCK_TOKENS
-        num_splits = split_kv.choose_splits(b * hk * row_blocks, capacity, sms)
+        per_sm = TALL_PROGRAMS_PER_SM if tall else split_kv.PROGRAMS_PER_SM
+        num_splits = split_kv.choose_splits(b * hk * row_blocks, capacity, sms, programs_per_sm=per_sm)
         tree = not small_blocks or num_splits > split_kv.MAX_FOLD_SPLITS
-        if small_blocks and tree:  # more chunks than one program folds: the tree, at its registers' occupancy
+        if small_blocks and tree and not tall:  # more chunks than a fold takes: the tree, at its registers' occupancy
             per_sm = SMALL_BLOCK_TREE_PROGRAMS_PER_SM
             num_splits = split_kv.choose_splits(b * hk * row_blocks, capacity, sms, programs_per_sm=per_sm)
         keys_per_split, num_splits = split_kv.split_keys(capacity, num_splits)
@@ -430,9 +496,12 @@ class KVCacheArguments:
             DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda),
             RAGGED_Q=ragged is not None,
             KV_SCALED=descales is not None,
+            SPLIT_BAND=split_band,
         )
-        fixed = None  # tiles fixed without the table: an 8-bit cache's, small blocks'
-        if descales is not None and q.is_cuda:
+        fixed = None  # tiles fixed without the table: tall blocks', an 8-bit cache's, small blocks'
+        if tall:
+            fixed = TALL_CONFIG
+        elif descales is not None and q.is_cuda:
             fixed = EIGHT_BIT_SMALL_BLOCK_CONFIG if small_blocks else EIGHT_BIT_CONFIG
         elif small_blocks:
             fixed = SMALL_BLOCK_CONFIG
@@ -533,6 +602,10 @@ __all__ = [
     "SCALE_V",
     "EIGHT_BIT_CONFIG",
     "EIGHT_BIT_SMALL_BLOCK_CONFIG",
+    "TALL_BLOCK_M",
+    "TALL_CONFIG",
+    "TALL_PROGRAMS_PER_SM",
+    "TALL_ROWS",
     "SMALL_BLOCK_CONFIG",
     "SMALL_BLOCK_TOKENS",
     "SMALL_BLOCK_TREE_PROGRAMS_PER_SM",
