@@ -96,13 +96,35 @@ def decode_step(q, kc, vc, table, seqlens):
 
 expect = run_set("default")
 decode_cells("default")
-if hasattr(kvcache, "TALL_CONFIG") and "--no-variants" not in sys.argv:
-    saved = kvcache.TALL_CONFIG, kvcache.TALL_PROGRAMS_PER_SM, kvcache.TALL_ROWS
-    variants = (((64, 8, 2), 2, None), ((64, 8, 3), 1, None), ((128, 8, 2), 1, 10**9))
-    for config, per_sm, tall_rows in variants:
-        kvcache.TALL_CONFIG, kvcache.TALL_PROGRAMS_PER_SM = config, per_sm
-        kvcache.TALL_ROWS = saved[2] if tall_rows is None else tall_rows
-        tag = "no tall blocks" if tall_rows else f"tall {config}, {per_sm} an SM"
+
+
+def report_binaries():
+    """Registers, spills and shared memory of every KV-cache binary compiled so far (Triton's JIT cache)."""
+    for device_cache in getattr(kvcache.kvcache_partial, "device_caches", {}).values():
+        kernels = device_cache[0] if isinstance(device_cache, tuple) else device_cache
+        for kernel in kernels.values():
+            try:
+                kernel._init_handles()
+            except Exception:  # noqa: BLE001 - older Tritons load on first launch
+                pass
+            say(
+                f"binary {kernel.metadata.name}: {kernel.n_regs} registers, {kernel.n_spills} spilled, "
+                f"{kernel.metadata.shared} bytes of shared memory, {kernel.metadata.num_warps} warps"
+            )
+
+
+report_binaries()
+VARIANTS = (  # (tag, overrides of kvcache's constants)
+    ("no short blocks", {"SHORT_BLOCK_M": 10**6}),
+    ("tall (64, 8, 2), 2 an SM", {"TALL_CONFIG": (64, 8, 2), "TALL_PROGRAMS_PER_SM": 2}),
+)
+if "--no-variants" not in sys.argv:
+    for tag, overrides in VARIANTS:
+        if not all(hasattr(kvcache, name) for name in overrides):
+            continue
+        saved = {name: getattr(kvcache, name) for name in overrides}
+        for name, value in overrides.items():
+            setattr(kvcache, name, value)
         try:
             ms, out = timed(f"[{tag}] mixed batch, one launch", case.one_launch, expect)
             separate_ms, _ = timed(f"[{tag}] mixed batch, separate calls", case.separate_calls)
@@ -110,4 +132,5 @@ if hasattr(kvcache, "TALL_CONFIG") and "--no-variants" not in sys.argv:
             call, flops = chunked_prefill(1024, 16384, 16)
             timed(f"[{tag}] chunked prefill, 1024 rows over 16384 keys, 16-token blocks", call, flops=flops)
         finally:
-            kvcache.TALL_CONFIG, kvcache.TALL_PROGRAMS_PER_SM, kvcache.TALL_ROWS = saved
+            for name, value in saved.items():
+                setattr(kvcache, name, value)

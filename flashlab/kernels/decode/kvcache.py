@@ -182,55 +182,21 @@ def _cache_tile(Q, q, acc, m_i, l_i, start_n, k_head, v_head, table, diag, win_l
 
 # fmt: off
 @triton.jit
-def _kvcache_partial(
-    Q, K, V, BLOCK_TABLE, SEQLENS,  # q; the K/V cache; the block table (unused when PAGE_SIZE == 0); lengths
-    K_DESCALE, V_DESCALE,  # with KV_SCALED: float32 scales of the 8-bit cache per (sequence, K/V head); else unused
-    CU_SEQLENS_Q,  # with RAGGED_Q: (B + 1,) int32, sequence b's query rows are q[cu[b]:cu[b + 1]]; else unused
-    O_PART, LSE_PART, O, LSE,  # partial outputs (fp32) and lse (log2) per chunk; the output and its lse
-    COUNTERS,  # int32, one per (sequence, K/V head, row block): chunks finished; zero between launches
-    ERRORS,  # int32 error record (ERROR_FIELDS): the first bad length or table entry a program meets
-    stride_qb, stride_qh, stride_qm,  # strides (elements) of q over batch, head, row; D has stride 1 (RAGGED_Q:
-                                      # q is (total_q, Hq, D), its batch stride unused)
-    stride_kp, stride_ks, stride_kh,  # K over (page, slot in page, head): a block, or a sequence without a table
-    stride_vp, stride_vs, stride_vh,
-    stride_tb,  # block table row stride
-    stride_ob, stride_oh, stride_om,  # the output, written only with DIRECT
-    HQ, HK, GROUP, NQ,  # query heads, K/V heads, query heads per K/V head, query length (RAGGED_Q: the longest)
-    NUM_PAGES, CAPACITY,  # blocks in the pool, keys a sequence can hold: a bad entry or length is reported
-    win_left, win_right,  # the band: query i sees keys [i + offset - win_left, i + offset + win_right]
-    keys_per_split, NUM_SPLITS,  # each chunk's keys: [split * keys_per_split, (split + 1) * keys_per_split)
-    qk_scale,  # softmax scale * log2(e)
-    TOTAL_Q,  # with RAGGED_Q: q's rows, all sequences together (lse is (Hq, total_q)); else unused
-    stride_ksb, stride_ksh, stride_vsb, stride_vsh,  # the descales' strides over (sequence, K/V head): 0 broadcasts
-    TUNE_KEY_N, TUNE_KEY_UNITS,  # only read by the autotuner (its cache key)
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # packed query rows per program: (query head in the group, query position)
-    BLOCK_N: tl.constexpr,  # keys per inner-loop step
-    PAGE_SIZE: tl.constexpr,  # tokens per cache block; 0: no block table, the page is the whole sequence
-    DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
-    DIRECT: tl.constexpr,  # one chunk: normalise and write o and lse here, no partials, no counter
-    MERGE_HERE: tl.constexpr,  # several chunks: the last to finish merges them (else split_kv_merge does)
-    MERGE_GROUP: tl.constexpr,  # chunks per group of the merge's tree; 0: one level (softmax_step.finish_chunk)
-    RAGGED_Q: tl.constexpr = False,  # q packed (total_q, Hq, D), each sequence's rows found through CU_SEQLENS_Q
-    KV_SCALED: tl.constexpr = False,  # an 8-bit cache: K, V float8 e4m3, their scales in K_DESCALE, V_DESCALE
-    SPLIT_BAND: tl.constexpr = False,  # the key loop in three: the tiles inside every row's band unmasked
+def _attend_rows(
+    Q, K, V, BLOCK_TABLE, SEQLENS, K_DESCALE, V_DESCALE, O_PART, LSE_PART, O, LSE, COUNTERS, ERRORS,
+    stride_qb, stride_qh, stride_qm, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_tb,
+    stride_ob, stride_oh, stride_om, HQ, GROUP, NQ, NUM_PAGES, CAPACITY, win_left, win_right, keys_per_split,
+    NUM_SPLITS, qk_scale, TOTAL_Q, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+    pid_s, pid_bk, off_b, off_hk, pid_m, q_start, nq,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, DIRECT: tl.constexpr,
+    MERGE_HERE: tl.constexpr, MERGE_GROUP: tl.constexpr, RAGGED_Q: tl.constexpr, KV_SCALED: tl.constexpr,
+    SPLIT_BAND: tl.constexpr,
 ):
     # fmt: on
-    pid_s = tl.program_id(0)  # which chunk of keys
-    pid_bk = tl.program_id(1)  # which (sequence, K/V head)
-    pid_m = tl.program_id(2)  # which block of packed rows
-    off_b = pid_bk // HK
-    off_hk = pid_bk % HK
-    if RAGGED_Q:  # this sequence's own query rows: q[q_start : q_start + nq]
-        q_start = tl.load(CU_SEQLENS_Q + off_b)
-        nq = tl.load(CU_SEQLENS_Q + off_b + 1) - q_start
-        if pid_m * BLOCK_M >= GROUP * nq:  # a block of rows past this sequence's rows (all of them for nq = 0)
-            return
-    else:
-        q_start = 0
-        nq = NQ
+    """One program's work in ``_kvcache_partial`` (whose parameters these are): block ``pid_m`` of ``BLOCK_M``
+    packed rows of sequence ``off_b``'s query rows ``q[q_start : q_start + nq]`` (uniform: ``nq = NQ``) against
+    its K/V head ``off_hk``'s keys in chunk ``pid_s``; writes the chunk's partial result, or the merged answer."""
     seqlen = tl.load(SEQLENS + off_b)  # this sequence's length, as given
     length_bad = (seqlen < 0) | (seqlen > CAPACITY)
     nk = tl.minimum(tl.maximum(seqlen, 0), CAPACITY)  # clamped: the keys read never leave the sequence's blocks
@@ -374,6 +340,90 @@ def _kvcache_partial(
                               MERGE_HERE, MERGE_GROUP)
 
 
+# fmt: off
+@triton.jit
+def _kvcache_partial(
+    Q, K, V, BLOCK_TABLE, SEQLENS,  # q; the K/V cache; the block table (unused when PAGE_SIZE == 0); lengths
+    K_DESCALE, V_DESCALE,  # with KV_SCALED: float32 scales of the 8-bit cache per (sequence, K/V head); else unused
+    CU_SEQLENS_Q,  # with RAGGED_Q: (B + 1,) int32, sequence b's query rows are q[cu[b]:cu[b + 1]]; else unused
+    O_PART, LSE_PART, O, LSE,  # partial outputs (fp32) and lse (log2) per chunk; the output and its lse
+    COUNTERS,  # int32, one per (sequence, K/V head, row block): chunks finished; zero between launches
+    ERRORS,  # int32 error record (ERROR_FIELDS): the first bad length or table entry a program meets
+    stride_qb, stride_qh, stride_qm,  # strides (elements) of q over batch, head, row; D has stride 1 (RAGGED_Q:
+                                      # q is (total_q, Hq, D), its batch stride unused)
+    stride_kp, stride_ks, stride_kh,  # K over (page, slot in page, head): a block, or a sequence without a table
+    stride_vp, stride_vs, stride_vh,
+    stride_tb,  # block table row stride
+    stride_ob, stride_oh, stride_om,  # the output, written only with DIRECT
+    HQ, HK, GROUP, NQ,  # query heads, K/V heads, query heads per K/V head, query length (RAGGED_Q: the longest)
+    NUM_PAGES, CAPACITY,  # blocks in the pool, keys a sequence can hold: a bad entry or length is reported
+    win_left, win_right,  # the band: query i sees keys [i + offset - win_left, i + offset + win_right]
+    keys_per_split, NUM_SPLITS,  # each chunk's keys: [split * keys_per_split, (split + 1) * keys_per_split)
+    qk_scale,  # softmax scale * log2(e)
+    TOTAL_Q,  # with RAGGED_Q: q's rows, all sequences together (lse is (Hq, total_q)); else unused
+    stride_ksb, stride_ksh, stride_vsb, stride_vsh,  # the descales' strides over (sequence, K/V head): 0 broadcasts
+    TUNE_KEY_N, TUNE_KEY_UNITS,  # only read by the autotuner (its cache key)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # packed query rows per program: (query head in the group, query position)
+    BLOCK_N: tl.constexpr,  # keys per inner-loop step
+    PAGE_SIZE: tl.constexpr,  # tokens per cache block; 0: no block table, the page is the whole sequence
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    DIRECT: tl.constexpr,  # one chunk: normalise and write o and lse here, no partials, no counter
+    MERGE_HERE: tl.constexpr,  # several chunks: the last to finish merges them (else split_kv_merge does)
+    MERGE_GROUP: tl.constexpr,  # chunks per group of the merge's tree; 0: one level (softmax_step.finish_chunk)
+    RAGGED_Q: tl.constexpr = False,  # q packed (total_q, Hq, D), each sequence's rows found through CU_SEQLENS_Q
+    KV_SCALED: tl.constexpr = False,  # an 8-bit cache: K, V float8 e4m3, their scales in K_DESCALE, V_DESCALE
+    SPLIT_BAND: tl.constexpr = False,  # the key loop in three: the tiles inside every row's band unmasked
+    SHORT_M: tl.constexpr = 0,  # RAGGED_Q: a sequence of at most SHORT_M packed rows takes SHORT_M-row blocks
+):
+    # fmt: on
+    pid_s = tl.program_id(0)  # which chunk of keys
+    pid_bk = tl.program_id(1)  # which (sequence, K/V head)
+    pid_m = tl.program_id(2)  # which block of packed rows
+    off_b = pid_bk // HK
+    off_hk = pid_bk % HK
+    if RAGGED_Q:  # this sequence's own query rows: q[q_start : q_start + nq]
+        q_start = tl.load(CU_SEQLENS_Q + off_b)
+        nq = tl.load(CU_SEQLENS_Q + off_b + 1) - q_start
+        if pid_m * BLOCK_M >= GROUP * nq:  # a block of rows past this sequence's rows (all of them for nq = 0)
+            return
+    else:
+        q_start = 0
+        nq = NQ
+    if SHORT_M == 0:  # one block height for every sequence
+        _attend_rows(
+            Q, K, V, BLOCK_TABLE, SEQLENS, K_DESCALE, V_DESCALE, O_PART, LSE_PART, O, LSE, COUNTERS, ERRORS,
+            stride_qb, stride_qh, stride_qm, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            stride_tb, stride_ob, stride_oh, stride_om, HQ, GROUP, NQ, NUM_PAGES, CAPACITY, win_left, win_right,
+            keys_per_split, NUM_SPLITS, qk_scale, TOTAL_Q, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+            pid_s, pid_bk, off_b, off_hk, pid_m, q_start, nq,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, DOT_PRECISION, DOT_UPCAST, DIRECT, MERGE_HERE, MERGE_GROUP,
+            RAGGED_Q, KV_SCALED, SPLIT_BAND,
+        )  # fmt: skip
+    elif GROUP * nq <= SHORT_M:  # a decode row (or a few) in a launch whose blocks are cut for long chunks
+        _attend_rows(
+            Q, K, V, BLOCK_TABLE, SEQLENS, K_DESCALE, V_DESCALE, O_PART, LSE_PART, O, LSE, COUNTERS, ERRORS,
+            stride_qb, stride_qh, stride_qm, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            stride_tb, stride_ob, stride_oh, stride_om, HQ, GROUP, NQ, NUM_PAGES, CAPACITY, win_left, win_right,
+            keys_per_split, NUM_SPLITS, qk_scale, TOTAL_Q, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+            pid_s, pid_bk, off_b, off_hk, pid_m, q_start, nq,
+            HEAD_DIM, BLOCK_D, SHORT_M, BLOCK_N, PAGE_SIZE, DOT_PRECISION, DOT_UPCAST, DIRECT, MERGE_HERE, MERGE_GROUP,
+            RAGGED_Q, KV_SCALED, False,
+        )  # fmt: skip
+    else:
+        _attend_rows(
+            Q, K, V, BLOCK_TABLE, SEQLENS, K_DESCALE, V_DESCALE, O_PART, LSE_PART, O, LSE, COUNTERS, ERRORS,
+            stride_qb, stride_qh, stride_qm, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            stride_tb, stride_ob, stride_oh, stride_om, HQ, GROUP, NQ, NUM_PAGES, CAPACITY, win_left, win_right,
+            keys_per_split, NUM_SPLITS, qk_scale, TOTAL_Q, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+            pid_s, pid_bk, off_b, off_hk, pid_m, q_start, nq,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, DOT_PRECISION, DOT_UPCAST, DIRECT, MERGE_HERE, MERGE_GROUP,
+            RAGGED_Q, KV_SCALED, SPLIT_BAND,
+        )  # fmt: skip
+
+
 # (BLOCK_N, num_warps, num_stages): a subset of split_kv's space (its pruning applies), small enough that a decode
 # grid's first calls do not spend a minute compiling; fp32 inputs take split_kv's fp32 configs. Two stages suit
 # small blocks (a tile then spans several, each a table lookup away): on the H200, 16-token blocks with 128-key
@@ -407,6 +457,10 @@ TALL_ROWS = 256
 TALL_BLOCK_M = 128
 TALL_CONFIG = (128, 8, 2)
 TALL_PROGRAMS_PER_SM = 1  # its tiles' 160 KB of shared memory: the keys are cut into chunks for one program an SM
+# In a ragged launch whose row blocks are cut for long chunks, a sequence of at most SHORT_BLOCK_M packed rows (a
+# decode row's query heads) takes a block of SHORT_BLOCK_M rows instead (SHORT_M, the same grid): its products
+# on the rows it has, not on a tall block's worth of padding.
+SHORT_BLOCK_M = 16
 
 kvcache_partial_tuned = triton.autotune(
     configs=[
@@ -497,6 +551,7 @@ class KVCacheArguments:
             RAGGED_Q=ragged is not None,
             KV_SCALED=descales is not None,
             SPLIT_BAND=split_band,
+            SHORT_M=SHORT_BLOCK_M if ragged is not None and block_m > SHORT_BLOCK_M else 0,
         )
         fixed = None  # tiles fixed without the table: tall blocks', an 8-bit cache's, small blocks'
         if tall:
@@ -604,6 +659,7 @@ __all__ = [
     "EIGHT_BIT_SMALL_BLOCK_CONFIG",
     "TALL_BLOCK_M",
     "TALL_CONFIG",
+    "SHORT_BLOCK_M",
     "TALL_PROGRAMS_PER_SM",
     "TALL_ROWS",
     "SMALL_BLOCK_CONFIG",
