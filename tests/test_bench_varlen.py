@@ -248,6 +248,14 @@ def test_the_bar_lines_read_the_long_tailed_cells_only():
     )
 
 
+def test_the_mixed_batch_bar_line_shows_a_ratio_just_under_the_bar_as_under_it():
+    row = dict(_bar_row("separate_calls", 5.4, mix="mixed-batch"), varlen_speedup=5.4 / 4.508)  # 1.1979
+    lines = varlen.bar_lines([row])
+    assert lines == ["mixed batch, D = 128: separate prefill and decode calls / one launch 1.198x; bar >= 1.2: FAIL"]
+    row["varlen_speedup"] = 1.2
+    assert varlen.bar_lines([row])[0].endswith("one launch 1.200x; bar >= 1.2: PASS")
+
+
 def test_several_batch_sizes_and_head_dims_are_listed_in_turn(capsys):
     argv = ["--mode", "varlen", "--device", "cuda", "--dry-run", "--mixes", "log-normal", "--tokens", "16384,65536",
             "--head-dim", "64,128", "--kv-heads", "4"]  # fmt: skip

@@ -381,7 +381,10 @@ def _kvcache_partial(
     # fmt: on
     pid_s = tl.program_id(0)  # which chunk of keys
     pid_bk = tl.program_id(1)  # which (sequence, K/V head)
-    pid_m = tl.program_id(2)  # which block of packed rows
+    # which block of packed rows, the last first: the GPU starts a grid's programs in order, and a block of later
+    # rows is the heavier (a causal row sees more keys; in a ragged launch the last blocks belong to the longest
+    # chunks), so the heavy blocks start first and the light ones fill the SMs at the end
+    pid_m = tl.num_programs(2) - 1 - tl.program_id(2)
     off_b = pid_bk // HK
     off_hk = pid_bk % HK
     if RAGGED_Q:  # this sequence's own query rows: q[q_start : q_start + nq]
