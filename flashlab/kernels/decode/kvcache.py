@@ -28,6 +28,13 @@ longest sequence's rows (``max_seqlen_q``), serves every split of the rows: a bl
 sequence's ``GROUP * rows`` exits at once, and the masks align to the sequence's end with its own row count. o is
 ``(total_q, Hq, D)`` and lse ``(Hq, total_q)``, as FlashAttention's variable-length calls return them.
 
+Decode rows and prefill chunks want different blocks of rows. A decode step's few rows wait on the cache's bytes;
+a chunk of hundreds of rows waits on its products, and each key tile it loads buys more of them the more rows
+share it. So a launch with at least ``TALL_ROWS`` packed rows a sequence takes ``TALL_BLOCK_M``-row blocks on a GPU
+and splits its key loop at the band (``SPLIT_BAND``: the tiles every row sees whole skip the mask); in a ragged
+launch its short sequences (a decode row's heads) take ``SHORT_BLOCK_M``-row blocks in the same grid
+(``SHORT_M``); and the row blocks run from the last, so the heaviest start first.
+
 A bad block table or length never makes the kernel read outside the pool, and never gives a quiet wrong answer.
 A length outside ``[0, capacity]`` is clamped to it, and a table entry outside ``[0, num_blocks)`` is never
 followed; either way the program that meets it writes NaN into its partial output, so every output row of that
