@@ -466,7 +466,7 @@ EIGHT_BIT_SMALL_BLOCK_CONFIG = (128, 4, 3)
 TALL_ROWS = 256
 TALL_BLOCK_M = 128
 TALL_CONFIG = (128, 8, 2)
-TALL_PROGRAMS_PER_SM = 1  # its tiles' 160 KB of shared memory: the keys are cut into chunks for one program an SM
+TALL_PROGRAMS_PER_SM = 1  # 255 registers a thread and 161 KB of shared memory (H100): the keys are cut for one an SM
 # In a ragged launch whose row blocks are cut for long chunks, a sequence of at most SHORT_BLOCK_M packed rows (a
 # decode row's query heads) takes a block of SHORT_BLOCK_M rows instead (SHORT_M, the same grid): its products
 # on the rows it has, not on a tall block's worth of padding.
