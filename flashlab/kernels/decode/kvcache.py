@@ -402,36 +402,27 @@ def _kvcache_partial(
     else:
         q_start = 0
         nq = NQ
-    if SHORT_M == 0:  # one block height for every sequence
-        _attend_rows(
-            Q, K, V, BLOCK_TABLE, SEQLENS, K_DESCALE, V_DESCALE, O_PART, LSE_PART, O, LSE, COUNTERS, ERRORS,
-            stride_qb, stride_qh, stride_qm, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            stride_tb, stride_ob, stride_oh, stride_om, HQ, GROUP, NQ, NUM_PAGES, CAPACITY, win_left, win_right,
-            keys_per_split, NUM_SPLITS, qk_scale, TOTAL_Q, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-            pid_s, pid_bk, off_b, off_hk, pid_m, q_start, nq,
-            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, DOT_PRECISION, DOT_UPCAST, DIRECT, MERGE_HERE, MERGE_GROUP,
-            RAGGED_Q, KV_SCALED, SPLIT_BAND,
-        )  # fmt: skip
-    elif GROUP * nq <= SHORT_M:  # a decode row (or a few) in a launch whose blocks are cut for long chunks
-        _attend_rows(
-            Q, K, V, BLOCK_TABLE, SEQLENS, K_DESCALE, V_DESCALE, O_PART, LSE_PART, O, LSE, COUNTERS, ERRORS,
-            stride_qb, stride_qh, stride_qm, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            stride_tb, stride_ob, stride_oh, stride_om, HQ, GROUP, NQ, NUM_PAGES, CAPACITY, win_left, win_right,
-            keys_per_split, NUM_SPLITS, qk_scale, TOTAL_Q, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-            pid_s, pid_bk, off_b, off_hk, pid_m, q_start, nq,
-            HEAD_DIM, BLOCK_D, SHORT_M, BLOCK_N, PAGE_SIZE, DOT_PRECISION, DOT_UPCAST, DIRECT, MERGE_HERE, MERGE_GROUP,
-            RAGGED_Q, KV_SCALED, False,
-        )  # fmt: skip
-    else:
-        _attend_rows(
-            Q, K, V, BLOCK_TABLE, SEQLENS, K_DESCALE, V_DESCALE, O_PART, LSE_PART, O, LSE, COUNTERS, ERRORS,
-            stride_qb, stride_qh, stride_qm, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            stride_tb, stride_ob, stride_oh, stride_om, HQ, GROUP, NQ, NUM_PAGES, CAPACITY, win_left, win_right,
-            keys_per_split, NUM_SPLITS, qk_scale, TOTAL_Q, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-            pid_s, pid_bk, off_b, off_hk, pid_m, q_start, nq,
-            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, DOT_PRECISION, DOT_UPCAST, DIRECT, MERGE_HERE, MERGE_GROUP,
-            RAGGED_Q, KV_SCALED, SPLIT_BAND,
-        )  # fmt: skip
+    if SHORT_M > 0:
+        if GROUP * nq <= SHORT_M:  # a decode row (or a few) in a launch whose blocks are cut for long chunks
+            _attend_rows(
+                Q, K, V, BLOCK_TABLE, SEQLENS, K_DESCALE, V_DESCALE, O_PART, LSE_PART, O, LSE, COUNTERS, ERRORS,
+                stride_qb, stride_qh, stride_qm, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                stride_tb, stride_ob, stride_oh, stride_om, HQ, GROUP, NQ, NUM_PAGES, CAPACITY, win_left, win_right,
+                keys_per_split, NUM_SPLITS, qk_scale, TOTAL_Q, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+                pid_s, pid_bk, off_b, off_hk, pid_m, q_start, nq,
+                HEAD_DIM, BLOCK_D, SHORT_M, BLOCK_N, PAGE_SIZE, DOT_PRECISION, DOT_UPCAST, DIRECT, MERGE_HERE,
+                MERGE_GROUP, RAGGED_Q, KV_SCALED, False,
+            )  # fmt: skip
+            return
+    _attend_rows(
+        Q, K, V, BLOCK_TABLE, SEQLENS, K_DESCALE, V_DESCALE, O_PART, LSE_PART, O, LSE, COUNTERS, ERRORS,
+        stride_qb, stride_qh, stride_qm, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+        stride_tb, stride_ob, stride_oh, stride_om, HQ, GROUP, NQ, NUM_PAGES, CAPACITY, win_left, win_right,
+        keys_per_split, NUM_SPLITS, qk_scale, TOTAL_Q, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+        pid_s, pid_bk, off_b, off_hk, pid_m, q_start, nq,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, DOT_PRECISION, DOT_UPCAST, DIRECT, MERGE_HERE, MERGE_GROUP,
+        RAGGED_Q, KV_SCALED, SPLIT_BAND,
+    )  # fmt: skip
 
 
 # (BLOCK_N, num_warps, num_stages): a subset of split_kv's space (its pruning applies), small enough that a decode
