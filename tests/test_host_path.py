@@ -49,6 +49,19 @@ def test_a_signature_is_planned_once(monkeypatch, nq):
     assert len(made) >= 1 and made[-1][3] is False
 
 
+def test_forget_drops_the_kept_plans_and_the_next_call_plans_again(monkeypatch):
+    from flashlab.host import plan
+
+    q, k, v = make_qkv(1, 4, 2, 1, 45, 16, torch.float32, seed=7)
+    flash_attention(q, k, v, causal=True, scale=0.3)
+    assert plan.PLANS and plan.CALLS
+    plan.forget()
+    assert not plan.PLANS and not plan.CALLS and not plan.FAMILIES
+    made = count_plans(monkeypatch)
+    flash_attention(q, k, v, causal=True, scale=0.3)
+    assert len(made) == 1
+
+
 def test_single_chunk_decode_writes_the_output_directly():
     q, k, v = make_qkv(2, 4, 2, 1, 100, 16, torch.float32, seed=3)
     o, lse = forward.forward(q, k, v, False, None, None)

@@ -130,6 +130,14 @@ class Call:
         return self.plan.path
 
 
+def forget() -> None:
+    """Drop every kept plan, call and family: each signature's next call plans afresh, reading the kernels' tile
+    constants again (what a probe that changes them between timings needs)."""
+    PLANS.clear()
+    CALLS.clear()
+    FAMILIES.clear()
+
+
 def remember(key, plan: Plan) -> Plan:
     """Keep ``plan`` under the key ``key`` (None: a signature that cannot be hashed exactly, not kept)."""
     if key is not None:
@@ -290,5 +298,6 @@ def kvcache_signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, w
 
 
 __all__ = ["BUILT", "CALLS", "CHECKED", "Call", "FAMILIES", "MAX_CALLS", "MAX_FAMILIES", "MAX_PLANS", "OFF", "PLANS",
-           "Plan", "UNTRIED", "family_key", "int_class", "int_classes", "kvcache_signature", "mask_kind", "mask_name",
-           "met_before", "planned", "remember", "remember_call", "remember_family", "signature", "wide"]  # fmt: skip
+           "Plan", "UNTRIED", "family_key", "forget", "int_class", "int_classes", "kvcache_signature", "mask_kind",
+           "mask_name", "met_before", "planned", "remember", "remember_call", "remember_family", "signature",
+           "wide"]  # fmt: skip

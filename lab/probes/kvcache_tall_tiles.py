@@ -27,12 +27,6 @@ say(f"{label}: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
 case = mixed_batch_case(VarlenPlan(kv_heads=4), MixedBatch(), "cuda")  # 16 query / 4 K/V heads, D = 128, bf16
 
 
-def fresh_plans():
-    plans.PLANS.clear()
-    plans.CALLS.clear()
-    plans.FAMILIES.clear()
-
-
 def relative_error(out, expect):
     return ((out.float() - expect.float()).abs().max() / expect.float().abs().max()).item()
 
@@ -49,7 +43,7 @@ def chunked_prefill(rows, keys, block_size, b=1, hq=16, hk=4, d=128, seed=0):
 
 
 def timed(what, call, expect=None, flops=None):
-    fresh_plans()
+    plans.forget()
     out = call()
     ms = do_bench(call, rep=200)
     err = "" if expect is None else f", max error against the default {relative_error(out, expect):.1e}"

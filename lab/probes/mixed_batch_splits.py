@@ -26,12 +26,6 @@ case = mixed_batch_case(VarlenPlan(kv_heads=4), MixedBatch(), "cuda")  # 16 quer
 one_launch, separate_calls = case.one_launch, case.separate_calls
 
 
-def fresh_plans():
-    plans.PLANS.clear()
-    plans.CALLS.clear()
-    plans.FAMILIES.clear()
-
-
 separate_ms = do_bench(separate_calls, rep=300)
 say(f"separate calls: {separate_ms:.3f} ms")
 for what, call in case.calls:  # each separate call alone: where the separate calls' time goes
@@ -40,7 +34,7 @@ choose = split_kv.choose_splits
 expect = one_launch()
 block_m, small = split_kv.packed_block_m, kvcache.SMALL_BLOCK_CONFIG
 for splits, tiles in ((None, None), (2, None), (4, None), (8, None), (16, None), (None, (128, 8)), (4, (128, 8))):
-    fresh_plans()
+    plans.forget()
     if splits is not None:
         split_kv.choose_splits = lambda units, band_keys, sms, programs_per_sm=None, s=splits: s
     if tiles is not None:  # taller row blocks (more warps) for every sequence of the launch
