@@ -20,10 +20,8 @@ import time
 
 import torch
 from probe_log import log_to
-from triton.testing import do_bench
-from varlen_batch import issue_and_finish, lognormal_batch
+from varlen_batch import TrainingCell, issue_and_finish, tile_config
 
-from flashlab import flash_attention_varlen
 from flashlab.bench.varlen import torch_varlen_attn
 from flashlab.host import varlen as host_varlen
 
@@ -52,34 +50,21 @@ def use(schedule):
         extra = dict(schedule[0] if kernel == "dkdv" else schedule[1])
         tiles = extra.pop("tiles", None)
         if tiles is not None:
-            base = {"BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "num_warps": tiles[2], "num_stages": tiles[3]}
+            base = tile_config(tiles)
         return {**base, **extra}
 
     host_varlen.backward_config = config
 
 
 def run_cell(tokens, d, causal, profile=False):
-    q, k, v, do, cu, nmax = lognormal_batch(tokens, d)
-
-    def step_theirs():
-        theirs(q, k, v, cu, nmax, causal).backward(do)
-
-    def step():
-        flash_attention_varlen(q, k, v, cu, cu, nmax, nmax, causal=causal).backward(do)
-
-    step_theirs()
-    ref = [x.grad.clone() for x in (q, k, v)]
-    ms_ref = do_bench(step_theirs, rep=200, grad_to_none=[q, k, v])
-    row = [f"{tokens // 1024}K D{d} {'causal' if causal else 'full'}: varlen_attn {ms_ref * 1e3:6.0f}"]
+    cell = TrainingCell(theirs, tokens, d, causal)
+    step, step_theirs, ms_ref = cell.step, cell.step_theirs, cell.ms_ref
+    row = [f"{cell.label}: varlen_attn {ms_ref * 1e3:6.0f}"]
     speedups = {}
     for name, schedule in SCHEDULES.items():
         use(schedule)
-        for x in (q, k, v):
-            x.grad = None
-        step()
-        err = max(((x.grad.float() - r.float()).abs().max() / r.float().abs().max()).item()
-                  for x, r in zip((q, k, v), ref, strict=True))  # fmt: skip
-        ms = do_bench(step, rep=200, grad_to_none=[q, k, v])
+        err = cell.error()
+        ms = cell.time(step)
         row.append(f"{name} {ms * 1e3:6.0f} x{ms_ref / ms:.2f} e{err:.0e}")
         speedups[name] = ms_ref / ms if err < 0.05 else 0.0
     say(" | ".join(row))

@@ -10,18 +10,12 @@ import time
 
 import torch
 from probe_log import log_to
-from triton.testing import do_bench
-from varlen_batch import lognormal_batch
+from varlen_batch import TrainingCell, tile_config
 
-from flashlab import flash_attention_varlen
 from flashlab.bench.varlen import torch_varlen_attn
 from flashlab.host import varlen as host_varlen
 
 say = log_to(sys.argv[1])
-
-
-def cfg(t):
-    return {"BLOCK_M": t[0], "BLOCK_N": t[1], "num_warps": t[2], "num_stages": t[3]}
 
 
 CANDIDATES = {
@@ -35,27 +29,13 @@ say(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime(
 
 
 def run_cell(tokens, d, causal):
-    q, k, v, do, cu, nmax = lognormal_batch(tokens, d)
-
-    def step_theirs():
-        theirs(q, k, v, cu, nmax, causal).backward(do)
-
-    def step():
-        flash_attention_varlen(q, k, v, cu, cu, nmax, nmax, causal=causal).backward(do)
-
-    step_theirs()
-    ref = [x.grad.clone() for x in (q, k, v)]
-    ms_ref = do_bench(step_theirs, rep=200, grad_to_none=[q, k, v])
-    row = [f"{tokens // 1024}K D{d} {'causal' if causal else 'full'}: varlen_attn {ms_ref * 1e3:7.0f}"]
+    cell = TrainingCell(theirs, tokens, d, causal)
+    row = [f"{cell.label}: varlen_attn {cell.ms_ref * 1e3:7.0f}"]
     for dkdv, dq in CANDIDATES[d]:
-        host_varlen.backward_config = lambda kernel, q_, a=dkdv, b=dq: cfg(a if kernel == "dkdv" else b)
-        for x in (q, k, v):
-            x.grad = None
-        step()
-        err = max(((x.grad.float() - r.float()).abs().max() / r.float().abs().max()).item()
-                  for x, r in zip((q, k, v), ref, strict=True))  # fmt: skip
-        ms = do_bench(step, rep=200, grad_to_none=[q, k, v])
-        row.append(f"dkdv {dkdv} dq {dq}: {ms * 1e3:7.0f} us x{ms_ref / ms:.2f} err {err:.0e}")
+        host_varlen.backward_config = lambda kernel, q_, a=dkdv, b=dq: tile_config(a if kernel == "dkdv" else b)
+        err = cell.error()
+        ms = cell.time(cell.step)
+        row.append(f"dkdv {dkdv} dq {dq}: {ms * 1e3:7.0f} us x{cell.ms_ref / ms:.2f} err {err:.0e}")
     say(" | ".join(row))
 
 
