@@ -203,3 +203,79 @@ def test_offsets_on_another_device_are_refused():
     meta = torch.zeros(len(cu), dtype=torch.int32, device="meta")
     with pytest.raises(ValueError, match=r"cu_seqlens_q must be on q's device \(cpu\)"):
         flash_attention_with_kvcache(q, kc, vc, seqlens, table, cu_seqlens_q=meta)
+
+
+# a ragged launch cut for long chunks (at least kvcache.TALL_ROWS packed rows a sequence): prefill chunks of 70 and
+# 40 rows, decode rows, an empty sequence, caches long and short
+ORDER_ROWS = [70, 1, 0, 40, 1, 3]
+ORDER_LENGTHS = [300, 250, 9, 60, 1, 200]
+
+
+def ordered_arguments(q, kc, table, rows, capacity, causal, window):
+    _, left, right, qk_scale, _ = kernel_band(max(rows), capacity, q.shape[-1], causal, window, None)
+    args = kvcache.KVCacheArguments(q, kc, kc, table, 16, capacity, left, right, qk_scale,
+                                    ragged=(len(rows), max(rows)))  # fmt: skip
+    return args, left, right
+
+
+def block_work(rows, lengths, group, block_m, left, right):
+    """Each (sequence, row block) pair's products, counted row by row: the block's height times the keys from the
+    first any of its rows sees to the last; -1 for a block past its sequence's rows."""
+    work = []
+    for nq, nk in zip(rows, lengths, strict=True):
+        packed = group * nq
+        height = kvcache.SHORT_BLOCK_M if packed <= kvcache.SHORT_BLOCK_M else block_m
+        for m in range(-(-max(rows) * group // block_m)):
+            block = range(m * height, min((m + 1) * height, packed))
+            if not block:
+                work.append(-1)
+                continue
+            seen = [(max(r % nq + nk - nq - left, 0), min(r % nq + nk - nq + right + 1, nk)) for r in block]
+            work.append(height * max(max(hi for _, hi in seen) - min(lo for lo, _ in seen), 0))
+    return work
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, (30, 0))], ids=str)
+def test_ragged_row_blocks_are_walked_heaviest_first(causal, window):
+    """The order a long ragged launch walks its (sequence, row block) pairs in: by their products, the most first,
+    ties in their own order, so that the long-running blocks of a long cache start before the short ones."""
+    q, kc, _, seqlens, table, cu = mixed_case(6, True, rows=ORDER_ROWS, lengths=ORDER_LENGTHS, hq=4, hk=1,
+                                              capacity=320)  # fmt: skip
+    args, left, right = ordered_arguments(q, kc, table, ORDER_ROWS, 320, causal, window)
+    assert args.meta["ORDERED"] and args.order == len(ORDER_ROWS) * args.grid[2] // len(ORDER_ROWS)
+    order = torch.full((args.order,), -1, dtype=torch.int32)
+    kvcache.order_row_blocks(args, cu, seqlens, order)
+    work = block_work(ORDER_ROWS, ORDER_LENGTHS, 4, args.meta["BLOCK_M"], left, right)
+    assert order.tolist() == sorted(range(len(work)), key=lambda i: (-work[i], i))
+    assert work[order[0]] == max(work) and work[order[-1]] == -1
+
+
+def test_the_order_is_a_permutation_whatever_the_offsets_hold():
+    """Offsets that decrease, or lengths past the capacity, still give every pair one place: no program runs a
+    pair twice or leaves one out (the kernel then reports the bad length)."""
+    q, kc, _, seqlens, table, cu = mixed_case(7, True, rows=ORDER_ROWS, lengths=ORDER_LENGTHS, hq=4, hk=1,
+                                              capacity=320)  # fmt: skip
+    args, _, _ = ordered_arguments(q, kc, table, ORDER_ROWS, 320, True, None)
+    cu, seqlens = cu.flip(0).contiguous(), seqlens.clone()
+    seqlens[0] = 10**6
+    order = torch.full((args.order,), -1, dtype=torch.int32)
+    kvcache.order_row_blocks(args, cu, seqlens, order)
+    assert sorted(order.tolist()) == list(range(args.order))
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (False, (6, 3))], ids=str)
+def test_an_ordered_launch_matches_float64_with_its_chunks_merged(monkeypatch, causal, window):
+    """The ordered launch on every row block height (64-row blocks, 16-row ones for the decode rows), its keys cut
+    into chunks (more SMs pretended) and merged."""
+    from flashlab.host import plan
+
+    monkeypatch.setattr(kvcache.split_kv, "CPU_SM_COUNT", 64)
+    q, kc, vc, seqlens, table, cu = mixed_case(8, True, rows=ORDER_ROWS, lengths=ORDER_LENGTHS, hq=4, hk=1,
+                                               capacity=320)  # fmt: skip
+    args, _, _ = ordered_arguments(q, kc, table, ORDER_ROWS, 320, causal, window)
+    assert args.meta["ORDERED"] and args.meta["SHORT_M"] and args.num_splits > 1
+    plan.forget()  # plans made with the CPU's usual SM count cut other chunks
+    try:
+        check_mixed(q, kc, vc, seqlens, table, cu, causal=causal, window=window)
+    finally:
+        plan.forget()

@@ -96,7 +96,8 @@ def test_kvcache_kernel_compiles_for_hopper(page_size, window):
     work = torch.empty(8, dtype=torch.float32)
     errors = torch.zeros(kvcache.ERROR_RECORD_INTS, dtype=torch.int32)
     counters = torch.zeros(4, dtype=torch.int32)
-    tensors = (q, cache, cache, table, seqlens, seqlens, seqlens, seqlens, work, work, q, work, counters, errors)
+    tensors = (q, cache, cache, table, seqlens, seqlens, seqlens, seqlens, seqlens, work, work, q, work, counters,
+               errors)  # fmt: skip
     tiles = default_tiles(dtype)
     constexprs, options = split_config(gpu_meta(args.meta, dtype), tiles)
     ptx = compile_sm90(kvcache.kvcache_partial, (*tensors, *args.scalars, *args.tune), constexprs, options)
@@ -141,11 +142,25 @@ def test_ragged_kvcache_kernel_compiles_for_hopper(page_size):
     work = torch.empty(8, dtype=torch.float32)
     errors = torch.zeros(kvcache.ERROR_RECORD_INTS, dtype=torch.int32)
     counters = torch.zeros(4, dtype=torch.int32)
-    tensors = (q, cache, cache, table, seqlens, seqlens, seqlens, cu_seqlens_q, work, work, q, work, counters,
-               errors)  # fmt: skip
+    tensors = (q, cache, cache, table, seqlens, seqlens, seqlens, cu_seqlens_q, seqlens, work, work, q, work,
+               counters, errors)  # fmt: skip
     constexprs, options = split_config(gpu_meta(args.meta, dtype), default_tiles(dtype))
     ptx = compile_sm90(kvcache.kvcache_partial, (*tensors, *args.scalars, *args.tune), constexprs, options)
     assert "atom" in ptx
+
+
+def test_the_row_block_order_compiles_for_hopper():
+    """The rank sort that orders a long ragged launch's (sequence, row block) pairs (``ORDERED``), with the
+    constexprs of a GPU launch of the mixed batch's tall blocks."""
+    b, rows, capacity = 64, 1760 * 4, 32768
+    row_blocks = -(-rows // kvcache.TALL_BLOCK_M)
+    seqlens, cu = torch.zeros(b, dtype=torch.int32), torch.zeros(b + 1, dtype=torch.int32)
+    order = torch.zeros(b * row_blocks, dtype=torch.int32)
+    _, win_left, win_right, _, _ = kernel_band(1760, capacity, 128, True, None, None)
+    args = (cu, seqlens, order, b * row_blocks, row_blocks, 4, capacity, win_left, win_right)
+    constexprs = dict(BLOCK_M=kvcache.TALL_BLOCK_M, SHORT_M=kvcache.SHORT_BLOCK_M, BLOCK=kvcache.ORDER_BLOCK)
+    ptx = compile_sm90(kvcache._order_row_blocks, args, constexprs, {"num_warps": 4, "num_stages": 2})
+    assert "st.global" in ptx
 
 
 @pytest.mark.parametrize("page_size", [0, 16, 256])
@@ -170,7 +185,8 @@ def test_8bit_kvcache_kernel_compiles_for_hopper(page_size, dtype):
     work = torch.empty(8, dtype=torch.float32)
     errors = torch.zeros(kvcache.ERROR_RECORD_INTS, dtype=torch.int32)
     counters = torch.zeros(4, dtype=torch.int32)
-    tensors = (q, cache, cache, table, seqlens, descale, descale, seqlens, work, work, q, work, counters, errors)
+    tensors = (q, cache, cache, table, seqlens, descale, descale, seqlens, seqlens, work, work, q, work, counters,
+               errors)  # fmt: skip
     constexprs, options = split_config(gpu_meta(args.meta, dtype), default_tiles(dtype))
     ptx = compile_sm90(kvcache.kvcache_partial, (*tensors, *args.scalars, *args.tune), constexprs, options)
     assert "atom" in ptx

@@ -460,13 +460,13 @@ def run_split(call, q, k, v, o, lse):
     """A split-KV call's launch; ``lse`` None writes it to scratch."""
     plan, args = call.plan, call.args
     if not q.is_cuda:
-        o_part, lse_part, spare, counters = workspace(call, q.device, 0)
+        o_part, lse_part, spare, counters, _ = workspace(call, q.device, 0)
         tensors = (q, k, v, o_part, lse_part, o, spare if lse is None else lse, counters)
         _interpreted_launch(split_kv.split_kv_partial, call, tensors)
         return
     with torch.cuda.device(q.device) if q.get_device() != current_device_index() else _NO_CONTEXT:
         stream = current_stream(q.get_device())
-        o_part, lse_part, spare, counters = workspace(call, q.device, stream)
+        o_part, lse_part, spare, counters, _ = workspace(call, q.device, stream)
         tensors = (q, k, v, o_part, lse_part, o, spare if lse is None else lse, counters)
         if plan.state is CHECKED:  # the launcher directly: no binding, no specialisation, no cache lookup
             plan.fast[0](stream, args.grid, call.values, *tensors)
@@ -576,8 +576,12 @@ def run_kvcache(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, nee
     o = torch.empty_like(q) if plan.o_like_q else torch.empty(plan.o_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if need_lse else None
     if not q.is_cuda:
-        o_part, lse_part, spare, counters = workspace(plan, q.device, 0)
-        tensors = (q, k_cache, v_cache, table, cache_seqlens, ks, vs, cu_seqlens_q, o_part, lse_part, o,
+        o_part, lse_part, spare, counters, row_order = workspace(plan, q.device, 0)
+        if row_order is None:
+            row_order = cache_seqlens  # never read by a launch that keeps the plain order
+        else:
+            kvcache.order_row_blocks(plan.args, cu_seqlens_q, cache_seqlens, row_order)
+        tensors = (q, k_cache, v_cache, table, cache_seqlens, ks, vs, cu_seqlens_q, row_order, o_part, lse_part, o,
                    spare if lse is None else lse)  # fmt: skip
         args = plan.args
         with interpreted_language(*kvcache.DEVICE_MODULES):
@@ -586,8 +590,12 @@ def run_kvcache(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, nee
         return o, lse
     with torch.cuda.device(q.device) if q.get_device() != current_device_index() else _NO_CONTEXT:
         stream = current_stream(q.get_device())
-        o_part, lse_part, spare, counters = workspace(plan, q.device, stream)
-        tensors = (q, k_cache, v_cache, table, cache_seqlens, ks, vs, cu_seqlens_q, o_part, lse_part, o,
+        o_part, lse_part, spare, counters, row_order = workspace(plan, q.device, stream)
+        if row_order is None:
+            row_order = cache_seqlens  # never read by a launch that keeps the plain order
+        else:
+            kvcache.order_row_blocks(plan.args, cu_seqlens_q, cache_seqlens, row_order)
+        tensors = (q, k_cache, v_cache, table, cache_seqlens, ks, vs, cu_seqlens_q, row_order, o_part, lse_part, o,
                    spare if lse is None else lse)  # fmt: skip
         tensors += (counters, errors)
         if plan.state is CHECKED:  # the launcher directly

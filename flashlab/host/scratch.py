@@ -66,8 +66,9 @@ def fresh_scratch():
 
 
 def workspace(plan, device, stream):
-    """``(o_part, lse_part, spare_lse, counters)`` for one launch of a split-KV or KV-cache ``plan`` (its
-    ``plan.args`` say how much: ``parts`` partial rows of ``d`` floats, ``rows`` spare lse floats, ``counters``),
+    """``(o_part, lse_part, spare_lse, counters, row_order)`` for one launch of a split-KV or KV-cache ``plan`` (its
+    ``plan.args`` say how much: ``parts`` partial rows of ``d`` floats, ``rows`` spare lse floats, ``counters``,
+    ``order`` int32 places for a ragged launch's order of its row blocks, else ``row_order`` is None),
     carved from the stream's ``scratch``. The views are kept on the plan, with the stream and the scratch's epoch
     they were cut in, while both stay the same (cutting them, or even looking the scratch up, costs more than a
     launch's arguments)."""
@@ -75,9 +76,11 @@ def workspace(plan, device, stream):
     if views is not None and views[0] == stream and views[1] == SCRATCH_EPOCH[0] and reusing_scratch():
         return views[2]
     args = plan.args
-    work, counters, kept = scratch(device, stream, args.parts * (args.d + 1) + args.rows, args.counters)
-    end = args.parts * args.d
-    cut = (work[:end], work[end : end + args.parts], work[end + args.parts : end + args.parts + args.rows], counters)
+    order = getattr(args, "order", 0)
+    work, counters, kept = scratch(device, stream, args.parts * (args.d + 1) + args.rows + order, args.counters)
+    end, spare = args.parts * args.d, args.parts * (args.d + 1)
+    row_order = work[spare + args.rows : spare + args.rows + order].view(torch.int32) if order else None
+    cut = (work[:end], work[end:spare], work[spare : spare + args.rows], counters, row_order)
     if kept:  # fresh scratch is the call's alone: nothing of it may outlive the call
         plan.views = (stream, SCRATCH_EPOCH[0], cut)
     return cut

@@ -33,7 +33,9 @@ a chunk of hundreds of rows waits on its products, and each key tile it loads bu
 share it. So a launch with at least ``TALL_ROWS`` packed rows a sequence takes ``TALL_BLOCK_M``-row blocks on a GPU
 and splits its key loop at the band (``SPLIT_BAND``: the tiles every row sees whole skip the mask); in a ragged
 launch its short sequences (a decode row's heads) take ``SHORT_BLOCK_M``-row blocks in the same grid
-(``SHORT_M``); and the row blocks run from the last, so the heaviest start first.
+(``SHORT_M``); and the programs with the most work start first: such a ragged launch walks its (sequence, row
+block) pairs in the order a small sort on the device gives them (``ORDERED``, ``order_row_blocks``), and any
+other launch walks its row blocks from the last.
 
 A bad block table or length never makes the kernel read outside the pool, and never gives a quiet wrong answer.
 A length outside ``[0, capacity]`` is clamped to it, and a table entry outside ``[0, num_blocks)`` is never
@@ -194,7 +196,7 @@ def _attend_rows(
     stride_qb, stride_qh, stride_qm, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_tb,
     stride_ob, stride_oh, stride_om, HQ, GROUP, NQ, NUM_PAGES, CAPACITY, win_left, win_right, keys_per_split,
     NUM_SPLITS, qk_scale, TOTAL_Q, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-    pid_s, pid_bk, off_b, off_hk, pid_m, q_start, nq,
+    pid_s, pid_bk, off_b, off_hk, pid_m, row_blocks, q_start, nq,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, DIRECT: tl.constexpr,
     MERGE_HERE: tl.constexpr, MERGE_GROUP: tl.constexpr, RAGGED_Q: tl.constexpr, KV_SCALED: tl.constexpr,
@@ -341,7 +343,7 @@ def _attend_rows(
         out = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh + qi.to(tl.int64) * stride_om
         lse_row = (off_b * HQ + off_h) * NQ + qi
     first = lse_row.to(tl.int64) * NUM_SPLITS  # (BLOCK_M,) each row's chunk 0
-    block = pid_bk * tl.num_programs(2) + pid_m  # this block of rows' merge counters
+    block = pid_bk * row_blocks + pid_m  # this block of rows' merge counters
     softmax_step.finish_chunk(acc, m_i, l_i, out, LSE + lse_row, row_ok, offs_d, d_ok, O_PART,
                               LSE_PART, first, COUNTERS, block, pid_s, NUM_SPLITS, HEAD_DIM, BLOCK_M, BLOCK_D, DIRECT,
                               MERGE_HERE, MERGE_GROUP)
@@ -353,6 +355,7 @@ def _kvcache_partial(
     Q, K, V, BLOCK_TABLE, SEQLENS,  # q; the K/V cache; the block table (unused when PAGE_SIZE == 0); lengths
     K_DESCALE, V_DESCALE,  # with KV_SCALED: float32 scales of the 8-bit cache per (sequence, K/V head); else unused
     CU_SEQLENS_Q,  # with RAGGED_Q: (B + 1,) int32, sequence b's query rows are q[cu[b]:cu[b + 1]]; else unused
+    ROW_ORDER,  # with ORDERED: (B * row blocks,) int32, the (sequence, row block) pairs heaviest first; else unused
     O_PART, LSE_PART, O, LSE,  # partial outputs (fp32) and lse (log2) per chunk; the output and its lse
     COUNTERS,  # int32, one per (sequence, K/V head, row block): chunks finished; zero between launches
     ERRORS,  # int32 error record (ERROR_FIELDS): the first bad length or table entry a program meets
@@ -384,16 +387,25 @@ def _kvcache_partial(
     KV_SCALED: tl.constexpr = False,  # an 8-bit cache: K, V float8 e4m3, their scales in K_DESCALE, V_DESCALE
     SPLIT_BAND: tl.constexpr = False,  # the key loop in three: the tiles inside every row's band unmasked
     SHORT_M: tl.constexpr = 0,  # RAGGED_Q: a sequence of at most SHORT_M packed rows takes SHORT_M-row blocks
+    ORDERED: tl.constexpr = False,  # the grid's third axis walks ROW_ORDER (order_row_blocks) instead of the rows
 ):
     # fmt: on
     pid_s = tl.program_id(0)  # which chunk of keys
-    pid_bk = tl.program_id(1)  # which (sequence, K/V head)
-    # which block of packed rows, the last first: the GPU starts a grid's programs in order, and a block of later
-    # rows is the heavier (a causal row sees more keys; in a ragged launch the last blocks belong to the longest
-    # chunks), so the heavy blocks start first and the light ones fill the SMs at the end
-    pid_m = tl.num_programs(2) - 1 - tl.program_id(2)
-    off_b = pid_bk // HK
-    off_hk = pid_bk % HK
+    # The GPU starts a grid's programs in order, so the heavy ones should come first and the light ones fill the
+    # SMs at the end.
+    if ORDERED:  # a ragged launch: the (sequence, row block) pairs sorted by their work on the device
+        row_blocks = (GROUP * NQ + BLOCK_M - 1) // BLOCK_M
+        item = tl.load(ROW_ORDER + tl.program_id(2))
+        off_b = item // row_blocks
+        pid_m = item % row_blocks
+        off_hk = tl.program_id(1)
+        pid_bk = off_b * HK + off_hk  # which (sequence, K/V head)
+    else:  # which block of packed rows, the last first: a causal row block of later rows sees more keys
+        row_blocks = tl.num_programs(2)
+        pid_bk = tl.program_id(1)
+        pid_m = row_blocks - 1 - tl.program_id(2)
+        off_b = pid_bk // HK
+        off_hk = pid_bk % HK
     if RAGGED_Q:  # this sequence's own query rows: q[q_start : q_start + nq]
         q_start = tl.load(CU_SEQLENS_Q + off_b)
         nq = tl.load(CU_SEQLENS_Q + off_b + 1) - q_start
@@ -409,7 +421,7 @@ def _kvcache_partial(
                 stride_qb, stride_qh, stride_qm, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 stride_tb, stride_ob, stride_oh, stride_om, HQ, GROUP, NQ, NUM_PAGES, CAPACITY, win_left, win_right,
                 keys_per_split, NUM_SPLITS, qk_scale, TOTAL_Q, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-                pid_s, pid_bk, off_b, off_hk, pid_m, q_start, nq,
+                pid_s, pid_bk, off_b, off_hk, pid_m, row_blocks, q_start, nq,
                 HEAD_DIM, BLOCK_D, SHORT_M, BLOCK_N, PAGE_SIZE, DOT_PRECISION, DOT_UPCAST, DIRECT, MERGE_HERE,
                 MERGE_GROUP, RAGGED_Q, KV_SCALED, False,
             )  # fmt: skip
@@ -419,10 +431,62 @@ def _kvcache_partial(
         stride_qb, stride_qh, stride_qm, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         stride_tb, stride_ob, stride_oh, stride_om, HQ, GROUP, NQ, NUM_PAGES, CAPACITY, win_left, win_right,
         keys_per_split, NUM_SPLITS, qk_scale, TOTAL_Q, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-        pid_s, pid_bk, off_b, off_hk, pid_m, q_start, nq,
+        pid_s, pid_bk, off_b, off_hk, pid_m, row_blocks, q_start, nq,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, DOT_PRECISION, DOT_UPCAST, DIRECT, MERGE_HERE, MERGE_GROUP,
         RAGGED_Q, KV_SCALED, SPLIT_BAND,
     )  # fmt: skip
+
+
+
+@triton.jit
+def row_block_work(CU_SEQLENS_Q, SEQLENS, item, ITEMS, ROW_BLOCKS, GROUP, CAPACITY, win_left, win_right,
+                   BLOCK_M: tl.constexpr, SHORT_M: tl.constexpr):
+    """The products of (sequence, row block) pairs ``item`` (``sequence * ROW_BLOCKS + row block``) of a ragged
+    launch, as the block's rows times the keys its band reaches, float32; -1 for a block past its sequence's rows
+    or an item past ``ITEMS``. What ``_order_row_blocks`` sorts by: a decode row's short block counts its few rows,
+    a causal block its reach to its last row."""
+    valid = item < ITEMS
+    b = tl.where(valid, item // ROW_BLOCKS, 0)
+    m = item % ROW_BLOCKS
+    q_lo = tl.load(CU_SEQLENS_Q + b, mask=valid, other=0)
+    nq = tl.load(CU_SEQLENS_Q + b + 1, mask=valid, other=0) - q_lo
+    nk = tl.minimum(tl.maximum(tl.load(SEQLENS + b, mask=valid, other=0), 0), CAPACITY)
+    rows = GROUP * nq
+    height = nq * 0 + BLOCK_M
+    if SHORT_M > 0:
+        height = tl.where(rows <= SHORT_M, SHORT_M, BLOCK_M)
+    r_lo = m * height
+    r_hi = tl.minimum(r_lo + height, rows) - 1
+    per_head = tl.maximum(nq, 1)
+    one_head = r_lo // per_head == r_hi // per_head  # else the block holds every query position
+    qi_lo = tl.where(one_head, r_lo % per_head, 0).to(tl.int64)
+    qi_hi = tl.where(one_head, r_hi % per_head, nq - 1).to(tl.int64)
+    offset = (nk - nq).to(tl.int64)
+    key_lo = tl.maximum(qi_lo + offset - win_left, 0)
+    key_hi = tl.minimum(qi_hi + offset + win_right + 1, nk)
+    keys = tl.maximum(key_hi - key_lo, 0).to(tl.float32)
+    return tl.where(valid & (r_lo < rows), height.to(tl.float32) * keys, -1.0)
+
+
+@triton.jit
+def _order_row_blocks(CU_SEQLENS_Q, SEQLENS, ROW_ORDER, ITEMS, ROW_BLOCKS, GROUP, CAPACITY, win_left, win_right,
+                      BLOCK_M: tl.constexpr, SHORT_M: tl.constexpr, BLOCK: tl.constexpr):
+    """``ROW_ORDER``: the ``ITEMS`` (sequence, row block) pairs of a ragged launch, the most work first (ties in
+    their own order), as a rank sort: each item counts the items ahead of it and writes itself at that place.
+    ``BLOCK`` items a program, each compared with all; the order is a permutation whatever the lengths hold."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    work_i = row_block_work(CU_SEQLENS_Q, SEQLENS, i, ITEMS, ROW_BLOCKS, GROUP, CAPACITY, win_left, win_right,
+                            BLOCK_M, SHORT_M)  # fmt: skip
+    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    for j0 in range(0, ITEMS, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        work_j = row_block_work(CU_SEQLENS_Q, SEQLENS, j, ITEMS, ROW_BLOCKS, GROUP, CAPACITY, win_left, win_right,
+                                BLOCK_M, SHORT_M)  # fmt: skip
+        more = work_j[None, :] > work_i[:, None]
+        tie = (work_j[None, :] == work_i[:, None]) & (j[None, :] < i[:, None])
+        ahead = (more | tie) & (j[None, :] < ITEMS)
+        rank += tl.sum(ahead.to(tl.int32), 1)
+    tl.store(ROW_ORDER + rank, i, mask=i < ITEMS)
 
 
 # (BLOCK_N, num_warps, num_stages): a subset of split_kv's space (its pruning applies), small enough that a decode
@@ -462,6 +526,12 @@ TALL_PROGRAMS_PER_SM = 1  # 255 registers a thread and 161 KB of shared memory (
 # decode row's query heads) takes a block of SHORT_BLOCK_M rows instead (SHORT_M, the same grid): its products
 # on the rows it has, not on a tall block's worth of padding.
 SHORT_BLOCK_M = 16
+# A ragged launch cut for long chunks walks its (sequence, row block) pairs in the order of their work, heaviest
+# first (ORDERED, ``order_row_blocks``), not row block by row block: one tall block of a long cache runs for as long
+# as dozens of a short one's, and a program started last sets the launch's end. A grid's third axis holds at most
+# ORDER_LIMIT pairs; a launch with more keeps the plain order. ORDER_BLOCK pairs a program of the sort.
+ORDER_LIMIT = 65535
+ORDER_BLOCK = 64
 
 kvcache_partial_tuned = triton.autotune(
     configs=[
@@ -495,7 +565,8 @@ class KVCacheArguments:
     ``descales`` ``(k_descale, v_descale)``, each ``(B, Hk)`` or ``(Hk,)`` float32, any strides, says the cache is
     8-bit (``KV_SCALED``); None: a 16-bit or fp32 cache."""
 
-    __slots__ = ("num_splits", "direct", "parts", "d", "rows", "counters", "grid", "scalars", "tune", "meta", "nq")
+    __slots__ = ("num_splits", "direct", "parts", "d", "rows", "counters", "grid", "scalars", "tune", "meta", "nq",
+                 "order", "order_call")
 
     def __init__(self, q, k_cache, v_cache, table, page_size, capacity, win_left, win_right, qk_scale, ragged=None,
                  descales=None):  # fmt: skip
@@ -553,6 +624,7 @@ class KVCacheArguments:
             KV_SCALED=descales is not None,
             SPLIT_BAND=split_band,
             SHORT_M=SHORT_BLOCK_M if ragged is not None and block_m > SHORT_BLOCK_M else 0,
+            ORDERED=False,
         )
         fixed = None  # tiles fixed without the table: tall blocks', an 8-bit cache's, small blocks'
         if tall:
@@ -566,13 +638,34 @@ class KVCacheArguments:
             self.meta.update(BLOCK_N=bn, num_warps=warps, num_stages=stages)
         self.meta.update(merge.constexprs)
         self.grid = (num_splits, b * hk, row_blocks)
+        # the (sequence, row block) pairs heaviest first: the sort's grid, scalars and constexprs
+        self.order, self.order_call = 0, None
+        if ragged is not None and split_band and b * row_blocks <= ORDER_LIMIT:
+            self.order = b * row_blocks
+            self.meta["ORDERED"] = True
+            self.grid = (num_splits, hk, self.order)
+            order_meta = dict(BLOCK_M=block_m, SHORT_M=self.meta["SHORT_M"], BLOCK=ORDER_BLOCK)
+            self.order_call = ((cdiv(self.order, ORDER_BLOCK),), (self.order, row_blocks, group, capacity, win_left,
+                                                                   win_right), order_meta)  # fmt: skip
 
 
 # the modules whose device functions the kernel calls: what a CPU launch lets the interpreter call
 DEVICE_MODULES = (softmax_step, error_record, sys.modules[__name__])
 # the kernel's tensor parameters, in order
-PARTIAL_TENSORS = ("Q", "K", "V", "BLOCK_TABLE", "SEQLENS", "K_DESCALE", "V_DESCALE", "CU_SEQLENS_Q", "O_PART",
-                   "LSE_PART", "O", "LSE", "COUNTERS", "ERRORS")  # fmt: skip
+PARTIAL_TENSORS = ("Q", "K", "V", "BLOCK_TABLE", "SEQLENS", "K_DESCALE", "V_DESCALE", "CU_SEQLENS_Q", "ROW_ORDER",
+                   "O_PART", "LSE_PART", "O", "LSE", "COUNTERS", "ERRORS")  # fmt: skip
+
+
+def order_row_blocks(args: KVCacheArguments, cu_seqlens_q, cache_seqlens, row_order):
+    """Write into ``row_order`` (int32, ``args.order`` of them) the order in which an ``ORDERED`` launch of ``args``
+    walks its (sequence, row block) pairs: the most work first (``row_block_work``), read from ``cu_seqlens_q``
+    and ``cache_seqlens`` on the device, one small launch before the kernel's."""
+    grid, scalars, meta = args.order_call
+    if not row_order.is_cuda:
+        with interpreted_language(*DEVICE_MODULES):
+            interpreted(_order_row_blocks)[grid](cu_seqlens_q, cache_seqlens, row_order, *scalars, **meta)
+        return
+    _order_row_blocks[grid](cu_seqlens_q, cache_seqlens, row_order, *scalars, **meta, num_warps=4)
 
 
 def bucket_query(q, nq: int):
@@ -600,7 +693,12 @@ def launch(q, k_cache, v_cache, table, cache_seqlens, o, lse, page_size, capacit
         errors = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=q.device)
     cu = cache_seqlens if cu_seqlens_q is None else cu_seqlens_q  # never read without RAGGED_Q
     ks, vs = (cache_seqlens, cache_seqlens) if descales is None else descales  # never read without descales
-    tensors = (q, k_cache, v_cache, table, cache_seqlens, ks, vs, cu, o_part, lse_part, o, lse, counters, errors)
+    row_order = cache_seqlens  # never read without ORDERED
+    if args.order:
+        row_order = torch.empty(args.order, dtype=torch.int32, device=q.device)
+        order_row_blocks(args, cu, cache_seqlens, row_order)
+    tensors = (q, k_cache, v_cache, table, cache_seqlens, ks, vs, cu, row_order, o_part, lse_part, o, lse, counters,
+               errors)  # fmt: skip
     if not q.is_cuda:
         with interpreted_language(*DEVICE_MODULES):
             interpreted(_kvcache_partial)[args.grid](*tensors, *args.scalars, *args.tune, **args.meta,
