@@ -93,6 +93,26 @@ def test_varlen_kernel_compiles_for_hopper(dtype, d, causal, window):
     assert "mma" in ptx  # the two dots run on the tensor cores
 
 
+@pytest.mark.parametrize("causal, window", [(True, None), (False, (256, 0))], ids=["causal", "window"])
+def test_the_copy_engine_varlen_kernel_compiles_warp_specialised(causal, window):
+    """``flashlab.kernels.varlen_hopper`` at D = 128 with rung 3's warp-specialised tiles: the loads before the
+    loop (the boundaries, each program's search for its sequence) leave the specialisation on (producer and
+    consumer warpgroups trade registers: ``setmaxnreg``), the tiles come by the copy engine, the products by wgmma."""
+    from flashlab.kernels import varlen_hopper
+
+    b, hq, hk, d, total = 32, 16, 4, 128, 16384
+    q = torch.empty(total, hq, d, dtype=torch.bfloat16)
+    k = torch.empty(total, hk, d, dtype=torch.bfloat16)
+    cu = torch.zeros(b + 1, dtype=torch.int32)
+    _, win_left, win_right, qk_scale, _ = kernel_band(2048, 2048, d, causal, window, None)
+    args = (q, k, k, q, torch.empty(hq, total), cu, cu, q.stride(0), k.stride(0), k.stride(0), q.stride(0), hq,
+            hq // hk, total, total, b, win_left, win_right, qk_scale)  # fmt: skip
+    meta = dict(HEAD_DIM=d, DOT_PRECISION="tf32", DOT_UPCAST=False, REVERSE_M=causal, MASK_LEFT=window is not None,
+                CU_BLOCK=varlen_hopper.CU_BLOCK, BLOCK_M=128, BLOCK_N=128, WARP_SPECIALIZE=True)  # fmt: skip
+    ptx = compile_sm90(varlen_hopper._attn_fwd_varlen_hopper, args, meta, {"num_warps": 4, "num_stages": 2})
+    assert "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
+
+
 @pytest.mark.parametrize("dtype, d", [(torch.bfloat16, 64)])
 def test_varlen_backward_kernels_compile_for_hopper(dtype, d):
     """Preprocess, dK/dV and dQ with the tiles ``flashlab.host.varlen.backward_config`` gives an H200 (its shared

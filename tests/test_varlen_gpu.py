@@ -175,3 +175,56 @@ def test_calls_with_new_lengths_launch_directly_and_give_the_jits_bits(monkeypat
     for fn in jit_functions:
         states = [p.state for key, p in plans.PLANS.items() if p.path == "planned" and key[0] is fn]
         assert plans.CHECKED in states, (fn, states)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (300, None)), (False, (200, 50))])
+def test_the_copy_engine_kernel_equals_float64_per_sequence(dtype, d, causal, window):
+    """``flashlab.kernels.varlen_hopper`` (what D = 128 runs by default) under each of rung 3's tile configs, a
+    first sequence of no rows among empty and one-token ones, o starting as NaN (every row written, none twice)."""
+    from flashlab.kernels import varlen_hopper
+    from flashlab.kernels.device import kernel_band
+    from flashlab.kernels.ladder import rung3_hopper
+
+    lq, lk = ragged_lengths(d + 7, 9, 900)
+    lq[0], lk[0] = 0, 0
+    q, k, v, _, cu_q, cu_k = on_gpu(*packed_case(lq, lk, 16, 4, d, dtype, seed=8))
+    ref = varlen_attention_float64(*(x.cpu() for x in (q, k, v, cu_q, cu_k)), causal, window)
+    band = kernel_band(max(lq), max(lk), d, causal, window, None)[1:4]
+    for bm, bn, warps, stages in rung3_hopper.TUNING_SPACE["d=128" if d == 128 else "d<=64"]:
+        o = torch.full_like(q, float("nan"))
+        lse = torch.empty(16, q.shape[0], device="cuda")
+        config = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        varlen_hopper.launch(q, k, v, o, lse, cu_q, cu_k, max(lq), max(lk), causal, window, band, config=config)
+        check_forward(o.cpu(), lse.cpu(), *ref, cu_q.cpu(), dtype)
+
+
+def test_head_dim_128_runs_the_copy_engine_kernel_and_its_graph_replays(monkeypatch):
+    """At D = 128 (16-bit) the default call runs the copy-engine kernel; captured in a CUDA graph (its descriptors'
+    scratch in the graph's memory) it replays new boundaries right, as the pointer kernel does at D = 64."""
+    from flashlab.kernels import varlen_hopper
+
+    calls = []
+    launch = varlen_hopper.launch
+    monkeypatch.setattr(varlen_hopper, "launch", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    lq, lk = ragged_lengths(9, 6, 300)
+    q, k, v, _, cu_q, cu_k = on_gpu(*packed_case(lq, lk, 8, 2, 128, torch.bfloat16, seed=9))
+    expect = flash_attention_varlen(q, k, v, cu_q, cu_k, 400, 500, causal=True)
+    assert calls, "D = 128 must run flashlab.kernels.varlen_hopper"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attention_varlen(q, k, v, cu_q, cu_k, 400, 500, causal=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expect)
+    lq2, lk2 = [lq[1], lq[0], *lq[2:]], [lk[1], lk[0], *lk[2:]]  # the same rows cut into other sequences
+    cu_q.copy_(torch.tensor([0, *np.cumsum(lq2)], dtype=torch.int32))
+    cu_k.copy_(torch.tensor([0, *np.cumsum(lk2)], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = varlen_attention_float64(*(x.cpu() for x in (q, k, v, cu_q, cu_k)), True)
+    for b in range(len(lq2)):  # the replay's answer is the new batch's
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        if rows.stop > rows.start:
+            assert relative_error(out[rows].cpu(), ref[0][rows]) <= tolerance(torch.bfloat16), b

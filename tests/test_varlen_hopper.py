@@ -1,0 +1,100 @@
+"""The Hopper varlen forward (``flashlab.kernels.varlen_hopper``) on Triton's interpreter, against float64 attention on
+each sequence's slice: the tiles copied through descriptors that end at each sequence's last row, the grid of the
+tiles that exist (each program finding its sequence on the device), GQA, causal and window masks aligned to each
+sequence's end, lengths 0 and 1, Nq != Nk. And what the descriptors' ends promise: a neighbouring sequence's
+inf or NaN never reaches another sequence, and no program writes another sequence's rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_varlen import check_forward, packed_case, varlen_attention_float64
+
+from flashlab.core.integers import cdiv
+from flashlab.kernels import varlen_hopper
+from flashlab.kernels.device import CPU_CONFIG, kernel_band
+
+# (query lengths, key lengths, Hq, Hk, causal, window, dtype): a 0 and a 1 in every batch, Nq != Nk, sequences
+# longer than a tile and shorter
+CASES = [
+    ([5, 0, 37, 1], [9, 3, 40, 4], 4, 2, False, None, torch.float16),
+    ([5, 0, 37, 1], [9, 3, 40, 4], 4, 2, True, None, torch.bfloat16),
+    ([3, 1, 0, 45, 17], [3, 0, 6, 50, 17], 3, 1, True, None, torch.float16),
+    ([33, 1, 0, 6], [33, 2, 5, 0], 2, 2, False, (4, 3), torch.bfloat16),
+    ([20, 1, 0], [50, 1, 2], 4, 1, True, (7, None), torch.float16),
+    ([0, 18, 0], [0, 21, 3], 2, 1, True, None, torch.bfloat16),  # the first sequence ends at row 0 of q and k
+]
+
+
+def run(q, k, v, cu_q, cu_k, lq, lk, causal, window, o=None):
+    band = kernel_band(max(lq), max(lk), q.shape[-1], causal, window, None)[1:4]
+    o = torch.empty_like(q) if o is None else o
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
+    varlen_hopper.launch(q, k, v, o, lse, cu_q, cu_k, max(lq), max(lk), causal, window, band)
+    return o, lse
+
+
+@pytest.mark.parametrize("lq, lk, hq, hk, causal, window, dtype", CASES)
+def test_forward_equals_float64_per_sequence(lq, lk, hq, hk, causal, window, dtype):
+    q, k, v, _, cu_q, cu_k = packed_case(lq, lk, hq, hk, 64, dtype, seed=len(lq) + hq)
+    o, lse = run(q, k, v, cu_q, cu_k, lq, lk, causal, window)
+    check_forward(o, lse, *varlen_attention_float64(q, k, v, cu_q, cu_k, causal, window), cu_q, dtype)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NumPy, on the poisoned sequence
+def test_a_neighbours_inf_and_nan_stay_in_their_sequence():
+    """The key tiles of sequence 0 run on into sequence 1's keys; the descriptor ends at sequence 0's last key, so
+    those rows arrive as zeros and sequence 1's inf and NaN never meet another sequence's rows."""
+    lq, lk = [7, 5, 9], [7, 6, 9]
+    q, k, v, _, cu_q, cu_k = packed_case(lq, lk, 2, 1, 64, torch.float16, seed=3)
+    clean_o, clean_lse = run(q, k, v, cu_q, cu_k, lq, lk, True, None)
+    check_forward(clean_o, clean_lse, *varlen_attention_float64(q, k, v, cu_q, cu_k, True), cu_q, torch.float16)
+    k[int(cu_k[1])], v[int(cu_k[1]) + 1] = float("inf"), float("nan")
+    o, lse = run(q, k, v, cu_q, cu_k, lq, lk, True, None)
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[int(cu_q[1]) : int(cu_q[2])] = False
+    assert torch.equal(o[others], clean_o[others]) and torch.equal(lse[:, others], clean_lse[:, others])
+    assert not torch.isfinite(o[~others]).all()  # the poisoned sequence itself does see its keys
+
+
+def test_every_row_is_written_by_its_own_sequence_only():
+    """o starts as NaN: every real row comes out right (so written), though the last tile of a sequence reaches
+    into the next one's rows: its store is cut at the sequence's end, or, causal (the slots walked from the last),
+    it would overwrite them after their own program wrote them."""
+    lq, lk = [19, 3, 26], [19, 10, 30]
+    assert any(n % CPU_CONFIG["BLOCK_M"] for n in lq), "a sequence must end inside a tile"
+    q, k, v, _, cu_q, cu_k = packed_case(lq, lk, 2, 2, 64, torch.bfloat16, seed=4)
+    o, lse = run(q, k, v, cu_q, cu_k, lq, lk, True, None, o=torch.full_like(q, float("nan")))
+    check_forward(o, lse, *varlen_attention_float64(q, k, v, cu_q, cu_k, True), cu_q, torch.bfloat16)
+
+
+def test_the_grid_holds_every_tile_and_at_most_one_empty_slot_a_sequence():
+    """Sequence b's tiles start at slot ``cu_q[b] // BLOCK_M + b``: they never overlap the next sequence's, and the
+    grid's ``cdiv(total_q, BLOCK_M) + B`` slots hold every sequence's last tile, whatever the lengths."""
+    g = torch.Generator().manual_seed(0)
+    for bm in (16, 64, 128):
+        for _ in range(50):
+            lengths = torch.randint(0, 3 * bm, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+            cu = [0]
+            for n in lengths:
+                cu.append(cu[-1] + n)
+            first = [cu[b] // bm + b for b in range(len(lengths))]
+            for b, n in enumerate(lengths):
+                end = first[b] + cdiv(n, bm)  # past sequence b's last tile
+                assert b + 1 == len(lengths) or end <= first[b + 1]
+                assert end <= cdiv(cu[-1], bm) + len(lengths)
+                assert b + 1 == len(lengths) or first[b + 1] - end <= 1  # at most one empty slot between
+
+
+@pytest.mark.parametrize(
+    "make, why",
+    [
+        (lambda q, k: (q.float(), k.float()), "16-bit inputs only"),
+        (lambda q, k: (q[..., :32].contiguous(), k[..., :32].contiguous()), "head dims"),
+        (lambda q, k: (q.transpose(0, 1).contiguous().transpose(0, 1), k), "packed rows of heads"),
+    ],
+)
+def test_what_it_cannot_run_is_said(make, why):
+    q, k, _, _, _, _ = packed_case([4, 4], [4, 4], 2, 2, 64, torch.float16)
+    q, k = make(q, k)
+    assert why in varlen_hopper.unavailable(q, k, k)
