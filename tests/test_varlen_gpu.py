@@ -144,13 +144,16 @@ def test_a_varlen_call_is_captured_in_a_cuda_graph():
     assert torch.equal(out, flash_attention_varlen(q, k, v, cu_q, cu_k, 400, 500))
 
 
-def test_calls_with_new_lengths_launch_directly_and_give_the_jits_bits(monkeypatch):
+@pytest.mark.parametrize("d", [64, 128])
+def test_calls_with_new_lengths_launch_directly_and_give_the_jits_bits(monkeypatch, d):
     """A training loop's batches: new lengths every step, one binary per kernel. After its first calls each of the
     five varlen kernels (the boundary check, the forward, the backward's three) runs from a checked direct launch
-    of the host engine (no Triton JIT per launch), and every step gives the bits launches through the JIT give."""
+    of the host engine (no Triton JIT per launch), and every step gives the bits launches through the JIT give. At
+    D = 128 the forward is the copy-engine kernel, whose direct launch passes its descriptors' global scratch."""
     from flashlab.host import plan as plans
     from flashlab.host import varlen as host_varlen
     from flashlab.kernels import varlen as kernels
+    from flashlab.kernels import varlen_hopper
 
     def jit_only(jit_function, grid, args, kwargs, runtime, outputs):
         jit_function[grid](*args, **kwargs)
@@ -163,15 +166,16 @@ def test_calls_with_new_lengths_launch_directly_and_give_the_jits_bits(monkeypat
 
     for seed in range(5):
         lq, lk = ragged_lengths(20 + seed, 6, 700)
-        case = on_gpu(*packed_case(lq, lk, 16, 4, 64, torch.bfloat16, seed=seed))
+        case = on_gpu(*packed_case(lq, lk, 16, 4, d, torch.bfloat16, seed=seed))
         planned = step(*case, lq, lk)
         with monkeypatch.context() as patch:
             patch.setattr(host_varlen, "planned_launch", jit_only)
             through_jit = step(*case, lq, lk)
         for a, b in zip(planned, through_jit, strict=True):
             assert torch.equal(a, b), seed
-    jit_functions = (kernels.check_boundaries, kernels.attn_fwd_varlen, kernels.bwd_preprocess_varlen,
-                     kernels.bwd_dkdv_varlen, kernels.bwd_dq_varlen)  # fmt: skip
+    forward = kernels.attn_fwd_varlen if d == 64 else varlen_hopper._attn_fwd_varlen_hopper
+    jit_functions = (kernels.check_boundaries, forward, kernels.bwd_preprocess_varlen, kernels.bwd_dkdv_varlen,
+                     kernels.bwd_dq_varlen)  # fmt: skip
     for fn in jit_functions:
         states = [p.state for key, p in plans.PLANS.items() if p.path == "planned" and key[0] is fn]
         assert plans.CHECKED in states, (fn, states)

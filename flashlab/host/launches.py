@@ -1124,6 +1124,18 @@ def launch_key(jit_function, args, kwargs, runtime, device: int, kinds=None) -> 
 _SCALAR_TYPES = frozenset((int, float, bool, type(None)))
 
 
+def _descriptor_scratch(plan, grid, stream) -> tuple:
+    """The global scratch a planned direct launch on ``grid`` passes after its tensors, ``()`` where its kernel
+    takes none: ``plan.scratch_bytes`` for each program, from the stream's kept scratch (fresh while capturing)."""
+    if not plan.scratch_bytes:
+        return ()
+    programs = 1
+    for n in grid:
+        programs *= n
+    return (scratch(torch.device("cuda", torch.cuda.current_device()), stream, cdiv(programs * plan.scratch_bytes,
+                                                                                    4), 0)[0],)  # fmt: skip
+
+
 def planned_launch(jit_function, grid, args, kwargs, runtime=(), outputs=()):
     """``jit_function[grid](*args, **kwargs)`` on the current device, through a plan (``flashlab.host.plan``) kept
     under ``launch_key``: through Triton's JIT until the plan's direct launch is checked, then directly, with this
@@ -1141,7 +1153,7 @@ def planned_launch(jit_function, grid, args, kwargs, runtime=(), outputs=()):
     values = tuple(args[i] for i in runtime_positions(jit_function, runtime))  # in runtime's order
     stream = current_stream(device)
     if plan is not None and plan.state is CHECKED:
-        plan.fast[0](stream, grid, values, *tensors)
+        plan.fast[0](stream, grid, values, *tensors, *_descriptor_scratch(plan, grid, stream))
         return
     kernel = jit_function[grid](*args, **kwargs)
     if key is None:
@@ -1158,12 +1170,18 @@ def planned_launch(jit_function, grid, args, kwargs, runtime=(), outputs=()):
 
     def build():
         plan.binary = kernel
-        return (FastLaunch.build(jit_function, kernel, grid, args, kwargs, tensor_names, runtime=runtime),)
+        # device-side descriptors live in global scratch: only flashlab's launcher is handed it (Triton's own
+        # would allocate it at every launch, which a direct launch skips)
+        each = kernel.metadata.num_ctas * kernel.metadata.global_scratch_size
+        fast = FastLaunch.build(jit_function, kernel, grid, args, kwargs, tensor_names, global_scratch=each > 0,
+                                native_only=each > 0, runtime=runtime)  # fmt: skip
+        plan.scratch_bytes = each  # per program
+        return (fast,)
 
     def check():  # the JIT's bits, then the direct launch's on the same arguments
         before = [t.clone() for t in written]
         try:
-            plan.fast[0](stream, grid, values, *tensors)
+            plan.fast[0](stream, grid, values, *tensors, *_descriptor_scratch(plan, grid, stream))
         except Exception:  # noqa: BLE001 -- a launcher that does not take these arguments: JIT launches stay
             return False
         return all(same_bits(a, b) for a, b in zip(before, written, strict=True))

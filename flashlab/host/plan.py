@@ -73,7 +73,7 @@ class Plan:
         "extra",  # what the path needs besides: the mask and band, a repair pass, a schedule table...
         "fast",  # the direct launches, in launch order, once built
         "state",  # UNTRIED, BUILT, CHECKED or OFF
-        "scratch_bytes",  # global scratch the direct launch passes (the Hopper rung's descriptors)
+        "scratch_bytes",  # global scratch the direct launch passes (descriptors); a "planned" plan's: per program
         "views",  # the stream's scratch cut for this plan: (stream, epoch, cut)
         "key",  # the plan key it is kept under
         "binary",  # the compiled kernel its direct launch relaunches, once built

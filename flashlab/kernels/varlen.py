@@ -346,7 +346,7 @@ def launch(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         return
     if config is None and tiles is None and varlen_hopper.preferred(q, k, v, o):  # the copy engine's kernel
         varlen_hopper.launch(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
-                             band)  # fmt: skip
+                             band, launcher=launcher)  # fmt: skip
         return
     win_left, win_right, qk_scale = band
     count = tiles is not None

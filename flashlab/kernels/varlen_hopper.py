@@ -155,11 +155,12 @@ def unavailable(q, k, v, o=None) -> str | None:
 
 
 def launch(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, band,
-           config=None):  # fmt: skip
+           config=None, launcher=None):  # fmt: skip
     """Run the kernel once on prepared inputs, as ``flashlab.kernels.varlen.launch`` takes them (boundaries
     already checked), writing ``o`` (contiguous, like q) and ``lse (Hq, total_q)``. ``config`` fixes the tiles
     (BLOCK_M, BLOCK_N, num_warps, num_stages; four warps mean warp-specialised); None: rung 3's tuned table's for
-    the longest sequence. CPU tensors run the interpreter."""
+    the longest sequence. ``launcher`` as ``flashlab.kernels.varlen.launch`` takes it (the host engine's planned
+    launches, which hand the descriptors their global scratch). CPU tensors run the interpreter."""
     why = unavailable(q, k, v, o)
     if why is not None:
         raise RuntimeError(f"the Hopper varlen kernel cannot run these inputs: {why}")
@@ -187,8 +188,15 @@ def launch(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     config.setdefault("WARP_SPECIALIZE", config["num_warps"] == rung3_hopper.WARP_SPECIALIZED_WARPS)
     grid = (cdiv(total_q, config["BLOCK_M"]) + b, hq)
     ensure_allocator()
-    with torch.cuda.device(q.device):  # through Triton's JIT: its launcher gives the descriptors their scratch
-        _attn_fwd_varlen_hopper[grid](*args, **meta, **config)
+    with torch.cuda.device(q.device):
+        if launcher is None:
+            _attn_fwd_varlen_hopper[grid](*args, **meta, **config)
+        else:
+            launcher(_attn_fwd_varlen_hopper, grid, args, {**meta, **config}, PLANNED_RUNTIME, ("O", "LSE"))
+
+
+# the scalars a planned launch passes per call: what changes between calls of one binary
+PLANNED_RUNTIME = ("TOTAL_Q", "TOTAL_K", "B", "win_left", "win_right", "qk_scale")
 
 
 # Where the benchmark measured it faster than the pointer kernel (one H100, bf16, the varlen bar's cells,
