@@ -95,10 +95,10 @@ def test_varlen_kernel_compiles_for_hopper(dtype, d, causal, window):
 
 @pytest.mark.parametrize("causal, window", [(True, None), (False, (256, 0))], ids=["causal", "window"])
 def test_the_copy_engine_varlen_kernel_compiles_warp_specialised(causal, window):
-    """``flashlab.kernels.varlen_hopper`` at D = 128 with rung 3's warp-specialised tiles: the loads before the
+    """``flashlab.kernels.varlen.hopper`` at D = 128 with rung 3's warp-specialised tiles: the loads before the
     loop (the boundaries, each program's search for its sequence) leave the specialisation on (producer and
     consumer warpgroups trade registers: ``setmaxnreg``), the tiles come by the copy engine, the products by wgmma."""
-    from flashlab.kernels import varlen_hopper
+    from flashlab.kernels.varlen import hopper as varlen_hopper
 
     b, hq, hk, d, total = 32, 16, 4, 128, 16384
     q = torch.empty(total, hq, d, dtype=torch.bfloat16)
@@ -127,9 +127,11 @@ def test_varlen_backward_kernels_compile_for_hopper(dtype, d):
     h200_smem = 232448  # bytes of shared memory one block may opt into on an H200 (sm_90)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(0), k.stride(1), q.stride(0), q.stride(1))
 
-    pre = (q, q, stats, stats, stats, cu, q.stride(0), q.stride(1), q.stride(0), q.stride(1), hq, b * max_q)
+    pre = (q, q, stats, stats, stats, cu, q.stride(0), q.stride(1), q.stride(0), q.stride(1), hq, b * max_q, b * max_q)
     pre_meta = {"HEAD_DIM": d, "BLOCK_D": block_d(d), "BLOCK_M": varlen.PREPROCESS_BLOCK_M}
-    compile_sm90(varlen.bwd_preprocess_varlen, pre, pre_meta, {"num_warps": 4, "num_stages": 1})
+    for aligned in (False, True):  # the statistics at each sequence's rows, or laid out for the copy engine
+        compile_sm90(varlen.bwd_preprocess_varlen, pre, {**pre_meta, "ALIGNED_STATS": aligned},
+                     {"num_warps": 4, "num_stages": 1})  # fmt: skip
     launches = {
         "dkdv": (varlen.bwd_dkdv_varlen, (q, k, k, q, k, k, stats, stats, cu, cu, *strides, k.stride(0), k.stride(1),
                                           0, hq, hk, hq // hk, b * max_q, win_left, win_right, qk_scale, 0.1)),
@@ -146,3 +148,30 @@ def test_varlen_backward_kernels_compile_for_hopper(dtype, d):
         for schedule in (varlen.SCHEDULE_DEFAULTS[kernel], other):
             ptx = compile_sm90(fn, args, {**meta, **config, **schedule}, options)
             assert "mma" in ptx, (kernel, schedule)  # the tensor cores
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_the_copy_engine_varlen_backward_compiles_warp_specialised(causal):
+    """The dK/dV and dQ kernels of ``flashlab.kernels.varlen.hopper`` with their GPU tiles (``BACKWARD_TILES``):
+    warp-specialised (``setmaxnreg``), the tiles and the statistics by the copy engine, the products by wgmma."""
+    from flashlab.kernels.varlen import hopper
+
+    b, hq, hk, d, total = 32, 16, 4, 128, 16384
+    q = torch.empty(total, hq, d, dtype=torch.bfloat16)
+    k = torch.empty(total, hk, d, dtype=torch.bfloat16)
+    cu = torch.zeros(b + 1, dtype=torch.int32)
+    stats = torch.empty(hq, hopper.stats_stride(total, b))
+    _, win_left, win_right, qk_scale, _ = kernel_band(2048, 2048, d, causal, None, None)
+    sizes = (hq, hq // hk, total, total, b, stats.stride(0), win_left, win_right, qk_scale)
+    strides = (q.stride(0), k.stride(0), k.stride(0), q.stride(0))
+    common = dict(HEAD_DIM=d, DOT_PRECISION="tf32", DOT_UPCAST=False, CU_BLOCK=hopper.CU_BLOCK, WARP_SPECIALIZE=True)
+    kernels = {
+        "dkdv": (hopper.bwd_dkdv_varlen_hopper, (q, k, k, q, k, k, stats, stats, cu, cu, *strides, k.stride(0),
+                                                  *sizes, 0.1), dict(common, HIDE_BEFORE=causal, HIDE_AFTER=False)),
+        "dq": (hopper.bwd_dq_varlen_hopper, (q, k, k, q, q, stats, stats, cu, cu, *strides, q.stride(0), *sizes, 0.1),
+               dict(common, MASK_LEFT=False, MASK_RIGHT=causal, REVERSE_M=causal)),
+    }  # fmt: skip
+    for name, (fn, args, meta) in kernels.items():
+        bm, bn, warps, stages = hopper.BACKWARD_TILES[name]
+        ptx = compile_sm90(fn, args, {**meta, "BLOCK_M": bm, "BLOCK_N": bn}, {"num_warps": warps, "num_stages": stages})
+        assert "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx, name

@@ -44,14 +44,19 @@ def test_forward_equals_float64_per_sequence(dtype, d, causal, window):
     check_forward(o.cpu(), lse.cpu(), *ref, cu_q.cpu(), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gradients_equal_float64_per_sequence(dtype):
+@pytest.mark.parametrize("dtype, d", [(torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 64),
+                                      (torch.float32, 128)])  # fmt: skip
+@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (False, (150, 40))])
+def test_gradients_equal_float64_per_sequence(dtype, d, causal, window):
+    """At D = 128 in 16 bits the copy-engine kernels (``flashlab.kernels.varlen.hopper``), elsewhere the pointer
+    kernels; a first sequence of no rows and no keys among the others."""
     lq, lk = ragged_lengths(3, 5, 700)
-    q, k, v, do, cu_q, cu_k = packed_case(lq, lk, 8, 2, 128, dtype, seed=2)
+    lq[0], lk[0] = 0, 0
+    q, k, v, do, cu_q, cu_k = packed_case(lq, lk, 8, 2, d, dtype, seed=2)
     qg, kg, vg = (x.cuda().requires_grad_() for x in (q, k, v))
-    o = flash_attention_varlen(qg, kg, vg, cu_q.cuda(), cu_k.cuda(), max(lq), max(lk), causal=True)
+    o = flash_attention_varlen(qg, kg, vg, cu_q.cuda(), cu_k.cuda(), max(lq), max(lk), causal=causal, window=window)
     o.backward(do.cuda())
-    refs = varlen_grads_float64(q, k, v, do, cu_q, cu_k, True)
+    refs = varlen_grads_float64(q, k, v, do, cu_q, cu_k, causal, window)
     for name, x, ref in zip("qkv", (qg.grad, kg.grad, vg.grad), refs, strict=True):
         err = relative_error(x.cpu(), ref)
         assert err <= grad_tolerance(dtype), f"d{name}: relative error {err:.2e} for {dtype}"
@@ -149,11 +154,12 @@ def test_calls_with_new_lengths_launch_directly_and_give_the_jits_bits(monkeypat
     """A training loop's batches: new lengths every step, one binary per kernel. After its first calls each of the
     five varlen kernels (the boundary check, the forward, the backward's three) runs from a checked direct launch
     of the host engine (no Triton JIT per launch), and every step gives the bits launches through the JIT give. At
-    D = 128 the forward is the copy-engine kernel, whose direct launch passes its descriptors' global scratch."""
+    D = 128 the forward and the backward's two loops are the copy-engine kernels, whose direct launches pass their
+    descriptors' global scratch."""
     from flashlab.host import plan as plans
     from flashlab.host import varlen as host_varlen
     from flashlab.kernels import varlen as kernels
-    from flashlab.kernels import varlen_hopper
+    from flashlab.kernels.varlen import hopper as varlen_hopper
 
     def jit_only(jit_function, grid, args, kwargs, runtime, outputs):
         jit_function[grid](*args, **kwargs)
@@ -173,9 +179,12 @@ def test_calls_with_new_lengths_launch_directly_and_give_the_jits_bits(monkeypat
             through_jit = step(*case, lq, lk)
         for a, b in zip(planned, through_jit, strict=True):
             assert torch.equal(a, b), seed
-    forward = kernels.attn_fwd_varlen if d == 64 else varlen_hopper._attn_fwd_varlen_hopper
-    jit_functions = (kernels.check_boundaries, forward, kernels.bwd_preprocess_varlen, kernels.bwd_dkdv_varlen,
-                     kernels.bwd_dq_varlen)  # fmt: skip
+    if d == 64:
+        forward, dkdv, dq = kernels.attn_fwd_varlen, kernels.bwd_dkdv_varlen, kernels.bwd_dq_varlen
+    else:  # the copy engine's kernels, their descriptors' scratch passed by the direct launch
+        forward, dkdv, dq = (varlen_hopper.attn_fwd_varlen_hopper, varlen_hopper.bwd_dkdv_varlen_hopper,
+                             varlen_hopper.bwd_dq_varlen_hopper)  # fmt: skip
+    jit_functions = (kernels.check_boundaries, forward, kernels.bwd_preprocess_varlen, dkdv, dq)
     for fn in jit_functions:
         states = [p.state for key, p in plans.PLANS.items() if p.path == "planned" and key[0] is fn]
         assert plans.CHECKED in states, (fn, states)
@@ -185,11 +194,11 @@ def test_calls_with_new_lengths_launch_directly_and_give_the_jits_bits(monkeypat
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (300, None)), (False, (200, 50))])
 def test_the_copy_engine_kernel_equals_float64_per_sequence(dtype, d, causal, window):
-    """``flashlab.kernels.varlen_hopper`` (what D = 128 runs by default) under each of rung 3's tile configs, a
+    """``flashlab.kernels.varlen.hopper`` (what D = 128 runs by default) under each of rung 3's tile configs, a
     first sequence of no rows among empty and one-token ones, o starting as NaN (every row written, none twice)."""
-    from flashlab.kernels import varlen_hopper
     from flashlab.kernels.device import kernel_band
     from flashlab.kernels.ladder import rung3_hopper
+    from flashlab.kernels.varlen import hopper as varlen_hopper
 
     lq, lk = ragged_lengths(d + 7, 9, 900)
     lq[0], lk[0] = 0, 0
@@ -207,7 +216,7 @@ def test_the_copy_engine_kernel_equals_float64_per_sequence(dtype, d, causal, wi
 def test_head_dim_128_runs_the_copy_engine_kernel_and_its_graph_replays(monkeypatch):
     """At D = 128 (16-bit) the default call runs the copy-engine kernel; captured in a CUDA graph (its descriptors'
     scratch in the graph's memory) it replays new boundaries right, as the pointer kernel does at D = 64."""
-    from flashlab.kernels import varlen_hopper
+    from flashlab.kernels.varlen import hopper as varlen_hopper
 
     calls = []
     launch = varlen_hopper.launch
@@ -215,7 +224,7 @@ def test_head_dim_128_runs_the_copy_engine_kernel_and_its_graph_replays(monkeypa
     lq, lk = ragged_lengths(9, 6, 300)
     q, k, v, _, cu_q, cu_k = on_gpu(*packed_case(lq, lk, 8, 2, 128, torch.bfloat16, seed=9))
     expect = flash_attention_varlen(q, k, v, cu_q, cu_k, 400, 500, causal=True)
-    assert calls, "D = 128 must run flashlab.kernels.varlen_hopper"
+    assert calls, "D = 128 must run flashlab.kernels.varlen.hopper"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = flash_attention_varlen(q, k, v, cu_q, cu_k, 400, 500, causal=True)

@@ -1,4 +1,4 @@
-"""The Hopper varlen forward (``flashlab.kernels.varlen_hopper``) on Triton's interpreter, against float64 attention on
+"""The Hopper varlen forward (``flashlab.kernels.varlen.hopper``) on Triton's interpreter, against float64 attention on
 each sequence's slice: the tiles copied through descriptors that end at each sequence's last row, the grid of the
 tiles that exist (each program finding its sequence on the device), GQA, causal and window masks aligned to each
 sequence's end, lengths 0 and 1, Nq != Nk. And what the descriptors' ends promise: a neighbouring sequence's
@@ -11,8 +11,8 @@ import torch
 from test_varlen import check_forward, packed_case, varlen_attention_float64
 
 from flashlab.core.integers import cdiv
-from flashlab.kernels import varlen_hopper
 from flashlab.kernels.device import CPU_CONFIG, kernel_band
+from flashlab.kernels.varlen import hopper as varlen_hopper
 
 # (query lengths, key lengths, Hq, Hk, causal, window, dtype): a 0 and a 1 in every batch, Nq != Nk, sequences
 # longer than a tile and shorter
@@ -98,3 +98,64 @@ def test_what_it_cannot_run_is_said(make, why):
     q, k, _, _, _, _ = packed_case([4, 4], [4, 4], 2, 2, 64, torch.float16)
     q, k = make(q, k)
     assert why in varlen_hopper.unavailable(q, k, k)
+
+
+def copy_engine_grads(q, k, v, do, cu_q, cu_k, lq, lk, causal, window, scale=None):
+    """dq, dk, dv from ``varlen_hopper.launch_backward`` on the interpreter, its statistics made as the
+    preprocess makes them (delta = rowsum(dO * O), lse in log2 units, +inf where a row saw no key), rows padded to
+    ``STATS_ALIGN``."""
+    import math
+
+    from flashlab import flash_attention_varlen
+
+    d = q.shape[-1]
+    o, lse = flash_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, window=window,
+                                    scale=scale, return_lse=True)  # fmt: skip
+    hq, total = lse.shape
+    delta = torch.full((hq, varlen_hopper.stats_stride(total, len(lq))), float("nan"))  # padding never read
+    lse2 = torch.full_like(delta, float("nan"))
+    end = 0
+    for b in range(len(lq)):  # sequence b's rows at a multiple of STATS_ALIGN, after the previous sequence's
+        start = (int(cu_q[b]) // varlen_hopper.STATS_ALIGN + b) * varlen_hopper.STATS_ALIGN
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        assert start >= end and start + lq[b] <= delta.shape[1], "the layout must leave room"
+        end = start + lq[b]
+        delta[:, start:end] = (o[rows].float() * do[rows].float()).sum(-1).T
+        lse2[:, start:end] = torch.where(torch.isinf(lse[:, rows]), float("inf"), lse[:, rows] * 1.4426950408889634)
+    _, win_left, win_right, qk_scale, negate = kernel_band(max(lq), max(lk), d, causal, window, scale)
+    signed = 1 / math.sqrt(d) if scale is None else scale
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    varlen_hopper.launch_backward(-q if negate else q, k, v, do, dq, dk, dv, lse2, delta, cu_q, cu_k, max(lq),
+                                  max(lk), (win_left, win_right, qk_scale), abs(signed), signed)  # fmt: skip
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("lq, lk, hq, hk, causal, window, dtype", CASES)
+def test_backward_equals_float64_per_sequence(lq, lk, hq, hk, causal, window, dtype):
+    """dq, dk, dv of the copy-engine backward: every packed row written (a sequence without queries still gets its
+    zero dk, dv), against float64 autograd per sequence."""
+    from test_varlen import varlen_grads_float64
+
+    from flashlab.core.numerics import grad_tolerance, relative_error
+
+    q, k, v, do, cu_q, cu_k = packed_case(lq, lk, hq, hk, 64, dtype, seed=len(lq) + hq + 1)
+    got = copy_engine_grads(q, k, v, do, cu_q, cu_k, lq, lk, causal, window)
+    refs = varlen_grads_float64(q, k, v, do, cu_q, cu_k, causal, window)
+    for name, x, ref in zip("qkv", got, refs, strict=True):
+        assert torch.isfinite(x).all(), f"d{name}: a row left unwritten or not finite"
+        err = relative_error(x, ref)
+        assert err <= grad_tolerance(dtype), f"d{name}: relative error {err:.2e}"
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NumPy, on the poisoned sequence
+def test_the_backward_keeps_a_neighbours_nan_in_its_sequence():
+    lq, lk = [9, 5, 11], [9, 6, 13]
+    q, k, v, do, cu_q, cu_k = packed_case(lq, lk, 2, 1, 64, torch.float16, seed=5)
+    clean = copy_engine_grads(q, k, v, do, cu_q, cu_k, lq, lk, True, None)
+    k[int(cu_k[1]) + 2], v[int(cu_k[1])] = float("nan"), float("inf")
+    q[int(cu_q[1])] = float("nan")
+    dirty = copy_engine_grads(q, k, v, do, cu_q, cu_k, lq, lk, True, None)
+    for i, cu in ((0, cu_q), (1, cu_k), (2, cu_k)):
+        others = torch.ones(cu[-1], dtype=torch.bool)
+        others[int(cu[1]) : int(cu[2])] = False
+        assert torch.equal(dirty[i][others], clean[i][others]), "dqkv"[i]

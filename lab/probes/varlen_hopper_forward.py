@@ -1,4 +1,4 @@
-"""The Hopper varlen forward (``flashlab.kernels.varlen_hopper``: descriptors cut at each sequence's end, the grid
+"""The Hopper varlen forward (``flashlab.kernels.varlen.hopper``: descriptors cut at each sequence's end, the grid
 of the tiles that exist, a warp-specialised loop) beside the pointer kernel it would replace
 (``flashlab.kernels.varlen``, its tuned config) and torch's varlen_attn, on the bar's cells: log-normal batches of
 32 documents, 16K and 64K tokens, H = 16 over 4 K/V heads, D = 64 and 128, bf16, causal and not. Each output is
@@ -15,8 +15,9 @@ from probe_log import log_to
 from triton.testing import do_bench
 
 from flashlab.bench.varlen import VarlenPlan, mix_lengths, torch_varlen_attn
-from flashlab.kernels import varlen, varlen_hopper
+from flashlab.kernels import varlen
 from flashlab.kernels.device import kernel_band
+from flashlab.kernels.varlen import hopper as varlen_hopper
 
 say = log_to(sys.argv[1])
 CONFIGS = [(128, 128, 4, 2), (128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2)]

@@ -55,7 +55,7 @@ from flashlab.kernels.interpreter import interpreted, interpreted_language
 
 NAME = "hopper"  # the rung's name in flashlab.kernels.backward
 ROW_ALIGN = 128  # delta and lse2 rows per head are padded to a multiple of this (every BLOCK_M divides it)
-WARP_SPECIALIZED_WARPS = 4  # Triton's Hopper pass specialises four-warp programs
+WARP_SPECIALIZED_WARPS = configs.HOPPER_WARP_SPECIALIZED_WARPS  # Triton's Hopper pass specialises four-warp programs
 
 DKDV_RUNTIME = ("HQ", "GROUP", "NQ", "NK", "ROWS", "offset", "win_left", "win_right")
 DQ_RUNTIME = DKDV_RUNTIME

@@ -276,7 +276,7 @@ def _config(bm, bn, warps, stages):
     )
 
 
-WARP_SPECIALIZED_WARPS = 4  # the num_warps of a warp-specialised config
+WARP_SPECIALIZED_WARPS = configs.HOPPER_WARP_SPECIALIZED_WARPS  # the num_warps of a warp-specialised config
 
 
 def prune_configs(configs, named_args, **kwargs):

@@ -18,7 +18,7 @@ hides are never loaded, and no tile reaches into a neighbouring sequence: the ke
     per program: read 4 ints of cu_seqlens, then BLOCK_M * D (Q) + per visible key tile 2 * BLOCK_N * D (K, V),
     write BLOCK_M * D (O) + BLOCK_M * 4 bytes (lse)
 
-On a Hopper GPU at head dim 128, ``launch`` runs ``flashlab.kernels.varlen_hopper`` instead: the same maths, its
+On a Hopper GPU at head dim 128, ``launch`` runs ``flashlab.kernels.varlen.hopper`` instead: the same maths, its
 tiles copied by the tensor-memory accelerator through descriptors cut at each sequence's end, its loop
 warp-specialised (1.21-1.28x faster on the varlen bar's cells, docs/forward-ladder.md).
 
@@ -37,10 +37,11 @@ import triton
 import triton.language as tl
 
 from flashlab.core.integers import cdiv
-from flashlab.kernels import configs, error_record, softmax_step, varlen_hopper
+from flashlab.kernels import configs, error_record, softmax_step
 from flashlab.kernels.device import CPU_CONFIG, LOG2_E, block_d, dot_precision, dot_upcast, kernel_band
 from flashlab.kernels.error_record import report_error
 from flashlab.kernels.interpreter import interpreted, interpreted_language
+from flashlab.kernels.varlen import hopper as varlen_hopper
 
 # Lengths, the band and the row counts are runtime values: a new batch of lengths never compiles another binary.
 RUNTIME_LENGTHS = ("HQ", "GROUP", "TOTAL_Q", "win_left", "win_right")
@@ -49,7 +50,7 @@ RUNTIME_LENGTHS = ("HQ", "GROUP", "TOTAL_Q", "win_left", "win_right")
 PLANNED = {
     "forward": (("TOTAL_Q", "win_left", "win_right", "qk_scale"), ("O", "LSE")),
     "check": (("N0", "N1", "N2", "B", "TOTAL_Q", "TOTAL_K", "MOST_Q", "MOST_K"), ("SAFE", "ERRORS")),
-    "preprocess": (("TOTAL_Q",), ("DELTA", "LSE2")),
+    "preprocess": (("TOTAL_Q", "STATS_STRIDE"), ("DELTA", "LSE2")),
     "dkdv": (("stride_part", "TOTAL_Q", "win_left", "win_right", "qk_scale", "dk_scale"), ("DK", "DV")),
     "dq": (("TOTAL_Q", "win_left", "win_right", "qk_scale", "dq_scale"), ("DQ",)),
 }
@@ -379,13 +380,14 @@ PREPROCESS_BLOCK_M = 64  # query rows per program of the preprocess on a GPU
 
 
 # fmt: off
-@triton.jit(do_not_specialize=("HQ", "TOTAL_Q"))
+@triton.jit(do_not_specialize=("HQ", "TOTAL_Q", "STATS_STRIDE"))
 def _bwd_preprocess_varlen(
-    O, DO, LSE, DELTA, LSE2,  # o and do (total_q, Hq, D); lse (Hq, total_q); outputs delta and lse2 (Hq, total_q)
+    O, DO, LSE, DELTA, LSE2,  # o and do (total_q, Hq, D); lse (Hq, total_q); outputs delta and lse2 (Hq, stride)
     CU_Q,
     stride_om, stride_oh, stride_dom, stride_doh,
-    HQ, TOTAL_Q,
+    HQ, TOTAL_Q, STATS_STRIDE,  # packed query rows (lse's row stride); delta's and lse2's row stride
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    ALIGNED_STATS: tl.constexpr = False,  # each sequence's delta and lse2 at hopper.stats_start, not at its rows
 ):
     # fmt: on
     pid_m = tl.program_id(0)
@@ -406,8 +408,11 @@ def _bwd_preprocess_varlen(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,) rowsum(dO * O) in fp32
     lse = tl.load(LSE + off_h.to(tl.int64) * TOTAL_Q + rows, mask=row_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2_E)  # a row that saw no key: P = 0
-    tl.store(DELTA + off_h.to(tl.int64) * TOTAL_Q + rows, delta, mask=row_ok)
-    tl.store(LSE2 + off_h.to(tl.int64) * TOTAL_Q + rows, lse2, mask=row_ok)
+    stat = rows
+    if ALIGNED_STATS:
+        stat = varlen_hopper.stats_start(q_start, off_b).to(tl.int64) + offs_m
+    tl.store(DELTA + off_h.to(tl.int64) * STATS_STRIDE + stat, delta, mask=row_ok)
+    tl.store(LSE2 + off_h.to(tl.int64) * STATS_STRIDE + stat, lse2, mask=row_ok)
 
 
 BWD_RUNTIME = ("stride_part", "HQ", "HK", "GROUP", "TOTAL_Q", "win_left", "win_right")
@@ -664,9 +669,13 @@ def backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         return grads
     # every packed row is written: by its query tile (dq, even without keys) or its key tile (dk, dv, even without
     # queries)
-    dkdv_config, dq_config = split_schedule(config, q.is_cuda, hq // hk)
-    split = dkdv_config["GROUP_SPLIT"]
-    delta = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
+    # the copy engine's kernels (Hopper, D = 128) unless the config names the pointer kernels' tiles or schedule
+    copy_engine = (config or {}).get("copy_engine", True) and varlen_hopper.backward_preferred(q_run, k, v, do)
+    dkdv_config, dq_config = split_schedule({n: c for n, c in (config or {}).items() if n != "copy_engine"},
+                                            q.is_cuda, hq // hk)  # fmt: skip
+    split = 1 if copy_engine else dkdv_config["GROUP_SPLIT"]
+    stats_stride = varlen_hopper.stats_stride(total_q, b) if copy_engine else total_q
+    delta = torch.empty((hq, stats_stride), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
     dq = torch.empty((total_q, hq, d), dtype=q.dtype, device=q.device)
     dk = torch.empty((total_k, hk, d), dtype=q.dtype, device=q.device)
@@ -682,7 +691,7 @@ def backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     common = dict(HEAD_DIM=d, BLOCK_D=bd, DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
                   DOT_UPCAST=dot_upcast(q.dtype, q.is_cuda))  # fmt: skip
     pre_args = (o, do, lse, delta, lse2, cu_seqlens_q, o.stride(0), o.stride(1), do.stride(0), do.stride(1))
-    pre_args += (hq, total_q)
+    pre_args += (hq, total_q, stats_stride)
     strides = (q_run.stride(0), q_run.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
     strides += (do.stride(0), do.stride(1))
     band = (win_left, win_right)
@@ -704,9 +713,15 @@ def backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         pre_m = PREPROCESS_BLOCK_M
         with torch.cuda.device(q.device):
             _launch(_bwd_preprocess_varlen, (cdiv(max_seqlen_q, pre_m), b * hq), pre_args,
-                    dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=pre_m), launcher, "preprocess")  # fmt: skip
-            _launch(_bwd_dkdv_varlen, dkdv_grid, dkdv_args, {**common, **dkdv_config}, launcher, "dkdv")
-            _launch(_bwd_dq_varlen, dq_grid, dq_args, {**common, **dq_config}, launcher, "dq")
+                    dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=pre_m, ALIGNED_STATS=copy_engine), launcher,
+                    "preprocess")  # fmt: skip
+            if copy_engine:
+                varlen_hopper.launch_backward(q_run, k, v, do, dq, dk, dv, lse2, delta, cu_seqlens_q, cu_seqlens_k,
+                                              max_seqlen_q, max_seqlen_k, (win_left, win_right, qk_scale),
+                                              abs(signed_scale), signed_scale, launcher)  # fmt: skip
+            else:
+                _launch(_bwd_dkdv_varlen, dkdv_grid, dkdv_args, {**common, **dkdv_config}, launcher, "dkdv")
+                _launch(_bwd_dq_varlen, dq_grid, dq_args, {**common, **dq_config}, launcher, "dq")
     if split > 1:  # the parts in one fixed order: the same gradients every run
         dk.copy_(dk_out.sum(0))
         dv.copy_(dv_out.sum(0))
