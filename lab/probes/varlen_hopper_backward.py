@@ -6,6 +6,7 @@ other before they are timed, beside torch's varlen_attn forward + backward.
 
 python lab/probes/varlen_hopper_backward.py OUT_FILE"""
 
+import functools
 import sys
 import time
 
@@ -34,17 +35,15 @@ for tokens in (16384, 65536):
         for name, copy_engine in (("pointer", False), ("copy engine", True)):
             config = {"dkdv": backward_config("dkdv", q), "dq": backward_config("dq", q), "copy_engine": copy_engine}
 
-            def step(config=config, c=causal):
-                return varlen.backward(do, q, k, v, o, lse, cu, cu, n, n, c, None, None, config)
-
+            step = functools.partial(varlen.backward, do, q, k, v, o, lse, cu, cu, n, n, causal, None, None, config)
             grads[name] = step()
             times[name] = do_bench(step, rep=100)
         err = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
                   for a, b in zip(grads["copy engine"], grads["pointer"], strict=True))  # fmt: skip
         qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
 
-        def torch_step(c=causal):
-            theirs(qg, kg, vg, cu, n, c).backward(do)
+        def torch_step(args=(qg, kg, vg, cu, n, causal), grad=do):
+            theirs(*args).backward(grad)
 
         ms_theirs = do_bench(torch_step, rep=100)
         say(f"{tokens // 1024}K D128 {'causal' if causal else 'full'}: backward pointer {times['pointer']:.3f} ms, "
