@@ -159,3 +159,18 @@ def test_the_backward_keeps_a_neighbours_nan_in_its_sequence():
         others = torch.ones(cu[-1], dtype=torch.bool)
         others[int(cu[1]) : int(cu[2])] = False
         assert torch.equal(dirty[i][others], clean[i][others]), "dqkv"[i]
+
+
+def test_boundaries_of_no_rows_write_nothing():
+    """The boundaries a bad call is given instead (``varlen.checked_boundaries``: every sequence empty): no program
+    finds a row, and the outputs keep what they held (NaN there)."""
+    lq, lk = [6, 9], [6, 9]
+    q, k, v, do, _, _ = packed_case(lq, lk, 2, 1, 64, torch.float16, seed=6)
+    empty = torch.zeros(3, dtype=torch.int32)
+    o, lse = run(q, k, v, empty, empty, lq, lk, True, None, o=torch.full_like(q, float("nan")))
+    assert torch.isnan(o).all()
+    stats = torch.zeros(2, varlen_hopper.stats_stride(q.shape[0], 2))
+    grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
+    band = kernel_band(max(lq), max(lk), 64, True, None, None)[1:4]
+    varlen_hopper.launch_backward(q, k, v, do, *grads, stats, stats, empty, empty, max(lq), max(lk), band, 0.125, 0.125)
+    assert all(torch.isnan(g).all() for g in grads)
