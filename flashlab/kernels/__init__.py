@@ -7,8 +7,9 @@
   overlap rung's ``tile_schedule``.
 - ``decode`` -- ``split_kv`` (Flash-Decoding: key chunks in parallel, merged by their log-sum-exps) and
   ``kvcache`` (the same against a serving engine's paged KV cache).
-- ``varlen`` -- the skip-and-split forward over a batch of sequences of different lengths packed without padding
-  (each program reads its sequence's bounds from ``cu_seqlens``).
+- ``varlen`` -- the skip-and-split forward and the two-pass backward over a batch of sequences of different
+  lengths packed without padding (each program reads its sequence's bounds from ``cu_seqlens``), and ``hopper``
+  beside them: the same with tiles by the tensor-memory accelerator, for head dim 128 on Hopper.
 - ``backward`` -- the backward's ladder: ``rung1_two_pass`` (the FlashAttention-2 backward kernels) and
   ``rung2_hopper`` (the same loops fed by the tensor-memory accelerator, warp-specialised).
 - ``softmax_step`` -- the ``@triton.jit`` steps they share: the band's element mask, one online-softmax step, the
