@@ -1,6 +1,6 @@
-"""The device functions every attention kernel in flashlab shares: the band's element mask and one step of the
-online softmax on a tile of scores. ``@triton.jit`` functions are inlined where they are called, so sharing them
-costs nothing at run time.
+"""The device functions every attention kernel in flashlab shares: the band's element mask, one step of the
+online softmax on a tile of scores, and one tile step of each of the copy-engine backward's two loops.
+``@triton.jit`` functions are inlined where they are called, so sharing them costs nothing at run time.
 
 Scores are in log2 units (the softmax scale carries log2(e)), so ``exp2`` gives ``exp(scale * (s - m))``.
 """
@@ -120,6 +120,47 @@ def accumulate_pv(acc, p, v, DOT_PRECISION: tl.constexpr):
     key_bad = tl.max(tl.where(finite, 0, 1), 1)  # (BLOCK_N,) 1 where the key's V row holds inf or NaN
     row_bad = tl.max(tl.where(p > 0, key_bad[None, :], 0), 1)  # (BLOCK_M,) 1 where a row weighs such a key
     return tl.where(row_bad[:, None] > 0, float("nan"), acc)
+
+
+# fmt: off
+@triton.jit
+def backward_key_tile(Q, k, v, q, do, lse2, delta, dk, dv, start_m, offs_m, first_row, last_row, qk_scale,
+                      HIDE_BEFORE: tl.constexpr, HIDE_AFTER: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # fmt: on
+    """One step of the backward's dK/dV loop (the copy-engine rungs): the query rows ``start_m + offs_m`` (their
+    q, dO, lse2 and delta) against a program's resident keys ``k``, ``v``, their P^T recomputed from the saved lse2.
+    ``dV += P^T dO``, ``dK += dS^T Q`` (unscaled) with ``dS^T = P^T (V dO^T - delta)``; the element mask only where
+    the band can hide a key from rows before it or after it (``edge_visible`` on each key's first and last row).
+    Products enter the dots in ``Q``'s dtype, as in FlashAttention. Returns ``(dk, dv, ds_t)``."""
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :]
+    if HIDE_BEFORE or HIDE_AFTER:  # (BLOCK_N, BLOCK_M): key j is seen by rows first_row_j .. last_row_j
+        visible = edge_visible(start_m + offs_m, first_row, last_row, HIDE_BEFORE, HIDE_AFTER)
+        s_t = tl.where(visible, s_t, float("-inf"))
+    p_t = tl.math.exp2(s_t)
+    dv = tl.dot(p_t.to(Q.dtype.element_ty).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(Q.dtype.element_ty).to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv, ds_t
+
+
+# fmt: off
+@triton.jit
+def backward_query_tile(Q, q, do, lse2, delta, k, v, dq, start_n, offs_n, first_key, last_key, qk_scale,
+                        MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # fmt: on
+    """One step of the backward's dQ loop (the copy-engine rungs): a program's resident query rows (q, dO, lse2,
+    delta) against the keys ``start_n + offs_n`` (``k``, ``v``), P recomputed from the saved lse2. ``dQ += dS K``
+    (unscaled) with ``dS = P (dO V^T - delta)``; the element mask only where the band has an edge
+    (``edge_visible``). Returns dq."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None]
+    if MASK_LEFT or MASK_RIGHT:
+        visible = edge_visible(start_n + offs_n, first_key, last_key, MASK_LEFT, MASK_RIGHT)
+        s = tl.where(visible, s, float("-inf"))
+    p = tl.math.exp2(s)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(Q.dtype.element_ty).to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
 
 @triton.jit

@@ -136,17 +136,10 @@ def _bwd_dkdv_hopper(
         if DOT_UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
-        # -- S^T = K Q^T, P^T from the saved lse
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :]
-        if HIDE_BEFORE or HIDE_AFTER:  # (BLOCK_N, BLOCK_M): key j is seen by rows first_row_j .. last_row_j
-            visible = softmax_step.edge_visible(start_m + offs_m, first_row, last_row, HIDE_BEFORE, HIDE_AFTER)
-            s_t = tl.where(visible, s_t, float("-inf"))
-        p_t = tl.math.exp2(s_t)
-        # -- dV += P^T dO; dP^T = V dO^T; dS^T = P^T (dP^T - delta); dK += dS^T Q
-        dv = tl.dot(p_t.to(Q.dtype.element_ty).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(Q.dtype.element_ty).to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        # -- P^T from the saved lse; dV += P^T dO; dK += dS^T Q
+        dk, dv, ds_t = softmax_step.backward_key_tile(Q, k, v, q, do, lse2, delta, dk, dv, start_m, offs_m,
+                                                      first_row, last_row, qk_scale, HIDE_BEFORE, HIDE_AFTER,
+                                                      DOT_PRECISION)  # fmt: skip
         if DQ_ATOMIC:  # dQ += dS K for these rows: the keys past NK (the next head's) must add nothing here
             ds_real = tl.where((offs_n < NK)[:, None], ds_t, 0.0).to(Q.dtype.element_ty).to(k.dtype)
             dq_part = tl.dot(tl.trans(ds_real), k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D)
@@ -232,14 +225,8 @@ def _bwd_dq_hopper(
         if DOT_UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None]
-        if MASK_LEFT or MASK_RIGHT:
-            visible = softmax_step.edge_visible(start_n + offs_n, first_key, last_key, MASK_LEFT, MASK_RIGHT)
-            s = tl.where(visible, s, float("-inf"))
-        p = tl.math.exp2(s)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(Q.dtype.element_ty).to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        dq = softmax_step.backward_query_tile(Q, q, do, lse2, delta, k, v, dq, start_n, offs_n, first_key, last_key,
+                                              qk_scale, MASK_LEFT, MASK_RIGHT, DOT_PRECISION)  # fmt: skip
 
     out = q_rows[:, None] * stride_dqm + offs_d[None, :]
     tl.store(DQ + out, (dq * dq_scale).to(DQ.dtype.element_ty), mask=q_ok)

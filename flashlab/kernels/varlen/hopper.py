@@ -53,6 +53,20 @@ CU_BLOCK = 256  # boundaries a program reads a step while it finds its sequence
 RUNTIME = ("HQ", "GROUP", "TOTAL_Q", "TOTAL_K", "B", "win_left", "win_right")
 
 
+@triton.jit
+def find_sequence(CU, slot, B, BLOCK: tl.constexpr, CU_BLOCK: tl.constexpr):
+    """``(b, first)``: the sequence whose tiles of ``BLOCK`` packed rows hold ``slot`` (``CU[b] // BLOCK + b`` is
+    its first slot: the last such first slot at or before ``slot``; the first slots increase strictly, so counting
+    them finds it), and that first slot."""
+    found = tl.zeros([], dtype=tl.int32)
+    for c0 in range(0, B, CU_BLOCK):
+        idx = c0 + tl.arange(0, CU_BLOCK)
+        first = tl.load(CU + idx, mask=idx < B, other=0) // BLOCK + idx
+        found += tl.sum(((first <= slot) & (idx < B)).to(tl.int32), 0)
+    b = tl.maximum(found - 1, 0)
+    return b, tl.load(CU + b) // BLOCK + b
+
+
 # fmt: off
 @triton.jit(do_not_specialize=RUNTIME, do_not_specialize_on_alignment=RUNTIME)
 def _attn_fwd_varlen_hopper(
@@ -79,14 +93,7 @@ def _attn_fwd_varlen_hopper(
     off_h = tl.program_id(1)
     off_hk = off_h // GROUP
 
-    # -- which sequence: the last b whose first slot, CU_Q[b] // BLOCK_M + b, is at or before this one (the first
-    # slots increase strictly, so counting them finds it)
-    found = tl.zeros([], dtype=tl.int32)
-    for c0 in range(0, B, CU_BLOCK):
-        idx = c0 + tl.arange(0, CU_BLOCK)
-        first = tl.load(CU_Q + idx, mask=idx < B, other=0) // BLOCK_M + idx
-        found += tl.sum(((first <= slot) & (idx < B)).to(tl.int32), 0)
-    off_b = tl.maximum(found - 1, 0)
+    off_b, first = find_sequence(CU_Q, slot, B, BLOCK_M, CU_BLOCK)  # which sequence, and its first slot
     q_start = tl.load(CU_Q + off_b)
     q_end = tl.load(CU_Q + off_b + 1)
     k_start = tl.load(CU_K + off_b)
@@ -94,7 +101,7 @@ def _attn_fwd_varlen_hopper(
     NQ = q_end - q_start
     NK = k_end - k_start
     offset = NK - NQ
-    row_lo = (slot - (q_start // BLOCK_M + off_b)) * BLOCK_M  # a slot past the sequence's tiles: row_lo >= NQ
+    row_lo = (slot - first) * BLOCK_M  # a slot past the sequence's tiles: row_lo >= NQ
 
     # -- the descriptors end at this sequence's last row: past it, loads give zeros and stores are dropped (at least
     # one row: a first sequence of no rows ends at row 0, and a descriptor has no empty dimension)
@@ -159,19 +166,6 @@ def stats_stride(total_q: int, b: int) -> int:
     """The row stride (floats) of the backward's statistics laid out by ``stats_start``: room for every
     sequence's rows, a multiple of ``STATS_ALIGN``."""
     return (total_q // STATS_ALIGN + b + 1) * STATS_ALIGN
-
-
-@triton.jit
-def find_sequence(CU, slot, B, BLOCK: tl.constexpr, CU_BLOCK: tl.constexpr):
-    """``(b, first)``: the sequence whose tiles of ``BLOCK`` packed rows hold ``slot`` (``CU[b] // BLOCK + b`` is
-    its first slot: the last such first slot at or before ``slot``), and that first slot."""
-    found = tl.zeros([], dtype=tl.int32)
-    for c0 in range(0, B, CU_BLOCK):
-        idx = c0 + tl.arange(0, CU_BLOCK)
-        first = tl.load(CU + idx, mask=idx < B, other=0) // BLOCK + idx
-        found += tl.sum(((first <= slot) & (idx < B)).to(tl.int32), 0)
-    b = tl.maximum(found - 1, 0)
-    return b, tl.load(CU + b) // BLOCK + b
 
 
 # fmt: off
@@ -247,15 +241,9 @@ def _bwd_dkdv_varlen_hopper(
         if DOT_UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :]
-        if HIDE_BEFORE or HIDE_AFTER:
-            visible = softmax_step.edge_visible(start_m + offs_m, first_row, last_row, HIDE_BEFORE, HIDE_AFTER)
-            s_t = tl.where(visible, s_t, float("-inf"))
-        p_t = tl.math.exp2(s_t)
-        dv = tl.dot(p_t.to(Q.dtype.element_ty).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(Q.dtype.element_ty).to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        dk, dv, _ = softmax_step.backward_key_tile(Q, k, v, q, do, lse2, delta, dk, dv, start_m, offs_m, first_row,
+                                                   last_row, qk_scale, HIDE_BEFORE, HIDE_AFTER,
+                                                   DOT_PRECISION)  # fmt: skip
 
     offs_d = tl.arange(0, HEAD_DIM)
     keys = k_start.to(tl.int64) + offs_n
@@ -336,14 +324,8 @@ def _bwd_dq_varlen_hopper(
         if DOT_UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None]
-        if MASK_LEFT or MASK_RIGHT:
-            visible = softmax_step.edge_visible(start_n + offs_n, first_key, last_key, MASK_LEFT, MASK_RIGHT)
-            s = tl.where(visible, s, float("-inf"))
-        p = tl.math.exp2(s)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(Q.dtype.element_ty).to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        dq = softmax_step.backward_query_tile(Q, q, do, lse2, delta, k, v, dq, start_n, offs_n, first_key, last_key,
+                                              qk_scale, MASK_LEFT, MASK_RIGHT, DOT_PRECISION)  # fmt: skip
 
     offs_d = tl.arange(0, HEAD_DIM)
     rows = q_start.to(tl.int64) + offs_m
@@ -393,7 +375,7 @@ def launch(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                 REVERSE_M=bool(causal), MASK_LEFT=win_left < max_seqlen_k, CU_BLOCK=CU_BLOCK)  # fmt: skip
     if not q.is_cuda:
         bm = CPU_CONFIG["BLOCK_M"]
-        with interpreted_language(softmax_step):
+        with interpreted_language(softmax_step, sys.modules[__name__]):
             interpreted(_attn_fwd_varlen_hopper)[(cdiv(total_q, bm) + b, hq)](
                 *args, **meta, BLOCK_M=bm, BLOCK_N=CPU_CONFIG["BLOCK_N"], WARP_SPECIALIZE=False)  # fmt: skip
         return
