@@ -577,10 +577,7 @@ def run_kvcache(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, nee
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if need_lse else None
     if not q.is_cuda:
         o_part, lse_part, spare, counters, row_order = workspace(plan, q.device, 0)
-        if row_order is None:
-            row_order = cache_seqlens  # never read by a launch that keeps the plain order
-        else:
-            kvcache.order_row_blocks(plan.args, cu_seqlens_q, cache_seqlens, row_order)
+        row_order = kvcache.row_order_argument(plan.args, cu_seqlens_q, cache_seqlens, row_order)
         tensors = (q, k_cache, v_cache, table, cache_seqlens, ks, vs, cu_seqlens_q, row_order, o_part, lse_part, o,
                    spare if lse is None else lse)  # fmt: skip
         args = plan.args
@@ -591,10 +588,7 @@ def run_kvcache(plan: Plan, q, k_cache, v_cache, cache_seqlens, block_table, nee
     with torch.cuda.device(q.device) if q.get_device() != current_device_index() else _NO_CONTEXT:
         stream = current_stream(q.get_device())
         o_part, lse_part, spare, counters, row_order = workspace(plan, q.device, stream)
-        if row_order is None:
-            row_order = cache_seqlens  # never read by a launch that keeps the plain order
-        else:
-            kvcache.order_row_blocks(plan.args, cu_seqlens_q, cache_seqlens, row_order)
+        row_order = kvcache.row_order_argument(plan.args, cu_seqlens_q, cache_seqlens, row_order)
         tensors = (q, k_cache, v_cache, table, cache_seqlens, ks, vs, cu_seqlens_q, row_order, o_part, lse_part, o,
                    spare if lse is None else lse)  # fmt: skip
         tensors += (counters, errors)

@@ -668,6 +668,15 @@ def order_row_blocks(args: KVCacheArguments, cu_seqlens_q, cache_seqlens, row_or
     _order_row_blocks[grid](cu_seqlens_q, cache_seqlens, row_order, *scalars, **meta, num_warps=4)
 
 
+def row_order_argument(args: KVCacheArguments, cu_seqlens_q, cache_seqlens, row_order):
+    """The ``ROW_ORDER`` tensor a launch of ``args`` passes: for an ``ORDERED`` launch ``row_order`` (``args.order``
+    int32 places), written by ``order_row_blocks`` first; else the lengths, which the kernel never reads there."""
+    if not args.order:
+        return cache_seqlens
+    order_row_blocks(args, cu_seqlens_q, cache_seqlens, row_order)
+    return row_order
+
+
 def bucket_query(q, nq: int):
     """q as ``flashlab.kernels.configs.launch_fields`` reads it, ``(B, Hq, Nq, D)``: a packed q ``(total_q, Hq, D)``
     as one sequence of ``nq`` rows (a view of its first row: only the shape, dtype and device count)."""
@@ -693,10 +702,8 @@ def launch(q, k_cache, v_cache, table, cache_seqlens, o, lse, page_size, capacit
         errors = torch.zeros(ERROR_RECORD_INTS, dtype=torch.int32, device=q.device)
     cu = cache_seqlens if cu_seqlens_q is None else cu_seqlens_q  # never read without RAGGED_Q
     ks, vs = (cache_seqlens, cache_seqlens) if descales is None else descales  # never read without descales
-    row_order = cache_seqlens  # never read without ORDERED
-    if args.order:
-        row_order = torch.empty(args.order, dtype=torch.int32, device=q.device)
-        order_row_blocks(args, cu, cache_seqlens, row_order)
+    row_order = torch.empty(args.order, dtype=torch.int32, device=q.device) if args.order else None
+    row_order = row_order_argument(args, cu, cache_seqlens, row_order)
     tensors = (q, k_cache, v_cache, table, cache_seqlens, ks, vs, cu, row_order, o_part, lse_part, o, lse, counters,
                errors)  # fmt: skip
     if not q.is_cuda:
@@ -771,6 +778,10 @@ __all__ = [
     "kvcache_partial",
     "kvcache_partial_tuned",
     "launch",
+    "ORDER_BLOCK",
+    "ORDER_LIMIT",
+    "order_row_blocks",
     "paged_kv_cache",
     "report_error",
+    "row_order_argument",
 ]
