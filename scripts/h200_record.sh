@@ -32,6 +32,8 @@
 #   kvtraffic HBM bytes of one decode step, 16-bit against 8-bit paged cache (--mode traffic, ncu)
 #                                                                                 -> $OUT/h200-traffic-decode-fp8-DATE.*
 #   step      one training step of a 12-layer GPT with each attention (--mode step) -> $OUT/h200-step-DATE.*
+#   varlen    packed batches of log-normal lengths against torch's varlen_attn and padding, then the mixed serving
+#             batch through the paged cache (--mode varlen)     -> $OUT/h200-varlen-{lognormal,mixed}-DATE.*
 # TAR=FILE packs $OUT into FILE after every step (a device machine returns few files; a cut call keeps its steps).
 # The log ($LOG, by default $OUT/h200-record-DATE.log) goes to lab/results/. data/results/ keeps one current
 # recording of each kind: a new one replaces the old (git mv the old one to lab/results/) and takes its row in
@@ -103,3 +105,7 @@ want kvtraffic && step "${KVTRAFFIC_CAP:-200}" "decode bytes, 8-bit cache" pytho
     --backends paged256,paged256_fp8 --heads 64 --kv-heads 8 --batch 8 --seq-lens 32k,128k --head-dims 128 --causal no \
     --timeout 180 --out "$OUT/$GPU-traffic-decode-fp8-$DATE"
 want step && step "${STEP_CAP:-240}" "training step" python3 -m flashlab.bench --mode step --out "$OUT/$GPU-step-$DATE"
+want varlen && step "${VARLEN_CAP:-150}" "packed varlen batches" python3 -m flashlab.bench --mode varlen --no-progress \
+    --mixes log-normal --tokens 16384,65536 --head-dim 64,128 --kv-heads 4 --out "$OUT/$GPU-varlen-lognormal-$DATE"
+want varlen && step "${VARLEN_CAP:-150}" "mixed serving batch" python3 -m flashlab.bench --mode varlen --no-progress \
+    --mixed-batch --kv-heads 4 --out "$OUT/$GPU-varlen-mixed-$DATE"
