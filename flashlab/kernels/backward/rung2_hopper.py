@@ -87,7 +87,6 @@ def _bwd_dkdv_hopper(
     WARP_SPECIALIZE: tl.constexpr,
     DQ_ATOMIC: tl.constexpr = False,  # rungs 3 and 4: dQ from this loop too (dS K added into DQ_ACC), no dQ kernel
     DQ_ORDERED: tl.constexpr = False,  # rung 4: the key tiles add into a query tile one after another, in order
-    DQ_BULK: tl.constexpr = False,  # with DQ_ATOMIC: each dQ tile added by one copy-engine reduction (TMA)
 ):
     # fmt: on
     pid_n = tl.program_id(0)
@@ -100,8 +99,6 @@ def _bwd_dkdv_hopper(
     kv_rows = tl.num_programs(1) * NK
     desc_k = tl.make_tensor_descriptor(K, [kv_rows, HEAD_DIM], [stride_kn, 1], [BLOCK_N, BLOCK_D])
     desc_v = tl.make_tensor_descriptor(V, [kv_rows, HEAD_DIM], [stride_vn, 1], [BLOCK_N, BLOCK_D])
-    if DQ_BULK:
-        desc_acc = tl.make_tensor_descriptor(DQ_ACC, [rows_all * ROWS, BLOCK_D], [BLOCK_D, 1], [BLOCK_M, BLOCK_D])
 
     col_lo = pid_n * BLOCK_N
     offs_n = col_lo + tl.arange(0, BLOCK_N)  # (BLOCK_N,) the keys this program owns
@@ -148,9 +145,7 @@ def _bwd_dkdv_hopper(
             dq_part = tl.dot(tl.trans(ds_real), k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D)
             acc_rows = head.to(tl.int64) * ROWS + start_m + offs_m  # rows past NQ land in the padding
             acc_ptrs = DQ_ACC + acc_rows[:, None] * BLOCK_D + offs_d[None, :]
-            if DQ_BULK:
-                desc_acc.atomic_add([head * ROWS + start_m, 0], dq_part)
-            elif DQ_ORDERED:
+            if DQ_ORDERED:
                 # Key tile pid_n is the turn-th of the key tiles that see this query tile (they are consecutive:
                 # the band is convex): wait until the turn earlier ones have added theirs, add, pass the turn on.
                 # Programs of lower key tiles are launched first, and none waits on a later one: no deadlock.
@@ -307,8 +302,7 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
     return run_backward(do, q, k, v, o, lse, causal, window, scale, config)
 
 
-def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, dq_atomic=False, dq_ordered=False,
-                 dq_bulk=False):
+def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, dq_atomic=False, dq_ordered=False):
     """``attention_backward``'s work; ``dq_atomic``: rung 3's (``rung3_atomic_dq``): dQ added up in the dK/dV
     loop with atomic adds into a float32 buffer, then scaled and rounded, and no dQ kernel (``config["dq"]`` is
     not read); with ``dq_ordered`` too, rung 4's (``rung4_ordered_dq``): the same adds, in a fixed order."""
@@ -354,7 +348,7 @@ def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, dq_ato
                                                                                   BLOCK_D=bd, BLOCK_M=bm)  # fmt: skip
             interpreted(_bwd_dkdv_hopper)[(cdiv(nk, bn), b * hk)](*dkdv_args, **run, HIDE_BEFORE=right,
                                                                  HIDE_AFTER=left, DQ_ATOMIC=dq_atomic,
-                                                                 DQ_ORDERED=dq_ordered, DQ_BULK=dq_bulk)  # fmt: skip
+                                                                 DQ_ORDERED=dq_ordered)  # fmt: skip
             if not dq_atomic:
                 interpreted(_bwd_dq_hopper)[(cdiv(nq, bm), b * hq)](*dq_args, **run, MASK_LEFT=left,
                                                                    MASK_RIGHT=right or nk % bn != 0,
@@ -372,7 +366,7 @@ def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, dq_ato
         main = torch.cuda.current_stream()
         side = two_pass.side_stream(q) if two_pass.CONCURRENT_DQ else main
         side.wait_stream(main)
-        flags = dict(HIDE_BEFORE=right, HIDE_AFTER=left, DQ_ATOMIC=dq_atomic, DQ_ORDERED=dq_ordered, DQ_BULK=dq_bulk)
+        flags = dict(HIDE_BEFORE=right, HIDE_AFTER=left, DQ_ATOMIC=dq_atomic, DQ_ORDERED=dq_ordered)
         _bwd_dkdv_hopper[(cdiv(nk, kv_config["BLOCK_N"]), b * hk)](*dkdv_args, **common, **kv_config, **flags)
         if dq_atomic:
             return _summed_dq(dq_acc, dq, signed_scale), dk, dv
