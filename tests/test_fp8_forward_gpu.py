@@ -71,3 +71,36 @@ def test_a_bad_scale_does_not_wait_for_the_gpu_and_is_raised_later():
     torch.cuda.synchronize()
     with pytest.raises(ValueError, match="an earlier flash_attention call on float8 inputs"):
         flash_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the two Hopper kernels: sm_90 only")  # fmt: skip
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("nq, nk, causal", [(333, 333, False), (300, 1031, True), (2048, 2048, True)])
+def test_both_hopper_kernels_equal_float64_of_the_dequantised_inputs(d, nq, nk, causal):
+    """Rung 4's Gluon kernel with 8-bit operands (``rung4_overlap.launch_fp8``, the default at D = 64 and 128 on
+    Hopper) and the copy-engine kernel (D = 256, and the bands rung 4 refuses), each launched on the same inputs."""
+    from flashlab.kernels import fp8_forward
+    from flashlab.kernels.device import kernel_band
+    from flashlab.kernels.ladder import rung4_overlap
+
+    g = torch.Generator(device="cuda").manual_seed(d + nk)
+    q = torch.randn(2, 8, nq, d, device="cuda", generator=g)
+    k, v = (torch.randn(2, 2, nk, d, device="cuda", generator=g) for _ in range(2))
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v)
+    assert rung4_overlap.fp8_unavailable(q8, k8, v8, causal, None) is None
+    band = kernel_band(nq, nk, d, causal, None, None)[:4]
+    ref_o, ref_lse = attention_float64(*dequantize_qkv(q8, k8, v8, qd, kd, vd), causal=causal)
+    launches = {
+        "rung 4": lambda o, lse: rung4_overlap.launch_fp8(
+            q8, k8, fp8_forward.transposed_v(v8), o, lse, qd, kd, vd, band, causal, None
+        ),  # fmt: skip
+        "copy engine": lambda o, lse: fp8_forward.launch_tma(q8, k8, v8, o, lse, qd, kd, vd, band, causal, None),
+    }
+    for name, launch in launches.items():
+        o = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(q.shape[:3], device="cuda")
+        launch(o, lse)
+        err = relative_error(o.double(), ref_o)
+        assert err <= FP8_FORWARD_TOLERANCE, f"{name}: relative error {err:.2e}"
+        assert (lse.double() - ref_lse).abs().max() <= 2e-2, name

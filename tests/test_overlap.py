@@ -11,13 +11,15 @@ only the rows that see them (the repair pass), gradients through it, and the def
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from test_ladder import assert_matches_float64, make_qkv
 
 from flashlab import flash_attention
 from flashlab.host import launches
-from flashlab.kernels import ladder
+from flashlab.kernels import fp8_forward, ladder
 from flashlab.kernels.device import kernel_band
 from flashlab.kernels.ladder import rung4_overlap as overlap
 from flashlab.reference.torch_float64 import attention_float64, attention_float64_grads
@@ -414,12 +416,9 @@ def test_head_dim_64_takes_three_warpgroups_for_long_unmasked_calls_and_one_for_
     assert rows == [overlap.WG_ROWS, block_n, block_n, overlap.WG_ROWS]
 
 
-def sm90_sass(monkeypatch, d, causal, n=1024):
-    """The kernel for one call shape compiled for sm_90 on this machine (Triton's compiler and the ptxas and
-    cuobjdump it ships; no GPU), as the list of its SASS instructions; skipped where this Triton cannot."""
-    import os
-    import subprocess
-
+def sm90_compiled(monkeypatch, d, causal, n=1024, fp8=False):
+    """The kernel for one call shape compiled for sm_90 on this machine (Triton's compiler and the ptxas it ships;
+    no GPU); with ``fp8`` as ``launch_fp8`` launches it, on e4m3 q, k and V^T. Skipped where this Triton cannot."""
     import triton
 
     try:
@@ -428,29 +427,47 @@ def sm90_sass(monkeypatch, d, causal, n=1024):
         from triton.runtime.jit import mangle_type
     except ImportError as error:
         pytest.skip(f"this Triton cannot compile Gluon ahead of time here: {error}")
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("this Triton ships no cuobjdump")
     monkeypatch.setattr(overlap, "sm_count", lambda index: 132)
     monkeypatch.setattr(overlap, "device_index", lambda x: 0)
     monkeypatch.setattr(overlap, "stream_capturing", lambda: False)
     b, h = 16384 // n, 2048 // d
-    q = torch.empty(b, h, n, d, dtype=torch.bfloat16)
+    q = torch.empty(b, h, n, d, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
     lse = torch.empty(b, h, n)
     band = kernel_band(n, n, d, causal, None, None)[:4]
     _, table, scalars, meta = overlap.launch_shape(q, q, causal, None, band)
+    meta = dict(meta)  # launch_shape's dicts are kept
     options = {key: meta.pop(key) for key in ("num_warps", "maxnreg") if key in meta}
-    args = [*overlap.descriptors(q, q, q, q, meta["BLOCK_N"]), lse, lse if table is None else table, *scalars]
+    descriptors = overlap.descriptors(q, q, q, torch.empty(q.shape, dtype=torch.bfloat16), meta["BLOCK_N"])
+    if fp8:  # V^T's tiles: (D, BLOCK_N), the keys contiguous
+        vt = fp8_forward.transposed_v(q)
+        layout = overlap.gl.NVMMASharedLayout.get_default_for([1, 1, d, meta["BLOCK_N"]], overlap.gl.float8e4nv)
+        vt_desc = overlap.TensorDescriptor(vt, list(vt.shape), list(vt.stride()), [1, 1, d, meta["BLOCK_N"]], layout)
+        descriptors = (descriptors[0], descriptors[1], vt_desc, descriptors[3])
+        meta.update(FP8=True, O_IN_Q=False)
+    args = [*descriptors, lse, lse if table is None else table, lse, *scalars]
     kernel = overlap.attn_fwd_overlap
     signature, constants = {}, {}
     values = iter(args)
     for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params, strict=True)):
-        if param.is_constexpr:
-            signature[name], constants[(i,)] = "constexpr", meta[name]
+        if param.is_constexpr:  # FP8 has a default
+            signature[name], constants[(i,)] = "constexpr", meta.get(name, param.default)
         else:
             signature[name] = mangle_type(next(values))
-    compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                              options=options)  # fmt: skip
+    return triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                          options=options)  # fmt: skip
+
+
+def sm90_sass(monkeypatch, d, causal, n=1024):
+    """``sm90_compiled``'s kernel as the list of its SASS instructions (the cuobjdump Triton ships)."""
+    import os
+    import subprocess
+
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("this Triton ships no cuobjdump")
+    compiled = sm90_compiled(monkeypatch, d, causal, n)
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"flashlab-overlap-{os.getpid()}-{d}.cubin")
     with open(path, "wb") as f:
         f.write(compiled.asm["cubin"])
@@ -460,6 +477,19 @@ def sm90_sass(monkeypatch, d, causal, n=1024):
         os.remove(path)
     return [line.split("*/", 1)[1].split(";")[0].strip() for line in sass.splitlines() if line.strip().startswith("/*")
             and "*/" in line and line.strip()[2:6].isalnum()]  # fmt: skip
+
+
+@needs_gluon
+@pytest.mark.parametrize("d, causal", [(64, True), (128, False)])
+def test_with_fp8_both_products_run_on_8_bit_operands(monkeypatch, d, causal):
+    # The FP8 forward's Hopper kernel at D = 64 and 128 (``launch_fp8``): e4m3 q, k and V^T, so both wgmma take
+    # 8-bit operands (twice the 16-bit rate) and nothing is widened to 16 bits; the output is bf16.
+    assert d in overlap.FP8_HEAD_DIMS
+    ptx = sm90_compiled(monkeypatch, d, causal, n=2048, fp8=True).asm["ptx"]
+    products = re.findall(r"wgmma\.mma_async\S*", ptx)
+    assert products and all(".e4m3.e4m3" in op for op in products), sorted(set(products))
+    assert "setmaxnreg" in ptx  # the loader warp gives its registers to the consumer warpgroups, as in 16 bits
+    assert "cvt.rn.bf16" in ptx or "cvt.rn.bf16x2" in ptx  # O leaves in bfloat16
 
 
 def exponentials_under_pv(instructions):

@@ -138,8 +138,13 @@ def fp8_attention(q, k, v, causal, window, scale, return_lse, q_descale, k_desca
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
     band = (offset, win_left, win_right, sm_scale_log2)
     if q.is_cuda and fp8_forward.tma_available(q):
+        from flashlab.kernels.ladder import rung4_overlap  # Gluon's import, only where a GPU runs it
+
         q, k = q.contiguous(), k.contiguous()  # the copy engine reads the rows of every head one after another
-        fp8_forward.launch_tma(q, k, v, o, lse, *descales, band, causal, window)
+        if rung4_overlap.fp8_unavailable(q, k, v, causal, window) is None:  # rung 4's schedule: D = 64, 128
+            rung4_overlap.launch_fp8(q, k, fp8_forward.transposed_v(v), o, lse, *descales, band, causal, window)
+        else:
+            fp8_forward.launch_tma(q, k, v, o, lse, *descales, band, causal, window)
     else:
         fp8_forward.launch(q, k, v, o, lse, *descales, band)
     if not q.is_cuda:  # the interpreter has finished: this call's own bad scale

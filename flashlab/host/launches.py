@@ -1022,14 +1022,14 @@ def run_overlap(call, q, k, v, o, lse):
 def _overlap_fast(plan, call, stream, q, k, v, o, lse):
     table = call.args[1]
     values, repair_grid, repair_values = call.values
-    plan.fast[0](stream, call.grid, values, q, k, v, o, lse, lse if table is None else table)
+    plan.fast[0](stream, call.grid, values, q, k, v, o, lse, lse if table is None else table, lse)  # DESCALE: unread
     if len(plan.fast) > 1:
         plan.fast[1](stream, repair_grid, repair_values, q, k, v, o, lse)
 
 
 def _overlap_jit(plan, call, overlap, q, k, v, o, lse):
     band, table, repair = call.args
-    args = (*overlap.descriptors(q, k, v, o, plan.meta["BLOCK_N"]), lse, lse if table is None else table,
+    args = (*overlap.descriptors(q, k, v, o, plan.meta["BLOCK_N"]), lse, lse if table is None else table, lse,
             *call.values[0][-len(OVERLAP_RUNTIME) + 4 :])  # fmt: skip
     beside = None
     if repair is not None and plan.binary is None:  # the plan's first launch: both kernels compile, side by side

@@ -9,7 +9,10 @@ quantised with one scale per (sequence, K/V head), as FlashAttention-3 takes the
     P = exp2(S - m)  in [0, 1], rounded to e4m3          the probabilities, 8-bit operands of the second product
     O = (P v8) * v_descale / l                           normalised, written in bfloat16
 
-Two kernels run it. On Hopper, ``_attn_fwd_fp8_tma`` is rung 3's loop (``flashlab.kernels.ladder.rung3_hopper``):
+Three kernels run it. On Hopper at D = 64 and 128, rung 4's Gluon kernel with its ``FP8`` flag
+(``flashlab.kernels.ladder.rung4_overlap.launch_fp8``: the softmax of one key tile under the tensor cores' work on
+the last, the warpgroups taking turns; P reaches the second product through shared memory). Otherwise on Hopper,
+``_attn_fwd_fp8_tma`` is rung 3's loop (``flashlab.kernels.ladder.rung3_hopper``):
 tiles copied by the tensor-memory engine, one branch-free loop whose copies run in warps of their own. Elsewhere
 (and on the CPU) ``_attn_fwd_fp8`` is rung 2's (``flashlab.kernels.ladder.rung2_skip_split``): pointer loads, the
 tiles every row sees fully without an element mask, the edges with it. Both walk the band's key tiles only, keep

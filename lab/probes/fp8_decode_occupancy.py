@@ -59,7 +59,8 @@ def registers():
     return found
 
 
-for b, n in ((1, 32768), (8, 32768), (1, 131072), (8, 131072)):
+def step(b, n):
+    """One shape's four timings (16-bit and 8-bit, graph replay then ``do_bench``) and the 8-bit error."""
     g = torch.Generator(device="cuda").manual_seed(b * n)
     q = torch.randn(b, 64, 1, 128, generator=g, device="cuda").to(torch.bfloat16)
     k, v = (torch.randn(b, 8, n, 128, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
@@ -80,11 +81,17 @@ for b, n in ((1, 32768), (8, 32768), (1, 131072), (8, 131072)):
     kd, vd = (x.transpose(1, 2) for x in (kd, vd))
     qg = q.double().view(b, 8, 8, 128)
     ref = (torch.softmax((qg @ kd.transpose(-1, -2)) / 128**0.5, -1) @ vd).view(b, 64, 1, 128)
-    err = float((o8.double() - ref).norm() / ref.norm())
+    return times, float((o8.double() - ref).norm() / ref.norm())
+
+
+for b, n in ((1, 32768), (8, 32768), (1, 131072), (8, 131072)):
+    times, err = step(b, n)
     print(
         f"{sys.argv[1]:>8s} per_sm {per_sm} maxnreg {maxnreg:3d} blocks {block_size}  B {b}  N {n:6d}  graph: 16-bit "
         f"{times[0]:7.1f} us 8-bit {times[1]:7.1f} us ratio {times[1] / times[0]:.3f}   do_bench: {times[2]:7.1f} "
         f"{times[3]:7.1f} ratio {times[3] / times[2]:.3f}  err {err:.1e}",
         flush=True,
     )
-print(f"{sys.argv[1]:>8s} per_sm {per_sm} maxnreg {maxnreg:3d}: kernels (regs, spills, shared) {registers()}", flush=True)
+print(
+    f"{sys.argv[1]:>8s} per_sm {per_sm} maxnreg {maxnreg:3d}: kernels (regs, spills, shared) {registers()}", flush=True
+)

@@ -86,7 +86,7 @@ try:  # Gluon's Hopper primitives (Triton >= 3.5)
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+    _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
     GLUON_ERROR = None
 except ImportError as error:  # an older Triton: the rung says so in ``unavailable``
     GLUON_ERROR = f"Triton {triton.__version__} has no Gluon Hopper primitives ({error})"
@@ -129,6 +129,10 @@ PINGPONG = True  # the consumer warpgroups take turns issuing their products (Fl
 # 0-4 % faster than the wait ptxas moves up (H200, the benchmark's timing), at D = 64 2-4 % slower -- there the
 # softmax, not the products, bounds each warpgroup; D = 256 was not timed with it.
 LATE_WAIT_HEAD_DIMS = (128,)
+# With FP8 inputs P enters the second product as e4m3 times 2^FP8_P_SHIFT, the shift added inside the exponent (no
+# multiply): its values in [0, 256] keep e4m3's three bits down to weights of 2^-14. The running sum carries the
+# same factor, so O = acc / l needs no undoing; the lse subtracts it.
+FP8_P_SHIFT = 8.0
 
 # Lengths, the band and the head count are runtime values (no binary per length). The tensor maps' shapes come in
 # with each launch's descriptors.
@@ -140,11 +144,13 @@ if GLUON_ERROR is None:
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     _WG = gl.constexpr(WG_ROWS)  # the module's constants, as Gluon code reads them
     _LOADER_REGS = gl.constexpr(LOADER_REGS)
+    _P_SHIFT = gl.constexpr(FP8_P_SHIFT)
 
     @triton.constexpr_function
-    def _mma_layout(n):
-        """The accumulator layout of a 64-row wgmma over four warps with an N of ``n``."""
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+    def _mma_layout(n, bits=16):
+        """The accumulator layout of a 64-row wgmma over four warps with an N of ``n``, on operands of ``bits``
+        bits (one instruction's K: 32 bytes of them)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 256 // bits])
 
     @gluon.jit
     def _walk(SCHED, n_m, n_bh, SCHEDULED: gl.constexpr):
@@ -194,9 +200,9 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, count, b, h_kv, j,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
         """Copy key tile ``j``'s K and V into the ring's buffer ``count % STAGES``, each once every consumer has
-        released it."""
+        released it. With ``FP8`` V comes transposed, ``(D, keys)``: its tile is ``BLOCK_N`` columns."""
         stage = count % STAGES
         phase = (count // STAGES) & 1
         mbarrier.wait(k_empty.index(stage), phase ^ 1)  # the first pass through the ring waits for nothing
@@ -204,7 +210,10 @@ if GLUON_ERROR is None:
         _tma_load(desc_k, [b, h_kv, j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
         mbarrier.wait(v_empty.index(stage), phase ^ 1)
         mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
-        _tma_load(desc_v, [b, h_kv, j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+        if FP8:
+            _tma_load(desc_v, [b, h_kv, 0, j * BLOCK_N], v_ready.index(stage), v_smem.index(stage))
+        else:
+            _tma_load(desc_v, [b, h_kv, j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
 
     @gluon.jit
     def _load_q(desc_q, q_smem, q_ready, q_empty, done, b, h, row_lo, NUM_WG: gl.constexpr):
@@ -218,7 +227,7 @@ if GLUON_ERROR is None:
     def _loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                 v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, SCHED, NUM_WG: gl.constexpr,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                O_IN_Q: gl.constexpr, SCHEDULED: gl.constexpr):  # fmt: skip
+                O_IN_Q: gl.constexpr, SCHEDULED: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
         """The loader warp: for each tile of the program, each warpgroup's Q once it has finished with the last
         one, then K and V tile by tile into the ring, each copy waiting until every consumer has released the
         buffer it overwrites. The ring's count runs on across the program's tiles. Rows past a head's end come in
@@ -237,7 +246,7 @@ if GLUON_ERROR is None:
             j0, j1 = _key_range(row_lo, NQ, NK, offset, win_left, win_right, NUM_WG * _WG, BLOCK_N, CAUSAL, WINDOW)
             if O_IN_Q:
                 _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, count, b, h_kv, j0,
-                         BLOCK_N, STAGES)  # fmt: skip
+                         BLOCK_N, STAGES, FP8)  # fmt: skip
                 count += 1
                 _load_q(desc_q, q_smem, q_ready, q_empty, done, b, bh % HQ, row_lo, NUM_WG)
                 j0 += 1
@@ -245,7 +254,7 @@ if GLUON_ERROR is None:
                 _load_q(desc_q, q_smem, q_ready, q_empty, done, b, bh % HQ, row_lo, NUM_WG)
             for j in range(j0, j1):
                 _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, count, b, h_kv, j,
-                         BLOCK_N, STAGES)  # fmt: skip
+                         BLOCK_N, STAGES, FP8)  # fmt: skip
                 count += 1
             done += 1
             code = code_next
@@ -276,10 +285,45 @@ if GLUON_ERROR is None:
         return s
 
     @gluon.jit
-    def _exp2_scaled(s, m, qk_scale):
+    def _exp2_scaled(s, m, qk_scale, FP8: gl.constexpr):
         """``exp2(s * qk_scale - m * qk_scale)`` row by row: one fused multiply-add and one exponential per score
-        (a max taken of scaled scores would cost a multiply more)."""
-        return gl.exp2(s * qk_scale - (m * qk_scale)[:, None])
+        (a max taken of scaled scores would cost a multiply more). With ``FP8``, times ``2^FP8_P_SHIFT``, the shift
+        taken off the row's term."""
+        if FP8:
+            return gl.exp2(s * qk_scale - (m * qk_scale - _P_SHIFT)[:, None])
+        else:
+            return gl.exp2(s * qk_scale - (m * qk_scale)[:, None])
+
+    @gluon.jit
+    def _v_operand(v_smem, stage, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.constexpr):
+        """V's tile in the ring as ``P V``'s second operand, ``(BLOCK_N, HEAD_DIM)``. 8-bit products take it with
+        the keys (their inner dimension) contiguous: V^T's tile, viewed transposed."""
+        if FP8:
+            return v_smem.index(stage).reshape([HEAD_DIM, BLOCK_N]).permute((1, 0))
+        else:
+            return v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+
+    @gluon.jit
+    def _p_operand(p, p_buf, p_layout: gl.constexpr, dtype: gl.constexpr, FP8: gl.constexpr):
+        """P as ``P V``'s first operand: in registers; with ``FP8`` stored in e4m3 to this warpgroup's shared buffer
+        (Triton 3.6 cannot wait on a product whose register operand is 8-bit), which the product then reads. The
+        buffer is rewritten only after the product that read it last has been waited for."""
+        if FP8:
+            p_buf.store(p.to(dtype))
+            fence_async_shared()
+            return p_buf
+        else:
+            return gl.convert_layout(p.to(dtype), p_layout)
+
+    @triton.constexpr_function
+    def _p_smem_layout(block_n):
+        """P's e4m3 tile in shared memory, ``(64, block_n)``, swizzled as a wgmma operand reads it."""
+        return gl.NVMMASharedLayout(swizzle_byte_width=min(block_n, 128), element_bitwidth=8, rank=2)
+
+    @triton.constexpr_function
+    def _operand_width(bits):
+        """Consecutive elements of P a thread holds along the product's inner dimension: 32 bits' worth."""
+        return 32 // bits
 
     @gluon.jit
     def _finite(m, WINDOW: gl.constexpr):
@@ -306,15 +350,19 @@ if GLUON_ERROR is None:
             mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
 
     @gluon.jit
-    def _pv_done(acc_next, p_op, scale, v_empty, prev, NQ, LATE_WAIT: gl.constexpr):
+    def _pv_done(acc_next, p_op, scale, v_empty, prev, NQ, LATE_WAIT: gl.constexpr, FP8: gl.constexpr):
         """Wait for tile j-1's ``P V``, release its V buffer and rescale O by ``scale``. ptxas (CUDA 12.8) schedules
         within a basic block and moves such a wait up to the block's start, above the softmax written before it,
         so the warpgroup's exponentials cannot run under its own ``P V``. With ``LATE_WAIT`` the wait starts a
         block of its own: a branch on ``NQ > 0``, always taken (a launch has query rows; should the compiler ever
         fold the test, the early wait comes back, which is only slower). Its other side begins and ends
         differently -- a wait for O's bulk stores first, the release last -- so that the compiler cannot merge the
-        two sides back into the block before them."""
-        if not LATE_WAIT or NQ > 0:  # without LATE_WAIT a constant: no branch
+        two sides back into the block before them. With ``FP8`` P came from shared memory (``p_op`` is unused)."""
+        if FP8:
+            acc = warpgroup_mma_wait(0, deps=(acc_next,))
+            mbarrier.arrive(v_empty.index(prev))
+            acc = acc * scale
+        elif not LATE_WAIT or NQ > 0:  # without LATE_WAIT a constant: no branch
             acc, p_op = warpgroup_mma_wait(0, deps=(acc_next, p_op))  # p_op's registers stay read until here
             mbarrier.arrive(v_empty.index(prev))
             acc = acc * scale
@@ -326,25 +374,31 @@ if GLUON_ERROR is None:
         return acc
 
     @gluon.jit
-    def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                  turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, WG: gl.constexpr,
-                  NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, WINDOW: gl.constexpr, PINGPONG: gl.constexpr,
-                  O_IN_Q: gl.constexpr, SCHEDULED: gl.constexpr, LATE_WAIT: gl.constexpr):  # fmt: skip
+    def _consumer(desc_o, q_smem, o_smem, p_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                  turn, LSE, DESCALE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale,
+                  WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, WINDOW: gl.constexpr,
+                  PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr, SCHEDULED: gl.constexpr, LATE_WAIT: gl.constexpr,
+                  FP8: gl.constexpr):  # fmt: skip
         """One consumer warpgroup: for each tile of the program, 64 query rows through every key tile, the softmax
         of tile j under the P V product of tile j-1 (the module docstring's schedule), then O and the lse. O
         leaves through its own shared memory while the next tile starts; the copy engine drops rows past the
-        head's end, and the lse stores are masked there."""
-        s_layout: gl.constexpr = _mma_layout(BLOCK_N)
-        o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        head's end, and the lse stores are masked there. With ``FP8`` the products run on e4m3 operands and each
+        head's descales (``DESCALE``: q's, k's, v's for every (batch, query head), one row each) scale the scores
+        and O; a bad descale gives its head NaN rows."""
+        dtype: gl.constexpr = v_smem.dtype  # P enters the second product in V's dtype
+        s_layout: gl.constexpr = _mma_layout(BLOCK_N, dtype.primitive_bitwidth)
+        o_layout: gl.constexpr = _mma_layout(HEAD_DIM, dtype.primitive_bitwidth)
+        p_layout: gl.constexpr = gl.DotOperandLayout(
+            operand_index=0, parent=o_layout, k_width=_operand_width(dtype.primitive_bitwidth)
+        )
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        dtype: gl.constexpr = desc_o.dtype
         BLOCK_M: gl.constexpr = NUM_WG * _WG
         cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         zero_s = gl.zeros([_WG, BLOCK_N], gl.float32, s_layout)
         q = q_smem.index(WG).reshape([_WG, HEAD_DIM])
         o_buf = o_smem.index(WG)
+        p_buf = p_smem.index(WG)  # FP8 only (else a placeholder, never touched)
 
         count = 0  # K/V tiles consumed so far (the loader's count)
         turns = 0  # products issued in turn (ping-pong)
@@ -360,6 +414,12 @@ if GLUON_ERROR is None:
             edge = row_lo + offset + WG * _WG  # this warpgroup's first row's diagonal (causal: its last key)
             rows = edge + gl.arange(0, _WG, layout=row_layout)  # each row's diagonal
             acc = gl.zeros([_WG, HEAD_DIM], gl.float32, o_layout)
+            score_scale = qk_scale
+            if FP8:  # this head's descales: q's and k's join the softmax scale, v's O's
+                q_descale = gl.load(DESCALE + bh)
+                k_descale = gl.load(DESCALE + n_bh + bh)
+                v_descale = gl.load(DESCALE + 2 * n_bh + bh)
+                score_scale = qk_scale * q_descale * k_descale
             mbarrier.wait(q_ready.index(WG), done & 1)
 
             # the first key tile: its scores and softmax (nothing to overlap yet)
@@ -374,7 +434,7 @@ if GLUON_ERROR is None:
             mbarrier.arrive(k_empty.index(stage))
             s = _scores(s, j0, rows, edge, cols0, NK, win_left, win_right, CAUSAL, KEY_TAIL, WINDOW, BLOCK_N)
             m_i = gl.max(s, 1)  # the raw scores' running max; without a window key 0 is in every real row's view
-            p = _exp2_scaled(s, _finite(m_i, WINDOW), qk_scale)
+            p = _exp2_scaled(s, _finite(m_i, WINDOW), score_scale, FP8)
             l_i = gl.sum(p, 1)
 
             for i in range(1, n_tiles):
@@ -386,8 +446,8 @@ if GLUON_ERROR is None:
                 k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
                 s_next = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(prev), ((count + i - 1) // STAGES) & 1)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
+                p_op = _p_operand(p, p_buf, p_layout, dtype, FP8)
+                v_t = _v_operand(v_smem, prev, HEAD_DIM, BLOCK_N, FP8)
                 acc_next = warpgroup_mma(p_op, v_t, acc, is_async=True)
                 _give_turn(turn, WG, NUM_WG, PINGPONG)
                 turns += 1
@@ -396,32 +456,38 @@ if GLUON_ERROR is None:
                 s = _scores(s, j, rows, edge, cols0, NK, win_left, win_right, CAUSAL, KEY_TAIL, WINDOW, BLOCK_N)
                 m_new = gl.maximum(m_i, gl.max(s, 1))
                 m_use = _finite(m_new, WINDOW)
-                alpha = gl.exp2((m_i - m_use) * qk_scale)
-                p = _exp2_scaled(s, m_use, qk_scale)
+                alpha = gl.exp2((m_i - m_use) * score_scale)
+                p = _exp2_scaled(s, m_use, score_scale, FP8)
                 l_i = l_i * alpha + gl.sum(p, 1)
                 m_i = m_new
                 scale = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                acc = _pv_done(acc_next, p_op, scale, v_empty, prev, NQ, LATE_WAIT)
+                acc = _pv_done(acc_next, p_op, scale, v_empty, prev, NQ, LATE_WAIT, FP8)
             if not O_IN_Q:
                 mbarrier.arrive(q_empty.index(WG))  # every product reading Q is done: the loader may fetch the next
 
             last = (count + n_tiles - 1) % STAGES
             mbarrier.wait(v_ready.index(last), ((count + n_tiles - 1) // STAGES) & 1)
-            v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_t, acc)
+            v_t = _v_operand(v_smem, last, HEAD_DIM, BLOCK_N, FP8)
+            acc = warpgroup_mma(_p_operand(p, p_buf, p_layout, dtype, FP8), v_t, acc)
             mbarrier.arrive(v_empty.index(last))
             count += n_tiles
 
             # epilogue: O through shared memory and a bulk copy, the lse with stores
             o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-            lse = (m_i * qk_scale + gl.log2(l_i)) * LN_2
-            if CAUSAL or WINDOW:  # a hidden key's inf or NaN in V reaches its tile through P V (0 * inf): mark it
+            if FP8:  # O times v's descale; a bad descale (not finite and > 0) makes the head's rows NaN
+                ok = (q_descale > 0) & (q_descale < float("inf")) & (k_descale > 0) & (k_descale < float("inf"))
+                ok = ok & (v_descale > 0) & (v_descale < float("inf"))
+                o = gl.where(ok, o * v_descale, float("nan"))
+                lse = gl.where(ok, (m_i * score_scale + gl.log2(l_i) - _P_SHIFT) * LN_2, float("nan"))
+            else:
+                lse = (m_i * score_scale + gl.log2(l_i)) * LN_2
+            if (CAUSAL or WINDOW) and not FP8:  # a hidden key's inf or NaN in V reaches its tile through P V: mark it
                 bad = gl.max(gl.where(gl.abs(acc) < float("inf"), 0, 1), 1)
                 lse = gl.where(gl.convert_layout(bad, row_layout) > 0, float("nan"), lse)
             row0 = row_lo + WG * _WG
             if not O_IN_Q:
                 tma.store_wait(0)  # the previous tile's O has left the buffer
-            o_buf.reshape([_WG, HEAD_DIM]).store(o.to(dtype))
+            o_buf.reshape([_WG, HEAD_DIM]).store(o.to(desc_o.dtype))
             fence_async_shared()
             _tma_store(desc_o, [bh // HQ, bh % HQ, row0, 0], o_buf)
             if O_IN_Q:  # O left through Q's buffer: release it once the store has read it
@@ -434,13 +500,16 @@ if GLUON_ERROR is None:
         tma.store_wait(0)
 
     @gluon.jit(do_not_specialize=RUNTIME_LENGTHS, do_not_specialize_on_alignment=RUNTIME_LENGTHS)
-    def _attn_fwd_overlap(desc_q, desc_k, desc_v, desc_o, LSE, SCHED, HQ, NQ, NK, GROUP, offset, win_left, win_right,
-                          qk_scale, n_bh, HEAD_DIM: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
-                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, WINDOW: gl.constexpr,
-                          PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr, SCHEDULED: gl.constexpr,
-                          LATE_WAIT: gl.constexpr, CONSUMER_REGS: gl.constexpr):  # fmt: skip
+    def _attn_fwd_overlap(desc_q, desc_k, desc_v, desc_o, LSE, SCHED, DESCALE, HQ, NQ, NK, GROUP, offset, win_left,
+                          win_right, qk_scale, n_bh, HEAD_DIM: gl.constexpr, NUM_WG: gl.constexpr,
+                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr,
+                          WINDOW: gl.constexpr, PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr,
+                          SCHEDULED: gl.constexpr, LATE_WAIT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          FP8: gl.constexpr = False):  # fmt: skip
         """A persistent grid: each program walks its (query tile, head) pairs (``_walk``: its list in ``SCHED``, or
-        every ``programs``-th tile), with a loader warp and ``NUM_WG`` consumer warpgroups of 64 rows."""
+        every ``programs``-th tile), with a loader warp and ``NUM_WG`` consumer warpgroups of 64 rows. With ``FP8``
+        q, k and V^T (``desc_v`` over ``(B, Hk, D, Nk')``) are e4m3, O bfloat16, and ``DESCALE`` holds the descales
+        (``_consumer``); otherwise ``DESCALE`` is never read."""
         dtype: gl.constexpr = desc_q.dtype
         BLOCK_M: gl.constexpr = NUM_WG * _WG
         n_m = (NQ + BLOCK_M - 1) // BLOCK_M
@@ -448,9 +517,14 @@ if GLUON_ERROR is None:
         if O_IN_Q:  # D = 256: a separate O buffer would not fit beside the K/V ring
             o_smem = q_smem
         else:
-            o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, 1, _WG, HEAD_DIM], desc_o.layout)
+            o_smem = gl.allocate_shared_memory(desc_o.dtype, [NUM_WG, 1, 1, _WG, HEAD_DIM], desc_o.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], desc_k.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], desc_v.layout)
+        if FP8:  # V^T's tiles: the keys along the rows; P's e4m3 tile per warpgroup
+            v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, HEAD_DIM, BLOCK_N], desc_v.layout)
+            p_smem = gl.allocate_shared_memory(dtype, [NUM_WG, _WG, BLOCK_N], _p_smem_layout(BLOCK_N))
+        else:
+            v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], desc_v.layout)
+            p_smem = q_smem  # never used
         q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
@@ -472,45 +546,45 @@ if GLUON_ERROR is None:
         # written out)
         if NUM_WG == 1:
             gl.warp_specialize([
-                (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, 0,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED,
-                             LATE_WAIT)),
+                (_consumer, (desc_o, q_smem, o_smem, p_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, turn, LSE, DESCALE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh,
+                             SCHED, qk_scale, 0, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG,
+                             O_IN_Q, SCHEDULED, LATE_WAIT, FP8)),
                 (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                            k_empty, v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, SCHED,
-                           NUM_WG, BLOCK_N, STAGES, CAUSAL, WINDOW, O_IN_Q, SCHEDULED)),
+                           NUM_WG, BLOCK_N, STAGES, CAUSAL, WINDOW, O_IN_Q, SCHEDULED, FP8)),
             ], [1], [_LOADER_REGS])  # fmt: skip
         elif NUM_WG == 2:
             gl.warp_specialize([
-                (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, 0,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED,
-                             LATE_WAIT)),
-                (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, 1,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED,
-                             LATE_WAIT)),
+                (_consumer, (desc_o, q_smem, o_smem, p_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, turn, LSE, DESCALE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh,
+                             SCHED, qk_scale, 0, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG,
+                             O_IN_Q, SCHEDULED, LATE_WAIT, FP8)),
+                (_consumer, (desc_o, q_smem, o_smem, p_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, turn, LSE, DESCALE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh,
+                             SCHED, qk_scale, 1, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG,
+                             O_IN_Q, SCHEDULED, LATE_WAIT, FP8)),
                 (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                            k_empty, v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, SCHED,
-                           NUM_WG, BLOCK_N, STAGES, CAUSAL, WINDOW, O_IN_Q, SCHEDULED)),
+                           NUM_WG, BLOCK_N, STAGES, CAUSAL, WINDOW, O_IN_Q, SCHEDULED, FP8)),
             ], [4, 1], [CONSUMER_REGS, _LOADER_REGS])  # fmt: skip
         else:
             gl.warp_specialize([
-                (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, 0,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED,
-                             LATE_WAIT)),
-                (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, 1,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED,
-                             LATE_WAIT)),
-                (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                             v_empty, turn, LSE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh, SCHED, qk_scale, 2,
-                             NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG, O_IN_Q, SCHEDULED,
-                             LATE_WAIT)),
+                (_consumer, (desc_o, q_smem, o_smem, p_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, turn, LSE, DESCALE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh,
+                             SCHED, qk_scale, 0, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG,
+                             O_IN_Q, SCHEDULED, LATE_WAIT, FP8)),
+                (_consumer, (desc_o, q_smem, o_smem, p_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, turn, LSE, DESCALE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh,
+                             SCHED, qk_scale, 1, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG,
+                             O_IN_Q, SCHEDULED, LATE_WAIT, FP8)),
+                (_consumer, (desc_o, q_smem, o_smem, p_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, turn, LSE, DESCALE, HQ, NQ, NK, offset, win_left, win_right, n_m, n_bh,
+                             SCHED, qk_scale, 2, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KEY_TAIL, WINDOW, PINGPONG,
+                             O_IN_Q, SCHEDULED, LATE_WAIT, FP8)),
                 (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                            k_empty, v_empty, HQ, NQ, NK, GROUP, offset, win_left, win_right, n_m, n_bh, SCHED,
-                           NUM_WG, BLOCK_N, STAGES, CAUSAL, WINDOW, O_IN_Q, SCHEDULED)),
+                           NUM_WG, BLOCK_N, STAGES, CAUSAL, WINDOW, O_IN_Q, SCHEDULED, FP8)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, _LOADER_REGS])  # fmt: skip
 
 
@@ -680,27 +754,61 @@ def launch(q, k, v, o, lse, causal, window, band, config=None):
     grid, table, scalars, meta = launch_shape(q, k, causal, window, band)
     with torch.cuda.device(q.device):
         table = lse if table is None else table
-        _attn_fwd_overlap[grid](*descriptors(q, k, v, o, meta["BLOCK_N"]), lse, table, *scalars, **meta)
+        _attn_fwd_overlap[grid](*descriptors(q, k, v, o, meta["BLOCK_N"]), lse, table, lse, *scalars, **meta)
         if causal or window is not None:
             kernel, rgrid, rargs, rmeta = hopper.repair_parts(q, k, v, o.stride()[:3], causal, window, band)
             kernel[rgrid](q, k, v, o, lse, *rargs, **rmeta)
 
 
+# Head dims where the FP8 forward (``flashlab.host.fp8``) runs this kernel with 8-bit operands (``FP8``). At D = 256 O
+# leaves through Q's buffer, which an 8-bit Q cannot hold; the FP8 forward's copy-engine kernel runs it there.
+FP8_HEAD_DIMS = (64, 128)
+
+
+def fp8_unavailable(q, k, v, causal, window) -> str | None:
+    """Why ``launch_fp8`` cannot run these e4m3 inputs here, or None: this rung's conditions, at ``FP8_HEAD_DIMS``."""
+    if q.shape[3] not in FP8_HEAD_DIMS:
+        return f"with 8-bit inputs it runs head dims {', '.join(map(str, FP8_HEAD_DIMS))}, not {q.shape[3]}"
+    return unavailable(q, k, v, causal, window)
+
+
+def launch_fp8(q, k, vt, o, lse, q_descale, k_descale, v_descale, band, causal, window):
+    """The kernel with 8-bit operands (``fp8_unavailable`` says where): q ``(B, Hq, Nq, D)`` and k ``(B, Hk, Nk, D)``
+    e4m3, contiguous; ``vt`` V transposed, ``(B, Hk, D, Nk')`` with the keys contiguous (padded with zeros, as
+    ``flashlab.kernels.fp8_forward.transposed_v`` makes it); o bfloat16 and lse as ``launch`` writes them; the
+    descales float32 ``(B, Hk)``, laid out here per query head as the kernel reads them. ``band`` is
+    ``(offset, win_left, win_right, scale * log2 e)``. No repair pass: e4m3 holds no infinities."""
+    b, hq, nq, d = q.shape
+    grid, table, scalars, meta = launch_shape(q, k, causal, window, band)
+    block_n = meta["BLOCK_N"]
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, d, block_n], gl.float8e4nv)
+    desc_vt = TensorDescriptor(vt, list(vt.shape), list(vt.stride()), [1, 1, d, block_n], layout)
+    descale = torch.stack((q_descale, k_descale, v_descale)).repeat_interleave(hq // k.shape[1], dim=2).contiguous()
+    with torch.cuda.device(q.device):
+        _attn_fwd_overlap[grid](_descriptor(q, WG_ROWS), _descriptor(k, block_n), desc_vt, _descriptor(o, WG_ROWS), lse,
+                                lse if table is None else table, descale, *scalars,
+                                **{**meta, "FP8": True, "O_IN_Q": False})  # fmt: skip
+
+
 attn_fwd_overlap = _attn_fwd_overlap if GLUON_ERROR is None else None  # the kernel (None where Gluon is missing)
 
 # the parameters a launch's q, k, v, o, lse and the schedule table go to
-DESCRIBED_TENSORS = ("desc_q", "desc_k", "desc_v", "desc_o", "LSE", "SCHED")
+DESCRIBED_TENSORS = ("desc_q", "desc_k", "desc_v", "desc_o", "LSE", "SCHED", "DESCALE")
 
 __all__ = [
     "CAPABILITY",
     "DESCRIBED_TENSORS",
+    "FP8_HEAD_DIMS",
+    "FP8_P_SHIFT",
     "HEAD_DIMS",
     "NAME",
     "RUNTIME_LENGTHS",
     "TILES",
     "attn_fwd_overlap",
     "descriptors",
+    "fp8_unavailable",
     "launch",
+    "launch_fp8",
     "launch_shape",
     "not_describable",
     "preferred",
