@@ -170,7 +170,9 @@ def test_the_runtime_values_follow_each_kernels_signature():
     if overlap.attn_fwd_overlap is not None:  # rung 4: four tensor maps, then its scalars as launch_shape gives them
         names = overlap.attn_fwd_overlap.arg_names
         assert launches.OVERLAP_RUNTIME[:4] == overlap.DESCRIBED_TENSORS[:4]
-        assert launches.OVERLAP_RUNTIME[4:] == tuple(names[names.index("SCHED") + 1 : names.index("HEAD_DIM")])
+        assert overlap.DESCRIBED_TENSORS == tuple(names[: len(overlap.DESCRIBED_TENSORS)])  # the tensors come first
+        scalars = names[len(overlap.DESCRIBED_TENSORS) : names.index("HEAD_DIM")]
+        assert launches.OVERLAP_RUNTIME[4:] == tuple(scalars)
         assert set(overlap.RUNTIME_LENGTHS) <= {p.name for p in overlap.attn_fwd_overlap.params if p.do_not_specialize}
 
 
