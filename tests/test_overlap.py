@@ -437,13 +437,12 @@ def sm90_compiled(monkeypatch, d, causal, n=1024, fp8=False):
     _, table, scalars, meta = overlap.launch_shape(q, q, causal, None, band)
     meta = dict(meta)  # launch_shape's dicts are kept
     options = {key: meta.pop(key) for key in ("num_warps", "maxnreg") if key in meta}
-    descriptors = overlap.descriptors(q, q, q, torch.empty(q.shape, dtype=torch.bfloat16), meta["BLOCK_N"])
+    o = torch.empty(q.shape, dtype=torch.bfloat16)
     if fp8:  # V^T's tiles: (D, BLOCK_N), the keys contiguous
-        vt = fp8_forward.transposed_v(q)
-        layout = overlap.gl.NVMMASharedLayout.get_default_for([1, 1, d, meta["BLOCK_N"]], overlap.gl.float8e4nv)
-        vt_desc = overlap.TensorDescriptor(vt, list(vt.shape), list(vt.stride()), [1, 1, d, meta["BLOCK_N"]], layout)
-        descriptors = (descriptors[0], descriptors[1], vt_desc, descriptors[3])
+        descriptors = overlap.fp8_descriptors(q, q, fp8_forward.transposed_v(q), o, meta["BLOCK_N"])
         meta.update(FP8=True, O_IN_Q=False)
+    else:
+        descriptors = overlap.descriptors(q, q, q, o, meta["BLOCK_N"])
     args = [*descriptors, lse, lse if table is None else table, lse, *scalars]
     kernel = overlap.attn_fwd_overlap
     signature, constants = {}, {}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import threading
 
@@ -1123,11 +1124,8 @@ def _descriptor_scratch(plan, grid, stream) -> tuple:
     takes none: ``plan.scratch_bytes`` for each program, from the stream's kept scratch (fresh while capturing)."""
     if not plan.scratch_bytes:
         return ()
-    programs = 1
-    for n in grid:
-        programs *= n
-    return (scratch(torch.device("cuda", torch.cuda.current_device()), stream, cdiv(programs * plan.scratch_bytes,
-                                                                                    4), 0)[0],)  # fmt: skip
+    floats = cdiv(math.prod(grid) * plan.scratch_bytes, 4)
+    return (scratch(torch.device("cuda", torch.cuda.current_device()), stream, floats, 0)[0],)
 
 
 def planned_launch(jit_function, grid, args, kwargs, runtime=(), outputs=()):

@@ -654,18 +654,19 @@ def preferred(q, k, v, causal, window) -> bool:
     return q.shape[3] in PREFERRED_HEAD_DIMS
 
 
-_LAYOUTS = {}  # (rows, D, dtype) -> the shared-memory layout of a copied tile (a wgmma operand's swizzle)
+_LAYOUTS = {}  # (rows, columns, dtype) -> the shared-memory layout of a copied tile (a wgmma operand's swizzle)
 
 
-def _descriptor(x, block_rows):
-    """A host-side tensor descriptor of ``x`` (B, H, N, D) with its own strides, copied ``block_rows`` rows of one
-    head at a time: rows past the head's end come in as zeros and are not written back. Passed by value with the
-    launch: the programs build none themselves (rung 3's do, in global scratch)."""
-    d = x.shape[3]
-    key = (block_rows, d, x.dtype)
+def _descriptor(x, block_rows, block_cols=None):
+    """A host-side tensor descriptor of ``x`` (B, H, N, D) with its own strides, copied ``block_rows`` rows (of
+    ``block_cols`` columns, by default all D) of one head at a time: rows past the head's end come in as zeros and
+    are not written back. Passed by value with the launch: the programs build none themselves (rung 3's do, in
+    global scratch)."""
+    cols = x.shape[3] if block_cols is None else block_cols
+    key = (block_rows, cols, x.dtype)
     if key not in _LAYOUTS:
-        _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for([1, 1, block_rows, d], _GL_DTYPES[x.dtype])
-    return TensorDescriptor(x, list(x.shape), _strides(x), [1, 1, block_rows, d], _LAYOUTS[key])
+        _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for([1, 1, block_rows, cols], _GL_DTYPES[x.dtype])
+    return TensorDescriptor(x, list(x.shape), _strides(x), [1, 1, block_rows, cols], _LAYOUTS[key])
 
 
 def launch_shape(q, k, causal, window, band):
@@ -736,6 +737,16 @@ def descriptors(q, k, v, o, block_n):
     return _descriptor(q, WG_ROWS), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(o, WG_ROWS)
 
 
+def fp8_descriptors(q, k, vt, o, block_n):
+    """``descriptors`` for ``launch_fp8``: V^T ``(B, Hk, D, Nk')`` in tiles of all D rows and ``block_n`` keys."""
+    return (
+        _descriptor(q, WG_ROWS),
+        _descriptor(k, block_n),
+        _descriptor(vt, q.shape[3], block_n),
+        _descriptor(o, WG_ROWS),
+    )
+
+
 def launch(q, k, v, o, lse, causal, window, band, config=None):
     """Run the kernel once on prepared inputs, writing ``o (B, Hq, Nq, D)`` and ``lse (B, Hq, Nq)``.
 
@@ -778,16 +789,12 @@ def launch_fp8(q, k, vt, o, lse, q_descale, k_descale, v_descale, band, causal, 
     ``flashlab.kernels.fp8_forward.transposed_v`` makes it); o bfloat16 and lse as ``launch`` writes them; the
     descales float32 ``(B, Hk)``, laid out here per query head as the kernel reads them. ``band`` is
     ``(offset, win_left, win_right, scale * log2 e)``. No repair pass: e4m3 holds no infinities."""
-    b, hq, nq, d = q.shape
     grid, table, scalars, meta = launch_shape(q, k, causal, window, band)
-    block_n = meta["BLOCK_N"]
-    layout = gl.NVMMASharedLayout.get_default_for([1, 1, d, block_n], gl.float8e4nv)
-    desc_vt = TensorDescriptor(vt, list(vt.shape), list(vt.stride()), [1, 1, d, block_n], layout)
-    descale = torch.stack((q_descale, k_descale, v_descale)).repeat_interleave(hq // k.shape[1], dim=2).contiguous()
+    group = q.shape[1] // k.shape[1]
+    descale = torch.stack((q_descale, k_descale, v_descale)).repeat_interleave(group, dim=2).contiguous()
     with torch.cuda.device(q.device):
-        _attn_fwd_overlap[grid](_descriptor(q, WG_ROWS), _descriptor(k, block_n), desc_vt, _descriptor(o, WG_ROWS), lse,
-                                lse if table is None else table, descale, *scalars,
-                                **{**meta, "FP8": True, "O_IN_Q": False})  # fmt: skip
+        _attn_fwd_overlap[grid](*fp8_descriptors(q, k, vt, o, meta["BLOCK_N"]), lse, lse if table is None else table,
+                                descale, *scalars, **{**meta, "FP8": True, "O_IN_Q": False})  # fmt: skip
 
 
 attn_fwd_overlap = _attn_fwd_overlap if GLUON_ERROR is None else None  # the kernel (None where Gluon is missing)
@@ -806,6 +813,7 @@ __all__ = [
     "TILES",
     "attn_fwd_overlap",
     "descriptors",
+    "fp8_descriptors",
     "fp8_unavailable",
     "launch",
     "launch_fp8",
