@@ -35,6 +35,7 @@ def test_backward_sweep_checks_then_times_every_gradient():
 
 def test_python_m_flashlab_bench_mode_backward(tmp_path, capsys):
     argv = ["--device", "cpu", "--quick", "--mode", "backward", "--seq-lens", "33", "--head-dims", "16"]
+    argv += ["--tokens", "66", "--model-dim", "32"]  # B = 2, 2 heads (the quick defaults give 3 and 4)
     argv += ["--backends", "flashlab,sdpa_flash", "--causal", "no", "--no-progress", "--out", str(tmp_path / "bw")]
     results = main(argv)
     out = capsys.readouterr().out
