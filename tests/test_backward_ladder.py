@@ -21,7 +21,7 @@ from flashlab.kernels.backward import rung1_two_pass, rung2_hopper
 from flashlab.kernels.device import CPU_CONFIG
 from flashlab.reference.torch_float64 import attention_float64, attention_float64_grads
 
-RUNGS = backward.names()
+RUNGS = backward.names()[:4]  # the rungs Triton's interpreter runs (the one_pass rungs are Gluon: a GPU only)
 
 
 def make_inputs(b, hq, hk, nq, nk, d, dtype, seed):
@@ -69,10 +69,19 @@ def random_case(seed):
 
 
 def test_the_rungs_run_slowest_first_and_say_what_each_removes():
-    assert RUNGS == ("two_pass", "hopper", "atomic_dq", "ordered_dq")
+    assert backward.names() == ("two_pass", "hopper", "atomic_dq", "ordered_dq", "one_pass_atomic", "one_pass")
     assert backward.BACKWARD_RUNGS[0].unavailable is backward.runs_everywhere  # the floor runs everywhere
     assert all(r.removes and r.load().attention_backward for r in backward.BACKWARD_RUNGS)
-    assert [r.deterministic for r in backward.BACKWARD_RUNGS] == [True, True, False, True]
+    assert [r.deterministic for r in backward.BACKWARD_RUNGS] == [True, True, False, True, False, True]
+
+
+def test_the_gluon_rung_says_why_it_cannot_run_on_the_cpu_and_the_floor_runs():
+    q, k, v, do = make_inputs(1, 2, 2, 8, 8, 64, torch.bfloat16, seed=0)
+    assert "GPU only" in backward.rung_named("one_pass_atomic").unavailable(q, k, v, do)
+    assert "GPU only" in backward.rung_named("one_pass").unavailable(q, k, v, do)
+    assert backward.select(None, q, k, v, do)[0].name == "two_pass"
+    chosen, note = backward.select("one_pass", q, k, v, do)
+    assert chosen.name == "ordered_dq" and "'one_pass'" in note and "GPU only" in note  # the highest that runs
 
 
 def test_an_unknown_name_is_an_error_that_lists_the_rungs():

@@ -90,6 +90,23 @@ BACKWARD_RUNGS: tuple[BackwardRung, ...] = (
         _imported("flashlab.kernels.backward.rung4_ordered_dq", "unavailable"),
         measured_slower,
     ),
+    BackwardRung(
+        "one_pass_atomic",
+        "the dQ pass and the compiler's limits: five products in one loop written in Gluon, two consumer "
+        "warpgroups and a loader warp stated in the source, dQ added with atomic adds; not deterministic",
+        "flashlab.kernels.backward.rung5_one_pass",
+        _imported("flashlab.kernels.backward.rung5_one_pass", "unavailable"),
+        measured_slower,
+        deterministic=False,
+    ),
+    BackwardRung(
+        "one_pass",
+        "one_pass_atomic's nondeterminism: the key tiles take turns adding into each query tile's dQ, in an order "
+        "that follows their walks, the first turn storing and the last writing dQ",
+        "flashlab.kernels.backward.rung6_one_pass_ordered",
+        _imported("flashlab.kernels.backward.rung6_one_pass_ordered", "unavailable"),
+        measured_slower,
+    ),
 )
 
 

@@ -1,0 +1,80 @@
+"""Where the Gluon backward's loop (``rung5_one_pass``) spends its time: the rung (``DQ_WORK`` 2: every step's five
+products and dQ's atomic adds), without the adds (1: the dQ product, its shared-memory dS and the two warpgroups'
+meeting for it, but nothing leaves the program), and without dQ at all (0: rung 2's dK/dV loop, four products), beside
+rung 6 (the same adds taking turns), rung 2 (``hopper``: the dK/dV loop and a dQ pass, seven products) and cuDNN.
+Only the rung's and rung 6's gradients are right; they are checked against float64 autograd on the first sequence
+and head before anything is timed. TFLOP/s at 2.5x the forward's FLOPs (B * N = 16K tokens, H = 2048 / D, bf16).
+
+python lab/probes/backward_one_pass_parts.py OUT_FILE"""
+
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from probe_log import log_to
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+from flashlab import flash_attention
+from flashlab.core.numerics import grad_tolerance, relative_error
+from flashlab.kernels.backward import rung2_hopper, rung5_one_pass
+from flashlab.reference.torch_float64 import attention_float64_grads
+
+say = log_to(sys.argv[1])
+say(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}")
+rung_constexprs = rung5_one_pass.constexprs
+
+
+def with_dq_work(work):
+    """``rung5_one_pass.constexprs`` with ``DQ_WORK`` set (the module's function is swapped for the call)."""
+
+    def constexprs(*args):
+        return {**rung_constexprs(*args), "DQ_WORK": work}
+
+    return constexprs
+
+
+def cell(d, n, causal):
+    b, h = 16384 // n, 2048 // d
+    g = torch.Generator(device="cuda").manual_seed(n + d)
+    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    o, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
+    flops = 2.5 * 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+    ref = attention_float64_grads(q, k, v, do, causal, batch=[0], kv_heads=[0])
+    args = (do, q, k, v, o, lse, causal, None, None)
+    runs = {
+        "hopper": (None, lambda: rung2_hopper.attention_backward(*args)),
+        "one_pass_atomic": (2, lambda: rung5_one_pass.run_backward(*args)),
+        "no_adds": (1, lambda: rung5_one_pass.run_backward(*args)),
+        "no_dq": (0, lambda: rung5_one_pass.run_backward(*args)),
+        "one_pass": (2, lambda: rung5_one_pass.run_backward(*args, ordered=True)),
+    }
+    row = [f"D{d} N{n // 1024}K {'causal' if causal else 'full  '}:"]
+    for name, (work, run) in runs.items():
+        rung5_one_pass.constexprs = with_dq_work(2 if work is None else work)
+        try:
+            grads = run()
+            torch.cuda.synchronize()
+            if work == 2 or work is None:
+                errs = [relative_error(x[:1, :1], r) for x, r in zip(grads, ref, strict=True)]
+                if not max(errs) <= grad_tolerance(torch.bfloat16):
+                    row.append(f"{name} WRONG (errors {', '.join(f'{e:.1e}' for e in errs)})")
+                    continue
+            row.append(f"{name} {flops / do_bench(run, rep=100) / 1e9:5.0f}")
+        except Exception as e:  # say so, go on
+            row.append(f"{name} FAILED {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+        finally:
+            rung5_one_pass.constexprs = rung_constexprs
+    qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+    seconds = do_bench(lambda: torch.autograd.grad(out, (qs, ks, vs), do, retain_graph=True), rep=100) / 1e3
+    row.append(f"cuDNN {flops / seconds / 1e12:5.0f}")
+    say(" | ".join(row))
+
+
+for d in (128, 64):
+    for n in (1024, 4096, 16384):
+        for causal in (False, True):
+            cell(d, n, causal)

@@ -1,0 +1,80 @@
+"""The backward's Gluon rung (``rung5_one_pass``) compiled for sm_90 on this machine (Triton's compiler and the
+ptxas it ships; no GPU): the facts its speed rests on, which a change could silently lose. Its gradients are
+checked against float64 autograd on a GPU (``tests/test_backward_gpu.py``, every rung of the ladder); Gluon has no
+interpreter path."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from flashlab.kernels.backward import rung5_one_pass as one_pass
+from flashlab.kernels.ladder import rung4_overlap as overlap
+
+needs_gluon = pytest.mark.skipif(one_pass.GLUON_ERROR is not None, reason=str(one_pass.GLUON_ERROR))
+
+
+def sm90_ptx(d, masked, ordered=False, n=2048):
+    """The rung's kernel for head dim ``d`` (``masked``: a causal or windowed call) as PTX for sm_90. Pointer
+    arguments are taken 16-byte aligned, as a launch's specialisation takes torch's allocations."""
+    import triton
+
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.experimental.gluon._runtime import GluonASTSource
+        from triton.runtime.jit import mangle_type
+    except ImportError as error:
+        pytest.skip(f"this Triton cannot compile Gluon ahead of time here: {error}")
+    b, h = 16384 // n, 2048 // d
+    x = torch.empty(b, h, n, d, dtype=torch.bfloat16)
+    stats = torch.empty(b * h, n)
+    descriptors = (overlap._descriptor(x, one_pass.BLOCK_M), overlap._descriptor(x, one_pass.BLOCK_M),
+                   overlap._descriptor(x, one_pass.BLOCK_N), overlap._descriptor(x, one_pass.BLOCK_N))  # fmt: skip
+    locks = torch.empty(4, dtype=torch.int32)
+    args = [*descriptors, stats, stats, stats, x, locks, x, x, h, 1, n, n, n, 0, n + 1, n + 1, 1, 0.18, 0.125, -0.125]
+    meta = one_pass.constexprs(d, masked, None, ordered)
+    options = {"num_warps": meta.pop("num_warps")}
+    kernel = one_pass.bwd_one_pass
+    signature, constants, attrs = {}, {}, {}
+    values = iter(args)
+    for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params, strict=True)):
+        if param.is_constexpr:
+            signature[name], constants[(i,)] = "constexpr", meta.get(name, param.default)
+        else:
+            value = next(values)
+            signature[name] = mangle_type(value)
+            if isinstance(value, torch.Tensor):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    source = GluonASTSource(kernel, signature, constants, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+@needs_gluon
+@pytest.mark.parametrize("d, masked", [(64, True), (128, False)])
+def test_one_loop_step_issues_five_products_and_keeps_its_vector_adds(d, masked):
+    # Per consumer warpgroup and query tile: S^T and dP^T (K = D, in steps of 16), dV and dK (K = the tile's 64
+    # query rows), dQ (K = the program's 128 keys): two warpgroups' worth of each. Seven products (the two-pass
+    # rungs') would add two more of the first kind; Triton's own pass dropped the atomic adds (rung 3), so they are
+    # counted here: four floats an instruction, 64 x D/2 floats a warpgroup over 128 threads.
+    ptx = sm90_ptx(d, masked)
+    k = 16
+    per_wg = 2 * (d // k) + 2 * (one_pass.BLOCK_M // k) + one_pass.BLOCK_N // k
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == one_pass.NUM_WG * per_wg
+    adds = re.findall(r"(?:atom|red)\.global\.gpu\.relaxed\.add\.v4\.f32", ptx)  # red: Triton >= 3.7
+    assert len(adds) == one_pass.NUM_WG * one_pass.BLOCK_M * (d // 2) // (128 * 4)
+    assert "setmaxnreg" in ptx  # the loader warp hands its registers to the consumers
+
+
+@needs_gluon
+@pytest.mark.parametrize("d, masked", [(64, False), (128, True)])
+def test_the_ordered_adds_wait_for_their_turn_and_pass_it_on(d, masked):
+    # rung 6: no float atomics at all; the turn read with acquire (a load that sees the previous turn's stores)
+    # and passed on with release (after them), once per consumer warpgroup; the parts loaded past L1 and stored
+    ptx = sm90_ptx(d, masked, ordered=True)
+    assert not re.findall(r"(?:atom|red)\.global\S*\.f32", ptx)
+    assert len(re.findall(r"ld\.global\.gpu\.acquire\.b32|atom\.global\.gpu\.acquire\S*", ptx)) >= one_pass.NUM_WG
+    assert len(re.findall(r"atom\.global\.gpu\.release\.exch\.b32", ptx)) == one_pass.NUM_WG
+    assert re.findall(r"ld\.global\.cg\.v4", ptx)
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == one_pass.NUM_WG * (2 * (d // 16) + 2 * 4 + 8)
