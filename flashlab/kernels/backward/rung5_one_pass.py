@@ -25,7 +25,7 @@ The adds land in whatever order the programs reach them, so dQ's last bits can c
 stay bit-identical): the rung is not deterministic and runs only when named (``backward_rung="one_pass"``).
 
 Where it runs: a Hopper GPU (Gluon compiles for a GPU only: no interpreter), 16-bit inputs, D = 64 or 128, K, V,
-Q and dO describable by the copy engine (``rung4_overlap.not_describable``). ``unavailable`` says which fails.
+Q and dO describable by the copy engine (``gluon_hopper.not_describable``). ``unavailable`` says which fails.
 """
 
 from __future__ import annotations
@@ -35,18 +35,21 @@ import triton
 import triton.language as tl
 
 from flashlab.core.integers import cdiv
+from flashlab.kernels import gluon_hopper
 from flashlab.kernels.backward import rung1_two_pass as two_pass
 from flashlab.kernels.backward import rung2_hopper
 from flashlab.kernels.device import device_index, kernel_band, sm_count
-from flashlab.kernels.ladder import rung4_overlap as overlap
+from flashlab.kernels.gluon_hopper import GLUON_ERROR, not_describable
 
-GLUON_ERROR = overlap.GLUON_ERROR
 if GLUON_ERROR is None:
+    from triton._C.libtriton import ir as _ir
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin as _gluon_builtin
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
+        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -63,10 +66,20 @@ LOADER_REGS = 24
 RUNTIME = ("HQ", "GROUP", "NQ", "NK", "ROWS", "offset", "win_left", "win_right", "ROTATE")
 
 if GLUON_ERROR is None:
-    _tma_load = overlap._tma_load
-    _mma_layout = overlap._mma_layout
+    _tma_load = gluon_hopper.tma_load
+    _mma_layout = gluon_hopper.mma_layout
     # the barrier among a partition's warps: thread_barrier in Triton 3.6, barrier from 3.7 on
     _warps_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+    @_gluon_builtin
+    def _reduce_add_36(tensor_desc, coord, src, _semantic=None):
+        """The copy engine's bulk add of a shared-memory tile into global memory (``cp.reduce.async.bulk.tensor``),
+        which Triton 3.6's Gluon builds but does not name (3.9 calls it ``tma.async_atomic_add``)."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)  # fmt: skip
+
+    _tma_reduce_add = getattr(tma, "async_atomic_add", None) or _reduce_add_36
 
     @gluon.jit
     def _query_tiles(col_lo, NQ, NK, offset, win_left, win_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -156,36 +169,33 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _add_dq(dq, DQ_ACC, DQ, LOCKS, head, m, rows0, cols, turn, adders, NQ, ROWS, dq_scale, WG: gl.constexpr,
-                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
-        """Add this warpgroup's half of a query tile's dQ. Unordered: float32 atomic adds into ``DQ_ACC`` (zeros
-        first). Ordered: wait for this key tile's turn on the tile's counter, then the first turn stores its part,
-        the next ones load, add and store, and the last writes dQ itself, scaled and rounded; pass the turn on."""
+                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):  # fmt: skip
+        """Add this warpgroup's half of a query tile's dQ in turn: wait for this key tile's turn on the tile's
+        counter; the first turn stores its part, the next ones load, add and store, and the last writes dQ itself,
+        scaled and rounded; then pass the turn on."""
         rows = head * ROWS + m * BLOCK_M + rows0  # rows past NQ land in the padding
         acc_ptrs = DQ_ACC + rows[:, None] * HEAD_DIM + cols[None, :]
-        if ORDERED:
-            lock = LOCKS + (head * (ROWS // BLOCK_M) + m) * 2 + WG
+        lock = LOCKS + (head * (ROWS // BLOCK_M) + m) * 2 + WG
+        seen = gl.atomic_add(lock, 0, sem="acquire")
+        while seen != turn:
             seen = gl.atomic_add(lock, 0, sem="acquire")
-            while seen != turn:
-                seen = gl.atomic_add(lock, 0, sem="acquire")
-            if turn > 0:  # past the L1 cache, which another program's stores never reach
-                dq += gl.load(acc_ptrs, cache_modifier=".cg")
-            if turn == adders - 1:
-                out_rows = m * BLOCK_M + rows0
-                out = (head * NQ + out_rows)[:, None] * HEAD_DIM + cols[None, :]
-                gl.store(DQ + out, (dq * dq_scale).to(DQ.dtype.element_ty), mask=(out_rows < NQ)[:, None])
-            else:
-                gl.store(acc_ptrs, dq)
-            _warps_barrier()  # every thread's stores are in before the turn passes on
-            gl.atomic_xchg(lock, turn + 1, sem="release")
+        if turn > 0:  # past the L1 cache, which another program's stores never reach
+            dq += gl.load(acc_ptrs, cache_modifier=".cg")
+        if turn == adders - 1:
+            out_rows = m * BLOCK_M + rows0
+            out = (head * NQ + out_rows)[:, None] * HEAD_DIM + cols[None, :]
+            gl.store(DQ + out, (dq * dq_scale).to(DQ.dtype.element_ty), mask=(out_rows < NQ)[:, None])
         else:
-            gl.atomic_add(acc_ptrs, dq, sem="relaxed")
+            gl.store(acc_ptrs, dq)
+        _warps_barrier()  # every thread's stores are in before the turn passes on
+        gl.atomic_xchg(lock, turn + 1, sem="release")
 
     @gluon.jit
     def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, q_ready, do_ready, stats_ready,
-                  qdo_empty, kv_ready, ds_ready, ds_free, DQ_ACC, DQ, LOCKS, DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left,
-                  win_right, ROTATE, qk_scale, dk_scale, dq_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
-                  ORDERED: gl.constexpr, DQ_WORK: gl.constexpr):  # fmt: skip
+                  qdo_empty, kv_ready, ds_ready, ds_free, dq_smem, desc_dqacc, DQ_ACC, DQ, LOCKS, DK, DV, HQ, GROUP,
+                  NQ, NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale, dk_scale, dq_scale, WG: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  MASKED: gl.constexpr, ORDERED: gl.constexpr, DQ_WORK: gl.constexpr):  # fmt: skip
         """One consumer warpgroup: keys ``[WG * 64, WG * 64 + 64)`` of the program's tile through every query tile
         that sees them (the module docstring's step), then its rows of dK and dV."""
         dtype: gl.constexpr = q_smem.dtype
@@ -264,16 +274,22 @@ if GLUON_ERROR is None:
                 mbarrier.arrive(qdo_empty.index(stage))
                 mbarrier.arrive(ds_free)
                 if DQ_WORK > 1:
-                    turn, adders = 0, 1
                     if ORDERED:
                         turn, adders = _turn(n, g, m, n_tiles, GROUP, NQ, NK, offset, win_left, win_right, ROTATE,
                                              BLOCK_M, BLOCK_N)  # fmt: skip
-                    _add_dq(gl.convert_layout(dq, add_layout), DQ_ACC, DQ, LOCKS, head, m, dq_rows0, dq_cols, turn,
-                            adders, NQ, ROWS, dq_scale, WG, HEAD_DIM, BLOCK_M, ORDERED)  # fmt: skip
+                        _add_dq(gl.convert_layout(dq, add_layout), DQ_ACC, DQ, LOCKS, head, m, dq_rows0, dq_cols,
+                                turn, adders, NQ, ROWS, dq_scale, WG, HEAD_DIM, BLOCK_M)  # fmt: skip
+                    else:  # one bulk add by the copy engine, which reads the tile while the loop goes on
+                        dq_buf = dq_smem.index(WG)
+                        tma.store_wait(0)  # the last step's add has read the buffer
+                        dq_buf.reshape([BLOCK_M, HALF_D]).store(dq)
+                        fence_async_shared()
+                        _tma_reduce_add(desc_dqacc, [head, start_m, WG * HALF_D], dq_buf)
             else:
                 dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
                 mbarrier.arrive(qdo_empty.index(stage))
 
+        tma.store_wait(0)
         out_keys = key0 + gl.arange(0, WGK, layout=gl.SliceLayout(1, kv_layout))
         out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
         out = (pid_bk * NK + out_keys)[:, None] * HEAD_DIM + out_cols[None, :]
@@ -282,8 +298,8 @@ if GLUON_ERROR is None:
         gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=ok)
 
     @gluon.jit(do_not_specialize=RUNTIME, do_not_specialize_on_alignment=RUNTIME)
-    def _bwd_one_pass(desc_q, desc_do, desc_k, desc_v, LSE2, DELTA, DQ_ACC, DQ, LOCKS, DK, DV, HQ, GROUP, NQ, NK,
-                      ROWS, offset, win_left, win_right, ROTATE, qk_scale, dk_scale, dq_scale,
+    def _bwd_one_pass(desc_q, desc_do, desc_k, desc_v, desc_dqacc, LSE2, DELTA, DQ_ACC, DQ, LOCKS, DK, DV, HQ,
+                      GROUP, NQ, NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale, dk_scale, dq_scale,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                       MASKED: gl.constexpr, ORDERED: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, DQ_WORK: gl.constexpr = 2):  # fmt: skip
@@ -301,6 +317,10 @@ if GLUON_ERROR is None:
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
         stats_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        if ORDERED:
+            dq_smem = ds_smem  # never used
+        else:  # each warpgroup's half of dQ on its way to the copy engine's bulk add
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HEAD_DIM // 2], desc_dqacc.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -317,12 +337,14 @@ if GLUON_ERROR is None:
         mbarrier.init(ds_free, count=2)  # both warpgroups' dQ products have read it
         gl.warp_specialize([
             (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, q_ready, do_ready,
-                         stats_ready, qdo_empty, kv_ready, ds_ready, ds_free, DQ_ACC, DQ, LOCKS, DK, DV, HQ, GROUP, NQ,
-                         NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale, dk_scale, dq_scale, 0, HEAD_DIM,
+                         stats_ready, qdo_empty, kv_ready, ds_ready, ds_free, dq_smem, desc_dqacc, DQ_ACC, DQ, LOCKS,
+                         DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale, dk_scale,
+                         dq_scale, 0, HEAD_DIM,
                          BLOCK_M, BLOCK_N, STAGES, MASKED, ORDERED, DQ_WORK)),
             (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, q_ready, do_ready,
-                         stats_ready, qdo_empty, kv_ready, ds_ready, ds_free, DQ_ACC, DQ, LOCKS, DK, DV, HQ, GROUP, NQ,
-                         NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale, dk_scale, dq_scale, 1, HEAD_DIM,
+                         stats_ready, qdo_empty, kv_ready, ds_ready, ds_free, dq_smem, desc_dqacc, DQ_ACC, DQ, LOCKS,
+                         DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale, dk_scale,
+                         dq_scale, 1, HEAD_DIM,
                          BLOCK_M, BLOCK_N, STAGES, MASKED, ORDERED, DQ_WORK)),
             (_loader, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                        q_ready, do_ready, stats_ready, qdo_empty, kv_ready, LSE2, DELTA, HQ, GROUP, NQ, NK, ROWS,
@@ -351,17 +373,23 @@ def unavailable(q, k, v, do) -> str | None:
     if not q.is_cuda:
         return "it is written in Gluon, which compiles for a GPU only (no interpreter)"
     major, minor = torch.cuda.get_device_capability(q.device)
-    if major != overlap.CAPABILITY:
+    if major != gluon_hopper.CAPABILITY:
         return f"its matrix products are Hopper's wgmma: it needs compute capability 9.x, not {major}.{minor}"
     if q.dtype == torch.float32:
         return "it runs 16-bit inputs only (its products are the tensor cores'); float32 goes to two_pass"
     if q.shape[3] not in HEAD_DIMS:
         return f"its tiles are built for head dims {', '.join(map(str, HEAD_DIMS))}, not {q.shape[3]}"
     for name, x in (("q", q), ("k", k), ("v", v), ("do", do)):
-        why = overlap.not_describable(x)
+        why = not_describable(x)
         if why is not None:
             return f"its copy engine cannot describe {name}: {why}"
     return None
+
+
+def dq_descriptor(dq_acc):
+    """The copy engine's descriptor of dQ's float32 sums ``(B * Hq, ROWS, D)``, added to in tiles of ``BLOCK_M``
+    rows and half the columns (one consumer warpgroup's part)."""
+    return gluon_hopper.descriptor_3d(dq_acc, [1, BLOCK_M, dq_acc.shape[2] // 2])
 
 
 def constexprs(d, causal, window, ordered) -> dict:
@@ -393,7 +421,7 @@ def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, ordere
     two_pass.check_backward_inputs(do, q, k, v, o, lse)
     if config is not None:
         raise ValueError("the one_pass backward's tiles are fixed; it takes no config")
-    do = do if overlap.not_describable(do) is None else do.contiguous()
+    do = do if not_describable(do) is None else do.contiguous()
     why = unavailable(q, k, v, do)
     if why is not None:
         raise RuntimeError(f"the one_pass backward cannot run these inputs: {why}")
@@ -422,8 +450,9 @@ def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, ordere
     with torch.cuda.device(q.device):
         pre_m = two_pass.PREPROCESS_BLOCK_M
         two_pass.bwd_preprocess[(cdiv(rows, pre_m), b * hq)](*pre_args, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=pre_m)
-        descs = (overlap._descriptor(q_run, BLOCK_M), overlap._descriptor(do, BLOCK_M),
-                 overlap._descriptor(k, BLOCK_N), overlap._descriptor(v, BLOCK_N))  # fmt: skip
+        descs = (gluon_hopper.descriptor(q_run, BLOCK_M), gluon_hopper.descriptor(do, BLOCK_M),
+                 gluon_hopper.descriptor(k, BLOCK_N), gluon_hopper.descriptor(v, BLOCK_N),
+                 dq_descriptor(dq_acc))  # fmt: skip
         sizes = (hq, hq // hk, nq, nk, rows, offset, win_left, win_right, int(rotate))
         _bwd_one_pass[(cdiv(nk, BLOCK_N), b * hk)](*descs, lse2, delta, dq_acc, dq, locks, dk, dv, *sizes, qk_scale,
                                                   abs(signed_scale), signed_scale, **meta)  # fmt: skip

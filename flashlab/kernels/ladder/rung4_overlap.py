@@ -69,12 +69,14 @@ import triton
 
 from flashlab.core.integers import cdiv
 from flashlab.core.masking import visible_band
+from flashlab.kernels import gluon_hopper
 from flashlab.kernels.device import device_index, sm_count, stream_capturing
+from flashlab.kernels.gluon_hopper import CAPABILITY, GLUON_ERROR, not_describable
 from flashlab.kernels.ladder import rung3_hopper as hopper
 from flashlab.kernels.ladder import tile_schedule
 from flashlab.kernels.softmax_step import LN_2
 
-try:  # Gluon's Hopper primitives (Triton >= 3.5)
+if GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -84,15 +86,8 @@ try:  # Gluon's Hopper primitives (Triton >= 3.5)
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
-    GLUON_ERROR = None
-except ImportError as error:  # an older Triton: the rung says so in ``unavailable``
-    GLUON_ERROR = f"Triton {triton.__version__} has no Gluon Hopper primitives ({error})"
 
 NAME = "overlap"  # the rung's name in flashlab.kernels.ladder
-CAPABILITY = 9  # wgmma is sm_90's instruction: Hopper only (Blackwell has its own, tcgen05)
 WG_ROWS = 64  # query rows per consumer warpgroup: one wgmma M
 HEAD_DIMS = (64, 128, 256)
 # (consumer warpgroups, BLOCK_N, STAGES) per head dim; a program's query tile is 64 rows per consumer warpgroup.
@@ -139,18 +134,12 @@ FP8_P_SHIFT = 8.0
 RUNTIME_LENGTHS = ("HQ", "NQ", "NK", "GROUP", "offset", "win_left", "win_right", "n_bh")
 
 if GLUON_ERROR is None:
-    # the bulk copies' names: async_load / async_store in newer Tritons (3.9), async_copy_* in older ones (3.6)
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _tma_load = gluon_hopper.tma_load
+    _tma_store = gluon_hopper.tma_store
+    _mma_layout = gluon_hopper.mma_layout
     _WG = gl.constexpr(WG_ROWS)  # the module's constants, as Gluon code reads them
     _LOADER_REGS = gl.constexpr(LOADER_REGS)
     _P_SHIFT = gl.constexpr(FP8_P_SHIFT)
-
-    @triton.constexpr_function
-    def _mma_layout(n, bits=16):
-        """The accumulator layout of a 64-row wgmma over four warps with an N of ``n``, on operands of ``bits``
-        bits (one instruction's K: 32 bytes of them)."""
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 256 // bits])
 
     @gluon.jit
     def _walk(SCHED, n_m, n_bh, SCHEDULED: gl.constexpr):
@@ -620,29 +609,7 @@ def unavailable(q, k, v, causal, window) -> str | None:
     return None
 
 
-def _strides(x, strides=None) -> list[int]:
-    """``x``'s strides (``strides``: its ``stride()``, where the caller has them) as its descriptor takes them: a
-    dimension of size 1 is only ever read at 0, so its stride is free; it gets a contiguous tensor's (an expanded or
-    sliced tensor may carry any stride there)."""
-    shape = x.shape
-    strides = x.stride() if strides is None else strides
-    if 1 not in shape:
-        return list(strides)
-    contiguous = [shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1]
-    return [s if n > 1 else c for s, n, c in zip(strides, shape, contiguous, strict=True)]
-
-
-def not_describable(x) -> str | None:
-    """Why the copy engine (a 4-D tensor descriptor over B, H, N, D) cannot read ``x``, or None: it needs unit
-    stride along D, the other strides and the start at multiples of 16 bytes."""
-    strides = _strides(x)
-    if strides[3] != 1:
-        return f"its head dim is strided ({x.stride(3)}), not contiguous"
-    if x.data_ptr() % hopper.TMA_ALIGN_BYTES:
-        return f"it starts {x.data_ptr() % hopper.TMA_ALIGN_BYTES} bytes past a 16-byte boundary"
-    if any(s * x.element_size() % hopper.TMA_ALIGN_BYTES for s in strides[:3]):
-        return f"its strides {tuple(x.stride())} are not all multiples of 16 bytes"
-    return None
+_strides = gluon_hopper.strides  # the launcher's planned path (flashlab.host.launches) reads them too
 
 
 # Where the benchmark measured this rung faster than the rungs below it (H200, 16-bit, docs/forward-ladder.md)
@@ -654,19 +621,7 @@ def preferred(q, k, v, causal, window) -> bool:
     return q.shape[3] in PREFERRED_HEAD_DIMS
 
 
-_LAYOUTS = {}  # (rows, columns, dtype) -> the shared-memory layout of a copied tile (a wgmma operand's swizzle)
-
-
-def _descriptor(x, block_rows, block_cols=None):
-    """A host-side tensor descriptor of ``x`` (B, H, N, D) with its own strides, copied ``block_rows`` rows (of
-    ``block_cols`` columns, by default all D) of one head at a time: rows past the head's end come in as zeros and
-    are not written back. Passed by value with the launch: the programs build none themselves (rung 3's do, in
-    global scratch)."""
-    cols = x.shape[3] if block_cols is None else block_cols
-    key = (block_rows, cols, x.dtype)
-    if key not in _LAYOUTS:
-        _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for([1, 1, block_rows, cols], _GL_DTYPES[x.dtype])
-    return TensorDescriptor(x, list(x.shape), _strides(x), [1, 1, block_rows, cols], _LAYOUTS[key])
+_descriptor = gluon_hopper.descriptor
 
 
 def launch_shape(q, k, causal, window, band):

@@ -1,0 +1,88 @@
+"""What the Gluon kernels for Hopper share: the forward's rung 4 (``ladder.rung4_overlap``) and the backward's
+rungs 5 and 6 (``backward.rung5_one_pass``). Whether this Triton has Gluon's Hopper primitives at all
+(``GLUON_ERROR``), the bulk copies' names across Triton versions, a wgmma accumulator's layout, and the copy
+engine's host-side tensor descriptors: which tensors it can describe (``not_describable``) and the descriptor of a
+tensor copied in tiles (``descriptor``)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from flashlab.kernels.device import TMA_ALIGN_BYTES
+
+try:  # Gluon's Hopper primitives (Triton >= 3.5)
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
+                 torch.float32: gl.float32}  # fmt: skip
+    GLUON_ERROR = None
+except ImportError as error:  # an older Triton: the kernels say so in their ``unavailable``
+    GLUON_ERROR = f"Triton {triton.__version__} has no Gluon Hopper primitives ({error})"
+
+CAPABILITY = 9  # wgmma is sm_90's instruction: Hopper only (Blackwell has its own, tcgen05)
+
+if GLUON_ERROR is None:
+    # the bulk copies' names: async_load / async_store in newer Tritons (3.9), async_copy_* in older ones (3.6)
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+    @triton.constexpr_function
+    def mma_layout(n, bits=16):
+        """The accumulator layout of a 64-row wgmma over four warps with an N of ``n``, on operands of ``bits``
+        bits (one instruction's K: 32 bytes of them)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 256 // bits])
+
+
+def strides(x, given=None) -> list[int]:
+    """``x``'s strides (``given``: its ``stride()``, where the caller has them) as its descriptor takes them: a
+    dimension of size 1 is only ever read at 0, so its stride is free; it gets a contiguous tensor's (an expanded or
+    sliced tensor may carry any stride there)."""
+    shape = x.shape
+    given = x.stride() if given is None else given
+    if 1 not in shape:
+        return list(given)
+    contiguous = [shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1]
+    return [s if n > 1 else c for s, n, c in zip(given, shape, contiguous, strict=True)]
+
+
+def not_describable(x) -> str | None:
+    """Why the copy engine (a 4-D tensor descriptor over B, H, N, D) cannot read ``x``, or None: it needs unit
+    stride along D, the other strides and the start at multiples of 16 bytes."""
+    x_strides = strides(x)
+    if x_strides[3] != 1:
+        return f"its head dim is strided ({x.stride(3)}), not contiguous"
+    if x.data_ptr() % TMA_ALIGN_BYTES:
+        return f"it starts {x.data_ptr() % TMA_ALIGN_BYTES} bytes past a 16-byte boundary"
+    if any(s * x.element_size() % TMA_ALIGN_BYTES for s in x_strides[:3]):
+        return f"its strides {tuple(x.stride())} are not all multiples of 16 bytes"
+    return None
+
+
+_LAYOUTS = {}  # (tile shape, dtype) -> the shared-memory layout of a copied tile (a wgmma operand's swizzle)
+
+
+def shared_layout(block: list[int], dtype):
+    """The shared-memory layout the copy engine writes (or reads) a tile of shape ``block`` of ``dtype`` in."""
+    key = (tuple(block), dtype)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPES[dtype])
+    return _LAYOUTS[key]
+
+
+def descriptor(x, block_rows, block_cols=None):
+    """A host-side tensor descriptor of ``x`` (B, H, N, D) with its own strides, copied ``block_rows`` rows (of
+    ``block_cols`` columns, by default all D) of one head at a time: rows past the head's end come in as zeros and
+    are not written back. Passed by value with the launch: the programs build none themselves."""
+    block = [1, 1, block_rows, x.shape[3] if block_cols is None else block_cols]
+    return TensorDescriptor(x, list(x.shape), strides(x), block, shared_layout(block, x.dtype))
+
+
+def descriptor_3d(x, block):
+    """A host-side tensor descriptor of a contiguous 3-D ``x`` copied (or added to) in tiles of shape ``block``."""
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block), shared_layout(block, x.dtype))
+
+
+__all__ = ["CAPABILITY", "GLUON_ERROR", "descriptor", "descriptor_3d", "not_describable", "shared_layout", "strides"]
