@@ -5,7 +5,7 @@ rung 6 (the same adds taking turns), rung 2 (``hopper``: the dK/dV loop and a dQ
 Only the rung's and rung 6's gradients are right; they are checked against float64 autograd on the first sequence
 and head before anything is timed. TFLOP/s at 2.5x the forward's FLOPs (B * N = 16K tokens, H = 2048 / D, bf16).
 
-python lab/probes/backward_one_pass_parts.py OUT_FILE"""
+python lab/probes/backward_one_pass_parts.py OUT_FILE [HEAD_DIMS, default 128,64]"""
 
 import sys
 import time
@@ -74,7 +74,7 @@ def cell(d, n, causal):
     say(" | ".join(row))
 
 
-for d in (128, 64):
+for d in (int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "128,64").split(",")):
     for n in (1024, 4096, 16384):
         for causal in (False, True):
             cell(d, n, causal)
