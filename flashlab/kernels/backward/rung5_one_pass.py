@@ -1,4 +1,4 @@
-"""The backward's rung 5, "one_pass": dK, dV and dQ in one loop of five matrix products, written in Gluon so that
+"""The backward's rung 5, "one_pass_atomic": dK, dV and dQ in one loop of five matrix products, written in Gluon so that
 the loop keeps its warpgroups and its adds.
 
 Rungs 1 and 2 spend seven matrix products a (query tile, key tile) pair: dQ has a pass of its own, which computes S
@@ -15,14 +15,16 @@ GQA group, each of two consumer warpgroups (64 keys each) runs:
     dSᵀ -> shared memory; once both warpgroups' halves are there:
     dQ[:, half] = dS K[:, half]                   each warpgroup half of dQ's columns, over all 128 keys
 
-and adds its half of dQ into a float32 buffer (one atomic add per element); a last elementwise step scales it and
-rounds it to q's dtype, as rung 3's does. One loader warp copies K and V once, then Q and dO tile by tile into a
-ring of ``STAGES`` buffers, with the tensor-memory accelerator; mbarriers say when a tile has arrived and when
-both warpgroups are done with it. Rows past a head's end come in as zeros; their lse (padded +inf) makes P = 0
-there, and keys past the end are masked.
+and adds its half of dQ into a float32 buffer with atomic adds, four floats an instruction; a last elementwise
+step scales it and rounds it to q's dtype, as rung 3's does. One loader warp copies K and V once, then Q and dO
+tile by tile into a ring of ``STAGES`` buffers, with the tensor-memory accelerator; mbarriers say when a tile has
+arrived and when both warpgroups are done with it. Rows past a head's end come in as zeros; their lse (padded
++inf) makes P = 0 there, and keys past the end are masked.
 
 The adds land in whatever order the programs reach them, so dQ's last bits can change run to run (dK and dV
-stay bit-identical): the rung is not deterministic and runs only when named (``backward_rung="one_pass"``).
+stay bit-identical): the rung is not deterministic and runs only when named
+(``backward_rung="one_pass_atomic"``). ``run_backward(..., ordered=True)`` is rung 6 (``rung6_one_pass_ordered``):
+the same loop, the adds taking turns, deterministic.
 
 Where it runs: a Hopper GPU (Gluon compiles for a GPU only: no interpreter), 16-bit inputs, D = 64 or 128, K, V,
 Q and dO describable by the copy engine (``gluon_hopper.not_describable``). ``unavailable`` says which fails.
@@ -42,14 +44,11 @@ from flashlab.kernels.device import device_index, kernel_band, sm_count
 from flashlab.kernels.gluon_hopper import GLUON_ERROR, not_describable
 
 if GLUON_ERROR is None:
-    from triton._C.libtriton import ir as _ir
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language._core import builtin as _gluon_builtin
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
-        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -70,16 +69,6 @@ if GLUON_ERROR is None:
     _mma_layout = gluon_hopper.mma_layout
     # the barrier among a partition's warps: thread_barrier in Triton 3.6, barrier from 3.7 on
     _warps_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-
-    @_gluon_builtin
-    def _reduce_add_36(tensor_desc, coord, src, _semantic=None):
-        """The copy engine's bulk add of a shared-memory tile into global memory (``cp.reduce.async.bulk.tensor``),
-        which Triton 3.6's Gluon builds but does not name (3.9 calls it ``tma.async_atomic_add``)."""
-        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                  src.handle)  # fmt: skip
-
-    _tma_reduce_add = getattr(tma, "async_atomic_add", None) or _reduce_add_36
 
     @gluon.jit
     def _query_tiles(col_lo, NQ, NK, offset, win_left, win_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -135,15 +124,11 @@ if GLUON_ERROR is None:
             return j1 - 1 - n, j1 - j0
 
     @gluon.jit
-    def _loader(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready,
-                do_ready, stats_ready, qdo_empty, kv_ready, LSE2, DELTA, HQ, GROUP, NQ, NK, ROWS, offset, win_left,
-                win_right, ROTATE, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                ORDERED: gl.constexpr):  # fmt: skip
+    def _loader(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, q_ready, do_ready, qdo_empty,
+                kv_ready, HQ, GROUP, NQ, NK, offset, win_left, win_right, ROTATE, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
         """The loader warp: the program's K and V once, then Q and dO of every step into the ring, each buffer
-        once both consumers have released it, and the step's lse and delta beside them (read from L2 here, so that
-        the consumers find them in shared memory)."""
-        stats_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-        stats_rows = gl.arange(0, BLOCK_M, layout=stats_layout)
+        once both consumers have released it."""
         n = _key_tile(ORDERED)
         pid_bk = gl.program_id(1)
         hk = HQ // GROUP
@@ -162,40 +147,39 @@ if GLUON_ERROR is None:
             _tma_load(desc_q, [b, h_kv * GROUP + g, m * BLOCK_M, 0], q_ready.index(stage), q_smem.index(stage))
             mbarrier.expect(do_ready.index(stage), desc_do.block_type.nbytes)
             _tma_load(desc_do, [b, h_kv * GROUP + g, m * BLOCK_M, 0], do_ready.index(stage), do_smem.index(stage))
-            stats = (pid_bk * GROUP + g) * ROWS + m * BLOCK_M + stats_rows  # +inf and 0 past NQ
-            lse_smem.index(stage).store(gl.load(LSE2 + stats))
-            delta_smem.index(stage).store(gl.load(DELTA + stats))
-            mbarrier.arrive(stats_ready.index(stage))
 
     @gluon.jit
     def _add_dq(dq, DQ_ACC, DQ, LOCKS, head, m, rows0, cols, turn, adders, NQ, ROWS, dq_scale, WG: gl.constexpr,
-                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):  # fmt: skip
-        """Add this warpgroup's half of a query tile's dQ in turn: wait for this key tile's turn on the tile's
-        counter; the first turn stores its part, the next ones load, add and store, and the last writes dQ itself,
-        scaled and rounded; then pass the turn on."""
+                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
+        """Add this warpgroup's half of a query tile's dQ. Unordered: float32 atomic adds into ``DQ_ACC`` (zeros
+        first). Ordered: wait for this key tile's turn on the tile's counter, then the first turn stores its part,
+        the next ones load, add and store, and the last writes dQ itself, scaled and rounded; pass the turn on."""
         rows = head * ROWS + m * BLOCK_M + rows0  # rows past NQ land in the padding
         acc_ptrs = DQ_ACC + rows[:, None] * HEAD_DIM + cols[None, :]
-        lock = LOCKS + (head * (ROWS // BLOCK_M) + m) * 2 + WG
-        seen = gl.atomic_add(lock, 0, sem="acquire")
-        while seen != turn:
+        if ORDERED:
+            lock = LOCKS + (head * (ROWS // BLOCK_M) + m) * 2 + WG
             seen = gl.atomic_add(lock, 0, sem="acquire")
-        if turn > 0:  # past the L1 cache, which another program's stores never reach
-            dq += gl.load(acc_ptrs, cache_modifier=".cg")
-        if turn == adders - 1:
-            out_rows = m * BLOCK_M + rows0
-            out = (head * NQ + out_rows)[:, None] * HEAD_DIM + cols[None, :]
-            gl.store(DQ + out, (dq * dq_scale).to(DQ.dtype.element_ty), mask=(out_rows < NQ)[:, None])
+            while seen != turn:
+                seen = gl.atomic_add(lock, 0, sem="acquire")
+            if turn > 0:  # past the L1 cache, which another program's stores never reach
+                dq += gl.load(acc_ptrs, cache_modifier=".cg")
+            if turn == adders - 1:
+                out_rows = m * BLOCK_M + rows0
+                out = (head * NQ + out_rows)[:, None] * HEAD_DIM + cols[None, :]
+                gl.store(DQ + out, (dq * dq_scale).to(DQ.dtype.element_ty), mask=(out_rows < NQ)[:, None])
+            else:
+                gl.store(acc_ptrs, dq)
+            _warps_barrier()  # every thread's stores are in before the turn passes on
+            gl.atomic_xchg(lock, turn + 1, sem="release")
         else:
-            gl.store(acc_ptrs, dq)
-        _warps_barrier()  # every thread's stores are in before the turn passes on
-        gl.atomic_xchg(lock, turn + 1, sem="release")
+            gl.atomic_add(acc_ptrs, dq, sem="relaxed")
 
     @gluon.jit
-    def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, q_ready, do_ready, stats_ready,
-                  qdo_empty, kv_ready, ds_ready, ds_free, dq_smem, desc_dqacc, DQ_ACC, DQ, LOCKS, DK, DV, HQ, GROUP,
-                  NQ, NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale, dk_scale, dq_scale, WG: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  MASKED: gl.constexpr, ORDERED: gl.constexpr, DQ_WORK: gl.constexpr):  # fmt: skip
+    def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, q_ready, do_ready, qdo_empty, kv_ready, ds_ready,
+                  ds_free, LSE2, DELTA, DQ_ACC, DQ, LOCKS, DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left,
+                  win_right, ROTATE, qk_scale, dk_scale, dq_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+                  ORDERED: gl.constexpr, DQ_WORK: gl.constexpr):  # fmt: skip
         """One consumer warpgroup: keys ``[WG * 64, WG * 64 + 64)`` of the program's tile through every query tile
         that sees them (the module docstring's step), then its rows of dK and dV."""
         dtype: gl.constexpr = q_smem.dtype
@@ -236,6 +220,8 @@ if GLUON_ERROR is None:
             stage = step % STAGES
             phase = (step // STAGES) & 1
             cols = start_m + cols0
+            lse2 = gl.load(LSE2 + head * ROWS + cols)  # +inf past NQ: P = 0 on those rows
+            delta = gl.load(DELTA + head * ROWS + cols)
 
             mbarrier.wait(q_ready.index(stage), phase)
             q_s = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
@@ -243,9 +229,6 @@ if GLUON_ERROR is None:
             mbarrier.wait(do_ready.index(stage), phase)
             do_s = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
             dp = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            mbarrier.wait(stats_ready.index(stage), phase)
-            lse2 = lse_smem.index(stage).load(gl.SliceLayout(0, s_layout))  # +inf past NQ: P = 0 on those rows
-            delta = delta_smem.index(stage).load(gl.SliceLayout(0, s_layout))
             s = warpgroup_mma_wait(1, deps=(s,))
             s = s * qk_scale - lse2[None, :]
             if MASKED:  # the band's edges, where this tile crosses one
@@ -274,22 +257,16 @@ if GLUON_ERROR is None:
                 mbarrier.arrive(qdo_empty.index(stage))
                 mbarrier.arrive(ds_free)
                 if DQ_WORK > 1:
+                    turn, adders = 0, 1
                     if ORDERED:
                         turn, adders = _turn(n, g, m, n_tiles, GROUP, NQ, NK, offset, win_left, win_right, ROTATE,
                                              BLOCK_M, BLOCK_N)  # fmt: skip
-                        _add_dq(gl.convert_layout(dq, add_layout), DQ_ACC, DQ, LOCKS, head, m, dq_rows0, dq_cols,
-                                turn, adders, NQ, ROWS, dq_scale, WG, HEAD_DIM, BLOCK_M)  # fmt: skip
-                    else:  # one bulk add by the copy engine, which reads the tile while the loop goes on
-                        dq_buf = dq_smem.index(WG)
-                        tma.store_wait(0)  # the last step's add has read the buffer
-                        dq_buf.reshape([BLOCK_M, HALF_D]).store(dq)
-                        fence_async_shared()
-                        _tma_reduce_add(desc_dqacc, [head, start_m, WG * HALF_D], dq_buf)
+                    _add_dq(gl.convert_layout(dq, add_layout), DQ_ACC, DQ, LOCKS, head, m, dq_rows0, dq_cols, turn,
+                            adders, NQ, ROWS, dq_scale, WG, HEAD_DIM, BLOCK_M, ORDERED)  # fmt: skip
             else:
                 dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
                 mbarrier.arrive(qdo_empty.index(stage))
 
-        tma.store_wait(0)
         out_keys = key0 + gl.arange(0, WGK, layout=gl.SliceLayout(1, kv_layout))
         out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
         out = (pid_bk * NK + out_keys)[:, None] * HEAD_DIM + out_cols[None, :]
@@ -298,8 +275,8 @@ if GLUON_ERROR is None:
         gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=ok)
 
     @gluon.jit(do_not_specialize=RUNTIME, do_not_specialize_on_alignment=RUNTIME)
-    def _bwd_one_pass(desc_q, desc_do, desc_k, desc_v, desc_dqacc, LSE2, DELTA, DQ_ACC, DQ, LOCKS, DK, DV, HQ,
-                      GROUP, NQ, NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale, dk_scale, dq_scale,
+    def _bwd_one_pass(desc_q, desc_do, desc_k, desc_v, LSE2, DELTA, DQ_ACC, DQ, LOCKS, DK, DV, HQ, GROUP, NQ, NK,
+                      ROWS, offset, win_left, win_right, ROTATE, qk_scale, dk_scale, dq_scale,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                       MASKED: gl.constexpr, ORDERED: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, DQ_WORK: gl.constexpr = 2):  # fmt: skip
@@ -313,14 +290,6 @@ if GLUON_ERROR is None:
         v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], desc_v.layout)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
-        stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
-        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
-        stats_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        if ORDERED:
-            dq_smem = ds_smem  # never used
-        else:  # each warpgroup's half of dQ on its way to the copy engine's bulk add
-            dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HEAD_DIM // 2], desc_dqacc.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -330,25 +299,22 @@ if GLUON_ERROR is None:
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(do_ready.index(i), count=1)
-            mbarrier.init(stats_ready.index(i), count=1)  # the loader has stored the step's lse and delta
             mbarrier.init(qdo_empty.index(i), count=2)  # both consumer warpgroups release each buffer
         mbarrier.init(kv_ready, count=1)
         mbarrier.init(ds_ready, count=2)  # both halves of dSᵀ are in shared memory
         mbarrier.init(ds_free, count=2)  # both warpgroups' dQ products have read it
         gl.warp_specialize([
-            (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, q_ready, do_ready,
-                         stats_ready, qdo_empty, kv_ready, ds_ready, ds_free, dq_smem, desc_dqacc, DQ_ACC, DQ, LOCKS,
-                         DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale, dk_scale,
-                         dq_scale, 0, HEAD_DIM,
-                         BLOCK_M, BLOCK_N, STAGES, MASKED, ORDERED, DQ_WORK)),
-            (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, q_ready, do_ready,
-                         stats_ready, qdo_empty, kv_ready, ds_ready, ds_free, dq_smem, desc_dqacc, DQ_ACC, DQ, LOCKS,
-                         DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale, dk_scale,
-                         dq_scale, 1, HEAD_DIM,
-                         BLOCK_M, BLOCK_N, STAGES, MASKED, ORDERED, DQ_WORK)),
-            (_loader, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                       q_ready, do_ready, stats_ready, qdo_empty, kv_ready, LSE2, DELTA, HQ, GROUP, NQ, NK, ROWS,
-                       offset, win_left, win_right, ROTATE, BLOCK_M, BLOCK_N, STAGES, ORDERED)),
+            (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, q_ready, do_ready, qdo_empty, kv_ready, ds_ready,
+                         ds_free, LSE2, DELTA, DQ_ACC, DQ, LOCKS, DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left,
+                         win_right, ROTATE, qk_scale, dk_scale, dq_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                         MASKED, ORDERED, DQ_WORK)),
+            (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, q_ready, do_ready, qdo_empty, kv_ready, ds_ready,
+                         ds_free, LSE2, DELTA, DQ_ACC, DQ, LOCKS, DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left,
+                         win_right, ROTATE, qk_scale, dk_scale, dq_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                         MASKED, ORDERED, DQ_WORK)),
+            (_loader, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, q_ready, do_ready,
+                       qdo_empty, kv_ready, HQ, GROUP, NQ, NK, offset, win_left, win_right, ROTATE, BLOCK_M, BLOCK_N,
+                       STAGES, ORDERED)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])  # fmt: skip
 
 
@@ -384,12 +350,6 @@ def unavailable(q, k, v, do) -> str | None:
         if why is not None:
             return f"its copy engine cannot describe {name}: {why}"
     return None
-
-
-def dq_descriptor(dq_acc):
-    """The copy engine's descriptor of dQ's float32 sums ``(B * Hq, ROWS, D)``, added to in tiles of ``BLOCK_M``
-    rows and half the columns (one consumer warpgroup's part)."""
-    return gluon_hopper.descriptor_3d(dq_acc, [1, BLOCK_M, dq_acc.shape[2] // 2])
 
 
 def constexprs(d, causal, window, ordered) -> dict:
@@ -451,8 +411,7 @@ def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, ordere
         pre_m = two_pass.PREPROCESS_BLOCK_M
         two_pass.bwd_preprocess[(cdiv(rows, pre_m), b * hq)](*pre_args, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=pre_m)
         descs = (gluon_hopper.descriptor(q_run, BLOCK_M), gluon_hopper.descriptor(do, BLOCK_M),
-                 gluon_hopper.descriptor(k, BLOCK_N), gluon_hopper.descriptor(v, BLOCK_N),
-                 dq_descriptor(dq_acc))  # fmt: skip
+                 gluon_hopper.descriptor(k, BLOCK_N), gluon_hopper.descriptor(v, BLOCK_N))  # fmt: skip
         sizes = (hq, hq // hk, nq, nk, rows, offset, win_left, win_right, int(rotate))
         _bwd_one_pass[(cdiv(nk, BLOCK_N), b * hk)](*descs, lse2, delta, dq_acc, dq, locks, dk, dv, *sizes, qk_scale,
                                                   abs(signed_scale), signed_scale, **meta)  # fmt: skip
