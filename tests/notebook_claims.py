@@ -113,6 +113,8 @@ class Drawn:
 
 
 BACKWARD_LADDER = "h100-backward-ladder-bf16-2026-12-06.json"  # every backward rung beside SDPA's, one run
+ONE_PASS = "h100-backward-one-pass-2026-12-06.json"  # the Gluon backward rungs beside hopper and cuDNN, one run
+ONE_PASS_BACKENDS = ("backward_hopper", "backward_one_pass_atomic", "backward_one_pass", "sdpa_cudnn")
 BACKWARD_RUNGS = ("backward_two_pass", "backward_hopper", "backward_atomic_dq", "backward_ordered_dq")
 EIGHT_BIT = "h200-decode-fp8-2026-12-04.json"  # an 8-bit paged cache beside the 16-bit one, one run
 LADDER = "h200-ladder-bf16-2026-12-02-all-rungs.json"  # every rung of the ladder and SDPA's kernels, one run
@@ -240,6 +242,32 @@ def check_09_ladder(text: str, markdown: str) -> None:
     assert sentence in markdown, f"notebook 09 should display {sentence!r}"
 
 
+def one_pass_file(data) -> bool:
+    """A backward run of the benchmark holding the Gluon rungs, hopper and cuDNN."""
+    return bench_file("backward")(data) and set(ONE_PASS_BACKENDS) <= {r["backend"] for r in ok_rows(data)}
+
+
+def check_09_one_pass(text: str, markdown: str) -> None:
+    """The Gluon rungs' and cuDNN's speed over hopper at D = 128 as printed (geo-mean of hopper's time over each's,
+    cell by cell), and the displayed sentence's words for the two rungs."""
+    data = load(ONE_PASS)
+
+    def times(backend):
+        return {(r["causal"], r["seq_len"]): r["time_ms"] for r in ok_rows(data, backend=backend, head_dim=128)}
+
+    hopper, speed = times("backward_hopper"), {}
+    for name in ONE_PASS_BACKENDS[1:]:
+        mine = times(name)
+        speed[name] = geomean(hopper[c] / mine[c] for c in mine)
+        label = name.removeprefix("backward_")
+        line = f"D = 128, {label}: {speed[name]:.2f}x hopper's speed (geo-mean over {len(mine)} cells)"
+        assert line in text, f"notebook 09 should print {line!r}"
+    sentence = (f"`one_pass_atomic`, with five multiplies where `hopper` does seven, is "
+                f"{standing(speed['backward_one_pass_atomic'])} `hopper`, and `one_pass` is "
+                f"{standing(speed['backward_one_pass'])} it.")  # fmt: skip
+    assert sentence in markdown, f"notebook 09 should display {sentence!r}"
+
+
 # Notebook 08's 8-bit cache: what its prose says of each case of the evaluation gate
 GATE_SAID = {"random": "passes", "outlier keys": "fails", "outlier values": "passes"}
 
@@ -298,8 +326,9 @@ CLAIMS = {
         [
             Drawn(made_by("scripts/backward_memory.py"), "h200-backward-memory.json"),
             Drawn(backward_ladder_file, BACKWARD_LADDER),
+            Drawn(one_pass_file, ONE_PASS),
         ],
-        [check_09, check_09_ladder],
+        [check_09, check_09_ladder, check_09_one_pass],
     ),
 }
 
