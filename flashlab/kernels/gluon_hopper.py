@@ -16,8 +16,7 @@ try:  # Gluon's Hopper primitives (Triton >= 3.5)
     from triton.experimental.gluon.language.nvidia.hopper import tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
-                 torch.float32: gl.float32}  # fmt: skip
+    GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
     GLUON_ERROR = None
 except ImportError as error:  # an older Triton: the kernels say so in their ``unavailable``
     GLUON_ERROR = f"Triton {triton.__version__} has no Gluon Hopper primitives ({error})"
@@ -25,6 +24,8 @@ except ImportError as error:  # an older Triton: the kernels say so in their ``u
 CAPABILITY = 9  # wgmma is sm_90's instruction: Hopper only (Blackwell has its own, tcgen05)
 
 if GLUON_ERROR is None:
+    from triton.experimental import gluon
+
     # the bulk copies' names: async_load / async_store in newer Tritons (3.9), async_copy_* in older ones (3.6)
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
@@ -34,6 +35,22 @@ if GLUON_ERROR is None:
         """The accumulator layout of a 64-row wgmma over four warps with an N of ``n``, on operands of ``bits``
         bits (one instruction's K: 32 bytes of them)."""
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 256 // bits])
+
+    @gluon.jit
+    def key_range(row_lo, NQ, NK, offset, win_left, win_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  CAUSAL: gl.constexpr, WINDOW: gl.constexpr):  # fmt: skip
+        """The key tiles ``[j0, j1)`` the query tile starting at row ``row_lo`` reads: all of them; causal, up to
+        its last row's diagonal; with a window, those the band ``[i + offset - win_left, i + offset + win_right]``
+        of any of its rows reaches."""
+        j0 = 0
+        j1 = (NK + BLOCK_N - 1) // BLOCK_N
+        if WINDOW:
+            row_hi = gl.minimum(row_lo + BLOCK_M, NQ) - 1
+            j0 = gl.maximum(row_lo + offset - win_left, 0) // BLOCK_N
+            j1 = (gl.minimum(row_hi + offset + win_right + 1, NK) + BLOCK_N - 1) // BLOCK_N
+        elif CAUSAL:
+            j1 = gl.minimum((row_lo + BLOCK_M + offset + BLOCK_N - 1) // BLOCK_N, j1)
+        return j0, j1
 
 
 def strides(x, given=None) -> list[int]:
@@ -46,6 +63,28 @@ def strides(x, given=None) -> list[int]:
         return list(given)
     contiguous = [shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1]
     return [s if n > 1 else c for s, n, c in zip(given, shape, contiguous, strict=True)]
+
+
+def not_here(x) -> str | None:
+    """Why a Gluon Hopper kernel cannot run on ``x``'s device here, or None: this Triton has no Gluon, ``x`` is
+    on the CPU (Gluon has no interpreter), or the GPU is no Hopper."""
+    if GLUON_ERROR is not None:
+        return GLUON_ERROR
+    if not x.is_cuda:
+        return "it is written in Gluon, which compiles for a GPU only (no interpreter)"
+    major, minor = torch.cuda.get_device_capability(x.device)
+    if major != CAPABILITY:
+        return f"its matrix products are Hopper's wgmma: it needs compute capability 9.x, not {major}.{minor}"
+    return None
+
+
+def first_not_describable(**tensors) -> str | None:
+    """Why the copy engine cannot read the first of ``tensors`` (by name) that it cannot describe, or None."""
+    for name, x in tensors.items():
+        why = not_describable(x)
+        if why is not None:
+            return f"its copy engine cannot describe {name}: {why}"
+    return None
 
 
 def not_describable(x) -> str | None:
@@ -80,9 +119,13 @@ def descriptor(x, block_rows, block_cols=None):
     return TensorDescriptor(x, list(x.shape), strides(x), block, shared_layout(block, x.dtype))
 
 
-def descriptor_3d(x, block):
-    """A host-side tensor descriptor of a contiguous 3-D ``x`` copied (or added to) in tiles of shape ``block``."""
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block), shared_layout(block, x.dtype))
-
-
-__all__ = ["CAPABILITY", "GLUON_ERROR", "descriptor", "descriptor_3d", "not_describable", "shared_layout", "strides"]
+__all__ = [
+    "CAPABILITY",
+    "GLUON_ERROR",
+    "descriptor",
+    "first_not_describable",
+    "not_describable",
+    "not_here",
+    "shared_layout",
+    "strides",
+]

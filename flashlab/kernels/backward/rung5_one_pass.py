@@ -69,6 +69,7 @@ if GLUON_ERROR is None:
     _mma_layout = gluon_hopper.mma_layout
     # the barrier among a partition's warps: thread_barrier in Triton 3.6, barrier from 3.7 on
     _warps_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _WG_KEYS = gl.constexpr(WG_KEYS)
 
     @gluon.jit
     def _query_tiles(col_lo, NQ, NK, offset, win_left, win_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -116,11 +117,9 @@ if GLUON_ERROR is None:
             v = g * n_tiles + m
             first = ((v + 1) * nt + items - 1) // items - 1  # the last key tile whose walk starts at or before v
             return (first - n + nt) % nt, nt
-        else:
-            start_m = m * BLOCK_M
-            row_hi = gl.minimum(start_m + BLOCK_M, NQ) - 1
-            j0 = gl.maximum(start_m + offset - win_left, 0) // BLOCK_N
-            j1 = (gl.minimum(row_hi + offset + win_right + 1, NK) + BLOCK_N - 1) // BLOCK_N
+        else:  # the band's general form (a causal band is a window with no left edge)
+            j0, j1 = gluon_hopper.key_range(m * BLOCK_M, NQ, NK, offset, win_left, win_right, BLOCK_M, BLOCK_N, False,
+                                            True)  # fmt: skip
             return j1 - 1 - n, j1 - j0
 
     @gluon.jit
@@ -183,7 +182,7 @@ if GLUON_ERROR is None:
         """One consumer warpgroup: keys ``[WG * 64, WG * 64 + 64)`` of the program's tile through every query tile
         that sees them (the module docstring's step), then its rows of dK and dV."""
         dtype: gl.constexpr = q_smem.dtype
-        WGK: gl.constexpr = 64
+        WGK: gl.constexpr = _WG_KEYS
         HALF_D: gl.constexpr = HEAD_DIM // 2
         s_layout: gl.constexpr = _mma_layout(BLOCK_M)  # Sᵀ, dPᵀ: (64 keys, BLOCK_M queries)
         kv_layout: gl.constexpr = _mma_layout(HEAD_DIM)  # dK, dV: (64 keys, D)
@@ -334,22 +333,14 @@ FINISH_ROWS = 64  # rows of dQ per program of ``_finish_dq`` (ROW_ALIGN is a mul
 
 def unavailable(q, k, v, do) -> str | None:
     """Why this rung cannot run the backward of these inputs here, or None."""
-    if GLUON_ERROR is not None:
-        return GLUON_ERROR
-    if not q.is_cuda:
-        return "it is written in Gluon, which compiles for a GPU only (no interpreter)"
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if major != gluon_hopper.CAPABILITY:
-        return f"its matrix products are Hopper's wgmma: it needs compute capability 9.x, not {major}.{minor}"
+    why = gluon_hopper.not_here(q)
+    if why is not None:
+        return why
     if q.dtype == torch.float32:
         return "it runs 16-bit inputs only (its products are the tensor cores'); float32 goes to two_pass"
     if q.shape[3] not in HEAD_DIMS:
         return f"its tiles are built for head dims {', '.join(map(str, HEAD_DIMS))}, not {q.shape[3]}"
-    for name, x in (("q", q), ("k", k), ("v", v), ("do", do)):
-        why = not_describable(x)
-        if why is not None:
-            return f"its copy engine cannot describe {name}: {why}"
-    return None
+    return gluon_hopper.first_not_describable(q=q, k=k, v=v, do=do)
 
 
 def constexprs(d, causal, window, ordered) -> dict:

@@ -137,6 +137,7 @@ if GLUON_ERROR is None:
     _tma_load = gluon_hopper.tma_load
     _tma_store = gluon_hopper.tma_store
     _mma_layout = gluon_hopper.mma_layout
+    _key_range = gluon_hopper.key_range
     _WG = gl.constexpr(WG_ROWS)  # the module's constants, as Gluon code reads them
     _LOADER_REGS = gl.constexpr(LOADER_REGS)
     _P_SHIFT = gl.constexpr(FP8_P_SHIFT)
@@ -170,22 +171,6 @@ if GLUON_ERROR is None:
             return n_m - 1 - code % n_m, code // n_m
         else:
             return code % n_m, code // n_m
-
-    @gluon.jit
-    def _key_range(row_lo, NQ, NK, offset, win_left, win_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr):  # fmt: skip
-        """The key tiles ``[j0, j1)`` the query tile starting at row ``row_lo`` reads: all of them; causal, up to
-        its last row's diagonal; with a window, those the band ``[i + offset - win_left, i + offset + win_right]``
-        of any of its rows reaches."""
-        j0 = 0
-        j1 = (NK + BLOCK_N - 1) // BLOCK_N
-        if WINDOW:
-            row_hi = gl.minimum(row_lo + BLOCK_M, NQ) - 1
-            j0 = gl.maximum(row_lo + offset - win_left, 0) // BLOCK_N
-            j1 = (gl.minimum(row_hi + offset + win_right + 1, NK) + BLOCK_N - 1) // BLOCK_N
-        elif CAUSAL:
-            j1 = gl.minimum((row_lo + BLOCK_M + offset + BLOCK_N - 1) // BLOCK_N, j1)
-        return j0, j1
 
     @gluon.jit
     def _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, count, b, h_kv, j,
@@ -584,13 +569,9 @@ if GLUON_ERROR is None:
 
 def unavailable(q, k, v, causal, window) -> str | None:
     """Why this rung cannot run these inputs here, or None."""
-    if GLUON_ERROR is not None:
-        return GLUON_ERROR
-    if not q.is_cuda:
-        return "it is written in Gluon, which compiles for a GPU only (no interpreter)"
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if major != CAPABILITY:
-        return f"its matrix products are Hopper's wgmma: it needs compute capability 9.x, not {major}.{minor}"
+    why = gluon_hopper.not_here(q)
+    if why is not None:
+        return why
     if q.dtype == torch.float32:
         return "it runs 16-bit inputs only (its dots are the tensor cores')"
     d, nq, nk = q.shape[3], q.shape[2], k.shape[2]
@@ -602,11 +583,7 @@ def unavailable(q, k, v, causal, window) -> str | None:
         offset, _, right = visible_band(nq, nk, causal, window)
         if offset + right < 0:  # the first row's band ends left of key 0 (the band is bottom-right aligned)
             return "its window leaves some query rows with no key to see (the Hopper rung gives them zeros)"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        why = not_describable(x)
-        if why is not None:
-            return f"its copy engine cannot describe {name}: {why}"
-    return None
+    return gluon_hopper.first_not_describable(q=q, k=k, v=v)
 
 
 _strides = gluon_hopper.strides  # the launcher's planned path (flashlab.host.launches) reads them too
