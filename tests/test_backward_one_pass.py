@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from test_sm90_compile import compile_sm90
 
 from flashlab.kernels import gluon_hopper
 from flashlab.kernels.backward import rung5_one_pass as one_pass
@@ -17,16 +18,8 @@ needs_gluon = pytest.mark.skipif(one_pass.GLUON_ERROR is not None, reason=str(on
 
 
 def sm90_ptx(d, masked, ordered=False, n=2048):
-    """The rung's kernel for head dim ``d`` (``masked``: a causal or windowed call) as PTX for sm_90. Pointer
-    arguments are taken 16-byte aligned, as a launch's specialisation takes torch's allocations."""
-    import triton
-
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.experimental.gluon._runtime import GluonASTSource
-        from triton.runtime.jit import mangle_type
-    except ImportError as error:
-        pytest.skip(f"this Triton cannot compile Gluon ahead of time here: {error}")
+    """The rung's kernel for head dim ``d`` (``masked``: a causal or windowed call; ``ordered``: rung 6) as PTX for
+    sm_90, its arguments specialised as a GPU launch specialises them (``compile_sm90``)."""
     b, h = 16384 // n, 2048 // d
     x = torch.empty(b, h, n, d, dtype=torch.bfloat16)
     stats = torch.empty(b * h, n)
@@ -36,19 +29,7 @@ def sm90_ptx(d, masked, ordered=False, n=2048):
     args = [*descriptors, stats, stats, stats, x, locks, x, x, h, 1, n, n, n, 0, n + 1, n + 1, 1, 0.18, 0.125, -0.125]
     meta = one_pass.constexprs(d, masked, None, ordered)
     options = {"num_warps": meta.pop("num_warps")}
-    kernel = one_pass.bwd_one_pass
-    signature, constants, attrs = {}, {}, {}
-    values = iter(args)
-    for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params, strict=True)):
-        if param.is_constexpr:
-            signature[name], constants[(i,)] = "constexpr", meta.get(name, param.default)
-        else:
-            value = next(values)
-            signature[name] = mangle_type(value)
-            if isinstance(value, torch.Tensor):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    source = GluonASTSource(kernel, signature, constants, attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    return compile_sm90(one_pass.bwd_one_pass, args, meta, options)
 
 
 @needs_gluon

@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 from test_ladder import assert_matches_float64, make_qkv
+from test_sm90_compile import compiled_for_sm90
 
 from flashlab import flash_attention
 from flashlab.host import launches
@@ -418,15 +419,8 @@ def test_head_dim_64_takes_three_warpgroups_for_long_unmasked_calls_and_one_for_
 
 def sm90_compiled(monkeypatch, d, causal, n=1024, fp8=False):
     """The kernel for one call shape compiled for sm_90 on this machine (Triton's compiler and the ptxas it ships;
-    no GPU); with ``fp8`` as ``launch_fp8`` launches it, on e4m3 q, k and V^T. Skipped where this Triton cannot."""
-    import triton
-
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.experimental.gluon._runtime import GluonASTSource
-        from triton.runtime.jit import mangle_type
-    except ImportError as error:
-        pytest.skip(f"this Triton cannot compile Gluon ahead of time here: {error}")
+    no GPU; ``compiled_for_sm90``); with ``fp8`` as ``launch_fp8`` launches it, on e4m3 q, k and V^T. Skipped
+    where this Triton cannot."""
     monkeypatch.setattr(overlap, "sm_count", lambda index: 132)
     monkeypatch.setattr(overlap, "device_index", lambda x: 0)
     monkeypatch.setattr(overlap, "stream_capturing", lambda: False)
@@ -444,16 +438,7 @@ def sm90_compiled(monkeypatch, d, causal, n=1024, fp8=False):
     else:
         descriptors = overlap.descriptors(q, q, q, o, meta["BLOCK_N"])
     args = [*descriptors, lse, lse if table is None else table, lse, *scalars]
-    kernel = overlap.attn_fwd_overlap
-    signature, constants = {}, {}
-    values = iter(args)
-    for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params, strict=True)):
-        if param.is_constexpr:  # FP8 has a default
-            signature[name], constants[(i,)] = "constexpr", meta.get(name, param.default)
-        else:
-            signature[name] = mangle_type(next(values))
-    return triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                          options=options)  # fmt: skip
+    return compiled_for_sm90(overlap.attn_fwd_overlap, args, meta, options)
 
 
 def sm90_sass(monkeypatch, d, causal, n=1024):

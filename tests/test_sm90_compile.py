@@ -20,9 +20,10 @@ from flashlab.kernels.decode import kvcache, split_kv
 from flashlab.kernels.device import dot_precision, dot_upcast, kernel_band
 
 
-def compile_sm90(kernel, args, constexprs, options):
-    """``kernel`` (a ``@triton.jit`` function) compiled for sm_90: ``args`` its non-constexpr arguments in order,
-    ``constexprs`` by name, ``options`` (num_warps, num_stages). Returns the compiled kernel's PTX."""
+def compiled_for_sm90(kernel, args, constexprs, options):
+    """``kernel`` (a ``@triton.jit`` or ``@gluon.jit`` function) compiled for sm_90 on this machine: ``args`` its
+    non-constexpr arguments in order, ``constexprs`` by name (a constexpr with a default may be left out),
+    ``options`` (num_warps, num_stages, maxnreg). Returns the compiled kernel; skipped where this Triton cannot."""
     import triton
 
     try:
@@ -31,11 +32,18 @@ def compile_sm90(kernel, args, constexprs, options):
         from triton.runtime.jit import mangle_type
     except ImportError as error:
         pytest.skip(f"this Triton cannot compile ahead of time here: {error}")
+    source_type = ASTSource
+    if type(kernel).__name__ == "GluonJITFunction":
+        try:
+            from triton.experimental.gluon._runtime import GluonASTSource as source_type
+        except ImportError as error:
+            pytest.skip(f"this Triton cannot compile Gluon ahead of time here: {error}")
     signature, constants, attrs = {}, {}, {}
     values = iter(args)
     for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params, strict=True)):
         if param.is_constexpr:
-            signature[name], constants[(i,)] = "constexpr", constexprs[name]
+            value = constexprs[name] if name in constexprs or not param.has_default else param.default
+            signature[name], constants[(i,)] = "constexpr", value
         else:
             value = next(values)
             signature[name] = mangle_type(value)
@@ -46,12 +54,17 @@ def compile_sm90(kernel, args, constexprs, options):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     assert next(values, None) is None, "more arguments than the kernel takes"
     try:
-        compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options=options)  # fmt: skip
+        return triton.compile(source_type(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=options)  # fmt: skip
     except RuntimeError as error:
         if "ptxas" in str(error) and "not found" in str(error).lower():
             pytest.skip(f"no ptxas here: {error}")
         raise
+
+
+def compile_sm90(kernel, args, constexprs, options):
+    """``compiled_for_sm90``'s kernel as its PTX, checked to be lowered to sm_90 machine code."""
+    compiled = compiled_for_sm90(kernel, args, constexprs, options)
     ptx = compiled.asm["ptx"]
     assert ".target sm_90" in ptx and compiled.asm.get("cubin"), "not lowered to sm_90 machine code"
     return ptx
