@@ -221,22 +221,30 @@ def backward_ladder_file(data) -> bool:
     }
 
 
-def check_09_ladder(text: str, markdown: str) -> None:
-    """Each backend's speed over two_pass at D = 128 as printed (geo-mean of two_pass's time over its own, cell by
-    cell), and the displayed sentence's words for the three rungs above two_pass."""
-    data = load(BACKWARD_LADDER)
+def speed_over(data, base: str, backends) -> dict[str, tuple[float, int]]:
+    """Each backend's speed over ``base`` at D = 128 in a backward recording: the geo-mean, cell by cell, of
+    ``base``'s time over its own, with the number of cells."""
 
     def times(backend):
         return {(r["causal"], r["seq_len"]): r["time_ms"] for r in ok_rows(data, backend=backend, head_dim=128)}
 
-    floor, speed = times("backward_two_pass"), {}
-    labels = {r: r.removeprefix("backward_") for r in BACKWARD_RUNGS}
-    for name, label in {**labels, "sdpa_flash": "FlashAttention-2", "sdpa_cudnn": "cuDNN"}.items():
+    floor, speed = times(base), {}
+    for name in backends:
         mine = times(name)
-        speed[name] = geomean(floor[c] / mine[c] for c in mine)
-        line = f"D = 128, {label}: {speed[name]:.2f}x two_pass's speed (geo-mean over {len(mine)} cells)"
+        speed[name] = geomean(floor[c] / mine[c] for c in mine), len(mine)
+    return speed
+
+
+def check_09_ladder(text: str, markdown: str) -> None:
+    """Each backend's speed over two_pass at D = 128 as printed (geo-mean of two_pass's time over its own, cell by
+    cell), and the displayed sentence's words for the three rungs above two_pass."""
+    labels = {**{r: r.removeprefix("backward_") for r in BACKWARD_RUNGS}, "sdpa_flash": "FlashAttention-2",
+              "sdpa_cudnn": "cuDNN"}  # fmt: skip
+    speed = speed_over(load(BACKWARD_LADDER), "backward_two_pass", labels)
+    for name, label in labels.items():
+        line = f"D = 128, {label}: {speed[name][0]:.2f}x two_pass's speed (geo-mean over {speed[name][1]} cells)"
         assert line in text, f"notebook 09 should print {line!r}"
-    words = [standing(speed[r]) for r in BACKWARD_RUNGS[1:]]
+    words = [standing(speed[r][0]) for r in BACKWARD_RUNGS[1:]]
     sentence = (f"`hopper` is {words[0]} `two_pass`; `atomic_dq`, with five multiplies where `two_pass` does seven, "
                 f"is {words[1]} it; and `ordered_dq` is {words[2]} it.")  # fmt: skip
     assert sentence in markdown, f"notebook 09 should display {sentence!r}"
@@ -250,21 +258,13 @@ def one_pass_file(data) -> bool:
 def check_09_one_pass(text: str, markdown: str) -> None:
     """The Gluon rungs' and cuDNN's speed over hopper at D = 128 as printed (geo-mean of hopper's time over each's,
     cell by cell), and the displayed sentence's words for the two rungs."""
-    data = load(ONE_PASS)
-
-    def times(backend):
-        return {(r["causal"], r["seq_len"]): r["time_ms"] for r in ok_rows(data, backend=backend, head_dim=128)}
-
-    hopper, speed = times("backward_hopper"), {}
-    for name in ONE_PASS_BACKENDS[1:]:
-        mine = times(name)
-        speed[name] = geomean(hopper[c] / mine[c] for c in mine)
-        label = name.removeprefix("backward_")
-        line = f"D = 128, {label}: {speed[name]:.2f}x hopper's speed (geo-mean over {len(mine)} cells)"
+    speed = speed_over(load(ONE_PASS), "backward_hopper", ONE_PASS_BACKENDS[1:])
+    for name, (ratio, cells) in speed.items():
+        line = f"D = 128, {name.removeprefix('backward_')}: {ratio:.2f}x hopper's speed (geo-mean over {cells} cells)"
         assert line in text, f"notebook 09 should print {line!r}"
     sentence = (f"`one_pass_atomic`, with five multiplies where `hopper` does seven, is "
-                f"{standing(speed['backward_one_pass_atomic'])} `hopper`, and `one_pass` is "
-                f"{standing(speed['backward_one_pass'])} it.")  # fmt: skip
+                f"{standing(speed['backward_one_pass_atomic'][0])} `hopper`, and `one_pass` is "
+                f"{standing(speed['backward_one_pass'][0])} it.")  # fmt: skip
     assert sentence in markdown, f"notebook 09 should display {sentence!r}"
 
 
