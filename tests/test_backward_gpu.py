@@ -69,6 +69,37 @@ def test_gradients_match_float64_autograd(case, rung):
         assert err <= tol, f"d{name}: relative error {err:.2e} over {tol:.0e}"
 
 
+ONE_PASS_VARIANTS = {  # rung 5's step variants (rung5_one_pass.STATS_SMEM, DQ_BULK), rung 6 with the first
+    "stats": dict(stats_smem=True, dq_bulk=False),
+    "bulk": dict(stats_smem=False, dq_bulk=True),
+    "stats-bulk": dict(stats_smem=True, dq_bulk=True),
+    "ordered-stats": dict(ordered=True, stats_smem=True),
+}
+
+
+@pytest.mark.parametrize("variant", ONE_PASS_VARIANTS)
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] in (64, 128) and c[6] != torch.float32],
+                         ids=lambda c: "-".join(str(x).removeprefix("torch.") for x in c))  # fmt: skip
+def test_the_one_pass_step_variants_match_float64_autograd(case, variant):
+    from flashlab.kernels.backward import rung5_one_pass
+
+    b, hq, hk, nq, nk, d, dtype, causal, window, scale = case
+    q, k, v, do = make_inputs(b, hq, hk, nq, nk, d, dtype, seed=nq + nk + d)
+    why = rung5_one_pass.unavailable(q, k, v, do)
+    if why is not None:
+        pytest.skip(why)
+    o, lse = flash_attention(q, k, v, causal=causal, window=window, scale=scale, return_lse=True)
+    grads = rung5_one_pass.run_backward(do, q, k, v, o, lse, causal, window, scale, **ONE_PASS_VARIANTS[variant])
+    kv_heads = [0, hk - 1] if hk > 1 else [0]
+    refs = attention_float64_grads(q, k, v, do, causal, window, scale, batch=[b - 1], kv_heads=kv_heads)
+    heads = query_heads(kv_heads, hq // hk)
+    got = (grads[0][[b - 1]][:, heads], grads[1][[b - 1]][:, kv_heads], grads[2][[b - 1]][:, kv_heads])
+    for name, x, ref in zip("qkv", got, refs, strict=True):
+        assert torch.isfinite(x).all(), f"d{name} is not finite"
+        err = relative_error(x, ref)
+        assert err <= grad_tolerance(dtype), f"d{name}: relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("rung", [r.name for r in backward.BACKWARD_RUNGS if r.deterministic])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradients_are_bit_identical_run_after_run(causal, rung):

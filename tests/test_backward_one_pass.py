@@ -17,17 +17,19 @@ from flashlab.kernels.backward import rung5_one_pass as one_pass
 needs_gluon = pytest.mark.skipif(one_pass.GLUON_ERROR is not None, reason=str(one_pass.GLUON_ERROR))
 
 
-def sm90_ptx(d, masked, ordered=False, n=2048):
-    """The rung's kernel for head dim ``d`` (``masked``: a causal or windowed call; ``ordered``: rung 6) as PTX for
-    sm_90, its arguments specialised as a GPU launch specialises them (``compile_sm90``)."""
+def sm90_ptx(d, masked, ordered=False, n=2048, **variant):
+    """The rung's kernel for head dim ``d`` (``masked``: a causal or windowed call; ``ordered``: rung 6;
+    ``variant``: ``stats_smem``, ``dq_bulk``) as PTX for sm_90, its arguments specialised as a GPU launch specialises
+    them (``compile_sm90``)."""
     b, h = 16384 // n, 2048 // d
     x = torch.empty(b, h, n, d, dtype=torch.bfloat16)
     stats = torch.empty(b * h, n)
     descriptors = [gluon_hopper.descriptor(x, rows) for rows in (one_pass.BLOCK_M, one_pass.BLOCK_M, one_pass.BLOCK_N,
                                                                   one_pass.BLOCK_N)]  # fmt: skip
+    descriptors.append(one_pass.dq_descriptor(torch.empty(b * h, n, d)))
     locks = torch.empty(4, dtype=torch.int32)
     args = [*descriptors, stats, stats, stats, x, locks, x, x, h, 1, n, n, n, 0, n + 1, n + 1, 1, 0.18, 0.125, -0.125]
-    meta = one_pass.constexprs(d, masked, None, ordered)
+    meta = one_pass.constexprs(d, masked, None, ordered, **variant)
     options = {"num_warps": meta.pop("num_warps")}
     return compile_sm90(one_pass.bwd_one_pass, args, meta, options)
 
@@ -59,3 +61,21 @@ def test_the_ordered_adds_wait_for_their_turn_and_pass_it_on(d, masked):
     assert len(re.findall(r"atom\.global\.gpu\.release\.exch\.b32", ptx)) == one_pass.NUM_WG
     assert re.findall(r"ld\.global\.cg\.v4", ptx)
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == one_pass.NUM_WG * (2 * (d // 16) + 2 * 4 + 8)
+
+
+@needs_gluon
+@pytest.mark.parametrize("d, masked", [(64, False), (128, True)])
+def test_the_bulk_add_variant_sends_dq_by_the_copy_engine_and_stages_the_statistics(d, masked):
+    # dQ's half leaves as one cp.reduce.async.bulk.tensor add a warpgroup and step, no float atomics from the
+    # threads; lse and delta are loaded by the loader warp (one load each a step) and read from shared memory
+    plain = sm90_ptx(d, masked, stats_smem=False, dq_bulk=False)
+    ptx = sm90_ptx(d, masked, stats_smem=True, dq_bulk=True)
+    assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor\S*\.add", ptx)) == one_pass.NUM_WG
+    assert not re.findall(r"(?:atom|red)\.global\S*\.f32", ptx)
+    assert not re.findall(r"cp\.reduce\.async\.bulk", plain)
+    products = len(re.findall(r"wgmma\.mma_async", plain))
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == products  # the same five products a step
+    # the statistics: the consumers' loads of lse and delta (a value per query column a thread holds) are gone;
+    # the loader warp's remain, BLOCK_M / 32 of each a thread
+    loads = r"ld\.global\S*\.(?:b32|f32)"
+    assert len(re.findall(loads, ptx)) == 2 * one_pass.BLOCK_M // 32 < len(re.findall(loads, plain))

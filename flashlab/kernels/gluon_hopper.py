@@ -16,7 +16,9 @@ try:  # Gluon's Hopper primitives (Triton >= 3.5)
     from triton.experimental.gluon.language.nvidia.hopper import tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
+    # float32: the backward's dQ sums, added to by the copy engine
+    GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
+                 torch.float32: gl.float32}  # fmt: skip
     GLUON_ERROR = None
 except ImportError as error:  # an older Triton: the kernels say so in their ``unavailable``
     GLUON_ERROR = f"Triton {triton.__version__} has no Gluon Hopper primitives ({error})"
@@ -25,10 +27,24 @@ CAPABILITY = 9  # wgmma is sm_90's instruction: Hopper only (Blackwell has its o
 
 if GLUON_ERROR is None:
     from triton.experimental import gluon
+    from triton.experimental.gluon.language._core import builtin as _gluon_builtin
 
     # the bulk copies' names: async_load / async_store in newer Tritons (3.9), async_copy_* in older ones (3.6)
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+    @_gluon_builtin
+    def _reduce_add_36(tensor_desc, coord, src, _semantic=None):
+        """The copy engine's bulk add of a shared-memory tile into global memory (``cp.reduce.async.bulk.tensor``),
+        which Triton 3.6's Gluon builds but does not name."""
+        from triton._C.libtriton import ir
+
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)  # fmt: skip
+
+    # the bulk add's name: async_atomic_add in newer Tritons (3.9)
+    tma_reduce_add = getattr(tma, "async_atomic_add", None) or _reduce_add_36
 
     @triton.constexpr_function
     def mma_layout(n, bits=16):
@@ -111,6 +127,11 @@ def shared_layout(block: list[int], dtype):
     return _LAYOUTS[key]
 
 
+def tile_descriptor(x, block):
+    """A host-side tensor descriptor of a contiguous ``x`` copied (or added to) in tiles of shape ``block``."""
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block), shared_layout(block, x.dtype))
+
+
 def descriptor(x, block_rows, block_cols=None):
     """A host-side tensor descriptor of ``x`` (B, H, N, D) with its own strides, copied ``block_rows`` rows (of
     ``block_cols`` columns, by default all D) of one head at a time: rows past the head's end come in as zeros and
@@ -128,4 +149,5 @@ __all__ = [
     "not_here",
     "shared_layout",
     "strides",
+    "tile_descriptor",
 ]

@@ -1,9 +1,11 @@
 """Where the Gluon backward's loop (``rung5_one_pass``) spends its time: the rung (``DQ_WORK`` 2: every step's five
 products and dQ's atomic adds), without the adds (1: the dQ product, its shared-memory dS and the two warpgroups'
 meeting for it, but nothing leaves the program), and without dQ at all (0: rung 2's dK/dV loop, four products), beside
-rung 6 (the same adds taking turns), rung 2 (``hopper``: the dK/dV loop and a dQ pass, seven products) and cuDNN.
-Only the rung's and rung 6's gradients are right; they are checked against float64 autograd on the first sequence
-and head before anything is timed. TFLOP/s at 2.5x the forward's FLOPs (B * N = 16K tokens, H = 2048 / D, bf16).
+rung 6 (the same adds taking turns), rung 2 (``hopper``: the dK/dV loop and a dQ pass, seven products) and cuDNN;
+and the step's two variants (``rung5_one_pass.STATS_SMEM``, ``DQ_BULK``): ``+stats`` (lse and delta staged in shared
+memory by the loader), ``+bulk`` (dQ by the copy engine's bulk add), ``+both``, and rung 6 ``+stats``. Every run
+that does all of dQ's work is checked against float64 autograd on the first sequence and head before it is timed.
+TFLOP/s at 2.5x the forward's FLOPs (B * N = 16K tokens, H = 2048 / D, bf16).
 
 python lab/probes/backward_one_pass_parts.py OUT_FILE [HEAD_DIMS, default 128,64]"""
 
@@ -43,12 +45,17 @@ def cell(d, n, causal):
     flops = 2.5 * 4 * b * h * n * n * d * (0.5 if causal else 1.0)
     ref = attention_float64_grads(q, k, v, do, causal, batch=[0], kv_heads=[0])
     args = (do, q, k, v, o, lse, causal, None, None)
+    one_pass = rung5_one_pass.run_backward
     runs = {
         "hopper": (None, lambda: rung2_hopper.attention_backward(*args)),
-        "one_pass_atomic": (2, lambda: rung5_one_pass.run_backward(*args)),
-        "no_adds": (1, lambda: rung5_one_pass.run_backward(*args)),
-        "no_dq": (0, lambda: rung5_one_pass.run_backward(*args)),
-        "one_pass": (2, lambda: rung5_one_pass.run_backward(*args, ordered=True)),
+        "one_pass_atomic": (2, lambda: one_pass(*args)),
+        "no_adds": (1, lambda: one_pass(*args)),
+        "no_dq": (0, lambda: one_pass(*args)),
+        "+stats": (2, lambda: one_pass(*args, stats_smem=True, dq_bulk=False)),
+        "+bulk": (2, lambda: one_pass(*args, stats_smem=False, dq_bulk=True)),
+        "+both": (2, lambda: one_pass(*args, stats_smem=True, dq_bulk=True)),
+        "one_pass": (2, lambda: one_pass(*args, ordered=True)),
+        "one_pass+stats": (2, lambda: one_pass(*args, ordered=True, stats_smem=True)),
     }
     row = [f"D{d} N{n // 1024}K {'causal' if causal else 'full  '}:"]
     for name, (work, run) in runs.items():

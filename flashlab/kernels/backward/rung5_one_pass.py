@@ -49,6 +49,7 @@ if GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
+        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -62,10 +63,17 @@ BLOCK_M = 64  # query rows per loop step
 STAGES = 2  # Q/dO buffers in the ring
 CONSUMER_REGS = 240
 LOADER_REGS = 24
+# two variants of the step, measured against the rung as it stands (``lab/probes/backward_one_pass_parts.py``): the
+# loader stages each step's lse and delta in shared memory (the consumers' read of them from L2 otherwise waits in
+# every step), and dQ's halves leave by the copy engine's bulk add (one instruction a warpgroup and step) instead
+# of the threads' atomic adds
+STATS_SMEM = False
+DQ_BULK = False
 RUNTIME = ("HQ", "GROUP", "NQ", "NK", "ROWS", "offset", "win_left", "win_right", "ROTATE")
 
 if GLUON_ERROR is None:
     _tma_load = gluon_hopper.tma_load
+    _tma_reduce_add = gluon_hopper.tma_reduce_add
     _mma_layout = gluon_hopper.mma_layout
     # the barrier among a partition's warps: thread_barrier in Triton 3.6, barrier from 3.7 on
     _warps_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -123,11 +131,14 @@ if GLUON_ERROR is None:
             return j1 - 1 - n, j1 - j0
 
     @gluon.jit
-    def _loader(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, q_ready, do_ready, qdo_empty,
-                kv_ready, HQ, GROUP, NQ, NK, offset, win_left, win_right, ROTATE, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
+    def _loader(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready,
+                do_ready, stats_ready, qdo_empty, kv_ready, LSE2, DELTA, HQ, GROUP, NQ, NK, ROWS, offset, win_left,
+                win_right, ROTATE, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                ORDERED: gl.constexpr, STATS_SMEM: gl.constexpr):  # fmt: skip
         """The loader warp: the program's K and V once, then Q and dO of every step into the ring, each buffer
-        once both consumers have released it."""
+        once both consumers have released it; with ``STATS_SMEM``, the step's lse and delta beside them (read from
+        L2 here, so that the consumers find them in shared memory)."""
+        stats_rows = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
         n = _key_tile(ORDERED)
         pid_bk = gl.program_id(1)
         hk = HQ // GROUP
@@ -146,6 +157,11 @@ if GLUON_ERROR is None:
             _tma_load(desc_q, [b, h_kv * GROUP + g, m * BLOCK_M, 0], q_ready.index(stage), q_smem.index(stage))
             mbarrier.expect(do_ready.index(stage), desc_do.block_type.nbytes)
             _tma_load(desc_do, [b, h_kv * GROUP + g, m * BLOCK_M, 0], do_ready.index(stage), do_smem.index(stage))
+            if STATS_SMEM:
+                stats = (pid_bk * GROUP + g) * ROWS + m * BLOCK_M + stats_rows  # +inf and 0 past NQ
+                lse_smem.index(stage).store(gl.load(LSE2 + stats))
+                delta_smem.index(stage).store(gl.load(DELTA + stats))
+                mbarrier.arrive(stats_ready.index(stage))
 
     @gluon.jit
     def _add_dq(dq, DQ_ACC, DQ, LOCKS, head, m, rows0, cols, turn, adders, NQ, ROWS, dq_scale, WG: gl.constexpr,
@@ -174,11 +190,12 @@ if GLUON_ERROR is None:
             gl.atomic_add(acc_ptrs, dq, sem="relaxed")
 
     @gluon.jit
-    def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, q_ready, do_ready, qdo_empty, kv_ready, ds_ready,
-                  ds_free, LSE2, DELTA, DQ_ACC, DQ, LOCKS, DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left,
-                  win_right, ROTATE, qk_scale, dk_scale, dq_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
-                  ORDERED: gl.constexpr, DQ_WORK: gl.constexpr):  # fmt: skip
+    def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, dq_smem, q_ready, do_ready,
+                  stats_ready, qdo_empty, kv_ready, ds_ready, ds_free, desc_dq_acc, LSE2, DELTA, DQ_ACC, DQ, LOCKS,
+                  DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale, dk_scale,
+                  dq_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, MASKED: gl.constexpr, ORDERED: gl.constexpr, STATS_SMEM: gl.constexpr,
+                  DQ_BULK: gl.constexpr, DQ_WORK: gl.constexpr):  # fmt: skip
         """One consumer warpgroup: keys ``[WG * 64, WG * 64 + 64)`` of the program's tile through every query tile
         that sees them (the module docstring's step), then its rows of dK and dV."""
         dtype: gl.constexpr = q_smem.dtype
@@ -219,8 +236,9 @@ if GLUON_ERROR is None:
             stage = step % STAGES
             phase = (step // STAGES) & 1
             cols = start_m + cols0
-            lse2 = gl.load(LSE2 + head * ROWS + cols)  # +inf past NQ: P = 0 on those rows
-            delta = gl.load(DELTA + head * ROWS + cols)
+            if not STATS_SMEM:
+                lse2 = gl.load(LSE2 + head * ROWS + cols)  # +inf past NQ: P = 0 on those rows
+                delta = gl.load(DELTA + head * ROWS + cols)
 
             mbarrier.wait(q_ready.index(stage), phase)
             q_s = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
@@ -228,6 +246,10 @@ if GLUON_ERROR is None:
             mbarrier.wait(do_ready.index(stage), phase)
             do_s = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
             dp = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            if STATS_SMEM:
+                mbarrier.wait(stats_ready.index(stage), phase)
+                lse2 = lse_smem.index(stage).load(gl.SliceLayout(0, s_layout))  # +inf past NQ: P = 0 there
+                delta = delta_smem.index(stage).load(gl.SliceLayout(0, s_layout))
             s = warpgroup_mma_wait(1, deps=(s,))
             s = s * qk_scale - lse2[None, :]
             if MASKED:  # the band's edges, where this tile crosses one
@@ -256,16 +278,25 @@ if GLUON_ERROR is None:
                 mbarrier.arrive(qdo_empty.index(stage))
                 mbarrier.arrive(ds_free)
                 if DQ_WORK > 1:
-                    turn, adders = 0, 1
-                    if ORDERED:
-                        turn, adders = _turn(n, g, m, n_tiles, GROUP, NQ, NK, offset, win_left, win_right, ROTATE,
-                                             BLOCK_M, BLOCK_N)  # fmt: skip
-                    _add_dq(gl.convert_layout(dq, add_layout), DQ_ACC, DQ, LOCKS, head, m, dq_rows0, dq_cols, turn,
-                            adders, NQ, ROWS, dq_scale, WG, HEAD_DIM, BLOCK_M, ORDERED)  # fmt: skip
+                    if DQ_BULK:  # one bulk add by the copy engine, which reads the tile while the loop goes on
+                        dq_buf = dq_smem.index(WG)
+                        tma.store_wait(0)  # the last step's add has read the buffer
+                        dq_buf.reshape([BLOCK_M, HALF_D]).store(dq)
+                        fence_async_shared()
+                        _tma_reduce_add(desc_dq_acc, [head, start_m, WG * HALF_D], dq_buf)
+                    else:
+                        turn, adders = 0, 1
+                        if ORDERED:
+                            turn, adders = _turn(n, g, m, n_tiles, GROUP, NQ, NK, offset, win_left, win_right,
+                                                 ROTATE, BLOCK_M, BLOCK_N)  # fmt: skip
+                        _add_dq(gl.convert_layout(dq, add_layout), DQ_ACC, DQ, LOCKS, head, m, dq_rows0, dq_cols,
+                                turn, adders, NQ, ROWS, dq_scale, WG, HEAD_DIM, BLOCK_M, ORDERED)  # fmt: skip
             else:
                 dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
                 mbarrier.arrive(qdo_empty.index(stage))
 
+        if DQ_BULK:
+            tma.store_wait(0)  # the last add has read its buffer before the program ends
         out_keys = key0 + gl.arange(0, WGK, layout=gl.SliceLayout(1, kv_layout))
         out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
         out = (pid_bk * NK + out_keys)[:, None] * HEAD_DIM + out_cols[None, :]
@@ -274,14 +305,17 @@ if GLUON_ERROR is None:
         gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=ok)
 
     @gluon.jit(do_not_specialize=RUNTIME, do_not_specialize_on_alignment=RUNTIME)
-    def _bwd_one_pass(desc_q, desc_do, desc_k, desc_v, LSE2, DELTA, DQ_ACC, DQ, LOCKS, DK, DV, HQ, GROUP, NQ, NK,
-                      ROWS, offset, win_left, win_right, ROTATE, qk_scale, dk_scale, dq_scale,
+    def _bwd_one_pass(desc_q, desc_do, desc_k, desc_v, desc_dq_acc, LSE2, DELTA, DQ_ACC, DQ, LOCKS, DK, DV, HQ,
+                      GROUP, NQ, NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale, dk_scale, dq_scale,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                       MASKED: gl.constexpr, ORDERED: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                      LOADER_REGS: gl.constexpr, DQ_WORK: gl.constexpr = 2):  # fmt: skip
-        """One program per (key tile, batch and K/V head): a loader warp and two consumer warpgroups. ``DQ_WORK``
-        is for measuring where the loop's time goes (``lab/probes/backward_one_pass_parts.py``): 2, the rung, all of
-        dQ's work; 1, dQ's product but not its adds; 0, neither -- dQ is then wrong."""
+                      LOADER_REGS: gl.constexpr, STATS_SMEM: gl.constexpr = False, DQ_BULK: gl.constexpr = False,
+                      DQ_WORK: gl.constexpr = 2):  # fmt: skip
+        """One program per (key tile, batch and K/V head): a loader warp and two consumer warpgroups.
+        ``STATS_SMEM``: the loader stages each step's lse and delta in shared memory. ``DQ_BULK`` (unordered only):
+        dQ's halves leave by the copy engine's bulk add (``desc_dq_acc``) instead of the threads' atomic adds.
+        ``DQ_WORK`` is for measuring where the loop's time goes (``lab/probes/backward_one_pass_parts.py``): 2, the
+        rung, all of dQ's work; 1, dQ's product but not its adds; 0, neither -- dQ is then wrong."""
         dtype: gl.constexpr = desc_q.dtype
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], desc_q.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], desc_do.layout)
@@ -289,6 +323,14 @@ if GLUON_ERROR is None:
         v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], desc_v.layout)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+        stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
+        stats_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        if DQ_BULK:  # each warpgroup's half of dQ on its way to the copy engine's bulk add
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HEAD_DIM // 2], desc_dq_acc.layout)
+        else:
+            dq_smem = ds_smem  # never used
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -298,22 +340,25 @@ if GLUON_ERROR is None:
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(stats_ready.index(i), count=1)  # the loader has stored the step's lse and delta
             mbarrier.init(qdo_empty.index(i), count=2)  # both consumer warpgroups release each buffer
         mbarrier.init(kv_ready, count=1)
         mbarrier.init(ds_ready, count=2)  # both halves of dSᵀ are in shared memory
         mbarrier.init(ds_free, count=2)  # both warpgroups' dQ products have read it
         gl.warp_specialize([
-            (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, q_ready, do_ready, qdo_empty, kv_ready, ds_ready,
-                         ds_free, LSE2, DELTA, DQ_ACC, DQ, LOCKS, DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left,
-                         win_right, ROTATE, qk_scale, dk_scale, dq_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                         MASKED, ORDERED, DQ_WORK)),
-            (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, q_ready, do_ready, qdo_empty, kv_ready, ds_ready,
-                         ds_free, LSE2, DELTA, DQ_ACC, DQ, LOCKS, DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left,
-                         win_right, ROTATE, qk_scale, dk_scale, dq_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                         MASKED, ORDERED, DQ_WORK)),
-            (_loader, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, q_ready, do_ready,
-                       qdo_empty, kv_ready, HQ, GROUP, NQ, NK, offset, win_left, win_right, ROTATE, BLOCK_M, BLOCK_N,
-                       STAGES, ORDERED)),
+            (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, dq_smem, q_ready, do_ready,
+                         stats_ready, qdo_empty, kv_ready, ds_ready, ds_free, desc_dq_acc, LSE2, DELTA, DQ_ACC, DQ,
+                         LOCKS, DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale,
+                         dk_scale, dq_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASKED, ORDERED, STATS_SMEM,
+                         DQ_BULK, DQ_WORK)),
+            (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, dq_smem, q_ready, do_ready,
+                         stats_ready, qdo_empty, kv_ready, ds_ready, ds_free, desc_dq_acc, LSE2, DELTA, DQ_ACC, DQ,
+                         LOCKS, DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale,
+                         dk_scale, dq_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASKED, ORDERED, STATS_SMEM,
+                         DQ_BULK, DQ_WORK)),
+            (_loader, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                       q_ready, do_ready, stats_ready, qdo_empty, kv_ready, LSE2, DELTA, HQ, GROUP, NQ, NK, ROWS,
+                       offset, win_left, win_right, ROTATE, BLOCK_M, BLOCK_N, STAGES, ORDERED, STATS_SMEM)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])  # fmt: skip
 
 
@@ -343,11 +388,21 @@ def unavailable(q, k, v, do) -> str | None:
     return gluon_hopper.first_not_describable(q=q, k=k, v=v, do=do)
 
 
-def constexprs(d, causal, window, ordered) -> dict:
-    """The kernel's constexprs and launch options for head dim ``d``, a mask kind and the way dQ is summed."""
+def constexprs(d, causal, window, ordered, stats_smem=None, dq_bulk=None) -> dict:
+    """The kernel's constexprs and launch options for head dim ``d``, a mask kind and the way dQ is summed
+    (``stats_smem``, ``dq_bulk``: the step's variants, by default the module's; the bulk add is unordered only)."""
     masked = bool(causal) or window is not None
+    stats_smem = STATS_SMEM if stats_smem is None else stats_smem
+    dq_bulk = (DQ_BULK if dq_bulk is None else dq_bulk) and not ordered
     return dict(HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, MASKED=masked, ORDERED=ordered,
-                CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)  # fmt: skip
+                CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, STATS_SMEM=stats_smem, DQ_BULK=dq_bulk,
+                num_warps=4)  # fmt: skip
+
+
+def dq_descriptor(dq_acc):
+    """The copy engine's descriptor of dQ's float32 sums ``(B * Hq, ROWS, D)``, added to in tiles of ``BLOCK_M``
+    rows and half the columns (one consumer warpgroup's part)."""
+    return gluon_hopper.tile_descriptor(dq_acc, [1, BLOCK_M, dq_acc.shape[2] // NUM_WG])
 
 
 def rotates(nk, masked, ordered, programs_at_once) -> bool:
@@ -365,10 +420,12 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
     return run_backward(do, q, k, v, o, lse, causal, window, scale, config, ordered=False)
 
 
-def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, ordered=False):
+def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, ordered=False, stats_smem=None,
+                 dq_bulk=None):  # fmt: skip
     """``attention_backward``'s work; ``ordered``: the key tiles add into each query tile's dQ in a fixed order,
     taking turns on a counter per (head, query tile, warpgroup) -- the first stores, the last writes dQ itself --
-    so the gradients are bit-identical run to run (``rung6_one_pass_ordered``)."""
+    so the gradients are bit-identical run to run (``rung6_one_pass_ordered``). ``stats_smem``, ``dq_bulk``: the
+    step's variants (``constexprs``)."""
     two_pass.check_backward_inputs(do, q, k, v, o, lse)
     if config is not None:
         raise ValueError("the one_pass backward's tiles are fixed; it takes no config")
@@ -384,7 +441,7 @@ def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, ordere
     rows = cdiv(nq, rung2_hopper.ROW_ALIGN) * rung2_hopper.ROW_ALIGN
     delta = torch.empty((b * hq, rows), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
-    meta = constexprs(d, causal, window, ordered)
+    meta = constexprs(d, causal, window, ordered, stats_smem, dq_bulk)
     rotate = rotates(nk, meta["MASKED"], ordered, sm_count(device_index(q)))
     if ordered:  # every tile's first turn stores; rows no key tile sees (under a band) stay zero
         dq_acc = torch.empty((b * hq, rows, d), dtype=torch.float32, device=q.device)
@@ -403,6 +460,7 @@ def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, ordere
         two_pass.bwd_preprocess[(cdiv(rows, pre_m), b * hq)](*pre_args, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=pre_m)
         descs = (gluon_hopper.descriptor(q_run, BLOCK_M), gluon_hopper.descriptor(do, BLOCK_M),
                  gluon_hopper.descriptor(k, BLOCK_N), gluon_hopper.descriptor(v, BLOCK_N))  # fmt: skip
+        descs = (*descs, dq_descriptor(dq_acc) if meta["DQ_BULK"] else descs[0])  # the bulk add's, or unused
         sizes = (hq, hq // hk, nq, nk, rows, offset, win_left, win_right, int(rotate))
         _bwd_one_pass[(cdiv(nk, BLOCK_N), b * hk)](*descs, lse2, delta, dq_acc, dq, locks, dk, dv, *sizes, qk_scale,
                                                   abs(signed_scale), signed_scale, **meta)  # fmt: skip
