@@ -1,18 +1,20 @@
-"""What the softmax of rung 4's loop costs in issued instructions, read from its sm_90 machine code (no GPU: Triton's
-compiler, its ptxas and cuobjdump on this machine), in 16 and 8 bits at D = 128, no mask.
+"""What the softmax of rung 4's key loop costs in issued instructions, read from its sm_90 machine code (no GPU:
+Triton's compiler, its ptxas and cuobjdump on this machine), in 16 and 8 bits at D = 128, no mask.
 
 A Hopper SM issues at most 128 thread-instructions a clock (four schedulers, one warp instruction each) and its
 special-function units finish 16 exponentials a clock (``MUFU.EX2``). So an exponential ties up the SM for 1/16 of a
-clock on MUFU and for n/128 of a clock on issue, where n is the instructions the loop spends per exponential. With n
-above 8, issue, not MUFU, is the softmax's bound, and FlashAttention-4's software exp2 (a polynomial on the FMA units
-in place of some MUFU.EX2, about 8 instructions for each one it replaces) would lengthen the softmax, not shorten it.
+clock on MUFU and for n/128 of a clock on issue, where n is the instructions the loop spends per exponential: below
+8, MUFU is the softmax's bound; above, issue is. FlashAttention-4's software exp2 replaces some MUFU.EX2 with a
+polynomial on the FMA units, about 8 instructions each, which moves time from MUFU to issue.
 
-The loop is taken as the code between its two waits for the scores (``WARPGROUP.DEPBAR.LE gsb0, 0x1``).
+The key loop is found as the shortest backward branch whose body holds at least 32 exponentials (one warpgroup's
+copy of the loop over key tiles: 64 scores a thread a tile).
 
 python lab/probes/fp8_softmax_issue.py OUT_FILE"""
 
 import collections
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -55,8 +57,8 @@ def sass(fp8, d=128, n=4096):
         f.write(cubin)
         f.flush()
         text = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    return [line.split("*/", 1)[1].split(";")[0].strip() for line in text.splitlines()
-            if line.strip().startswith("/*") and "*/" in line and line.strip()[2:6].isalnum()]  # fmt: skip
+    address = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?);")
+    return [(int(m.group(1), 16), m.group(2).strip()) for m in map(address.match, text.splitlines()) if m]
 
 
 def opcode(instruction):
@@ -64,12 +66,23 @@ def opcode(instruction):
     return (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
 
 
+def key_loop(instructions):
+    """The shortest loop (a branch back to an earlier address) whose body holds 32 or more exponentials."""
+    loops = []
+    for at, op in instructions:
+        target = re.search(r"BRA \S*?0x([0-9a-f]+)", op)
+        if target and int(target.group(1), 16) < at:
+            body = [o for a, o in instructions if int(target.group(1), 16) <= a <= at]
+            if sum(opcode(o) == "MUFU" and "EX2" in o for o in body) >= 32:
+                loops.append(body)
+    return min(loops, key=len)
+
+
 for fp8 in (False, True):
-    ops = sass(fp8)
-    marks = [i for i, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1")]
-    loop = ops[marks[0] : marks[1]]
+    loop = key_loop(sass(fp8))
     counts = collections.Counter(opcode(op) for op in loop)
-    per_exp = len(loop) / counts["MUFU"]
-    say(f"{'e4m3' if fp8 else 'bf16'}: {len(loop)} instructions, {counts['MUFU']} MUFU: {per_exp:.1f} an exponential"
-        f" -> issue {per_exp / 128:.3f} clk against MUFU {1 / 16:.4f} clk an exponential an SM")  # fmt: skip
+    exps = sum(opcode(o) == "MUFU" and "EX2" in o for o in loop)
+    per_exp = len(loop) / exps
+    say(f"{'e4m3' if fp8 else 'bf16'}: key loop {len(loop)} instructions, {exps} exponentials: {per_exp:.1f} an"
+        f" exponential -> issue {per_exp / 128:.4f} clk, MUFU {1 / 16:.4f} clk an exponential an SM")  # fmt: skip
     say("    " + ", ".join(f"{name} {n}" for name, n in counts.most_common(16)))
