@@ -118,3 +118,11 @@ def test_gpu_figures_past_the_largest_float_are_a_value_error(entry, names):
     # the roofline divides these as floats: a figure past 1.8e308 is refused by name, never an OverflowError later
     with pytest.raises(ValueError, match=names):
         gpu_from_dict(entry)
+
+
+def test_a_special_function_rate_where_given_has_a_source_and_reads_as_exponentials_a_second():
+    given = {name: e for name, e in _raw("gpus.json").items() if isinstance(e, dict) and "special_function_T_s" in e}
+    assert {"h100-sxm", "h200-sxm"} <= set(given)
+    for name, entry in given.items():
+        assert len(entry["sources"].get("special_function_T_s", "")) > 10, f"{name}: no source"
+        assert GPUS[name].exp_rate == entry["special_function_T_s"] * 1e12

@@ -556,3 +556,28 @@ def test_formatting_refuses_more_digits_than_a_float_holds():
     with pytest.raises(ValueError, match="at most 17"):
         format_bytes(1e9, digits=18)
     assert format_bytes(0) == "0 B" and format_bytes(np.float32(2.5e9)) == "2.50 GB"
+
+
+# --- the exponentials beside the products ---------------------------------------------------------------------------
+
+
+def test_eight_bit_products_leave_the_exponentials_as_long_as_the_products():
+    from flashlab.calculators.roofline import exp_to_matmul_time
+
+    # H100 SXM: 989.4 TFLOP/s dense 16-bit, 3.9e12 exponentials/s (the FlashAttention-3 paper's two figures).
+    # One score: 4 d FLOPs of products, one exponential. Typed in: 989.4e12 / (4 * 128 * 3.9e12) = 0.4955.
+    assert exp_to_matmul_time(128, "h100-sxm") == pytest.approx(0.4955, abs=1e-4)
+    # the teaching point: eight bits halve the products' time, not the exponentials', so at d = 128 the two become
+    # equal, and at d = 64 the exponentials take twice as long as the 8-bit products
+    assert exp_to_matmul_time(128, "h100-sxm", operand_bits=8) == pytest.approx(1.0, abs=0.01)
+    assert exp_to_matmul_time(64, "h100-sxm", operand_bits=8) == pytest.approx(1.98, abs=0.01)
+    assert exp_to_matmul_time(256, "h200-sxm", operand_bits=8) < 1 < exp_to_matmul_time(64, "h200-sxm", 16) * 2
+
+
+@pytest.mark.parametrize("bad, message", [(dict(d=0), "head dim"), (dict(operand_bits=4), "operand_bits"),
+                                          (dict(gpu="l4"), "special-function")])  # fmt: skip
+def test_the_exponential_ratio_names_what_is_wrong(bad, message):
+    from flashlab.calculators.roofline import exp_to_matmul_time
+
+    with pytest.raises(ValueError, match=message):
+        exp_to_matmul_time(**{"d": 128, **bad})

@@ -43,13 +43,15 @@ class GPU:
     smem_per_sm: int | None = None  # bytes of shared memory per SM (the SRAM a kernel's tiles live in)
     l2_bytes: int | None = None  # bytes of L2 cache
     memory_bytes: float | None = None  # bytes of HBM capacity
+    exp_rate: float | None = None  # exponentials/s of the special-function units (the softmax's exp2)
     display_name: str = ""
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
     note: str = field(default="", compare=False)
 
     def __post_init__(self):
         _check_name("GPU", self.name)
-        for attr in ("hbm_bandwidth", "tensor_flops", "sm_count", "smem_per_sm", "l2_bytes", "memory_bytes"):
+        for attr in ("hbm_bandwidth", "tensor_flops", "sm_count", "smem_per_sm", "l2_bytes", "memory_bytes",
+                     "exp_rate"):  # fmt: skip
             value = getattr(self, attr)
             if value is not None or attr in ("hbm_bandwidth", "tensor_flops"):
                 check_positive(f"GPU {self.name!r} {attr}", value)
@@ -126,6 +128,7 @@ _GPU_UNIT_KEYS = {
     "smem_per_sm_KiB": ("smem_per_sm", KiB),
     "l2_MiB": ("l2_bytes", MiB),
     "memory_GB": ("memory_bytes", GB),
+    "special_function_T_s": ("exp_rate", 1e12),
 }
 _GPU_FIELDS = {f.name for f in fields(GPU)}
 _MODEL_FIELDS = {f.name for f in fields(Model)}

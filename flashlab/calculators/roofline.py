@@ -180,6 +180,28 @@ def attention_flops(n: int, d: int, causal: bool = False, dv: int | None = None)
     return flops // 2 if causal else flops
 
 
+def exp_to_matmul_time(d: int, gpu="h100-sxm", operand_bits: int = 16) -> float:
+    """How long one score's exponential takes on the special-function units, over how long its two matrix products
+    take on the tensor cores, each unit at its peak: ``tensor rate / (4 d x exponential rate)``.
+
+    Each score costs 2 d FLOPs in S = Q K^T and 2 d in O = P V, and one exponential in the softmax. The tensor cores
+    run 8-bit operands at twice the 16-bit rate (Hopper and later) and the exponentials at the same rate either
+    way, so eight bits double the ratio. On an H100 at d = 128: 0.50 in 16 bits, 0.99 in 8 bits -- with 8-bit
+    products, the exponentials take as long as the products.
+    """
+    d = as_positive_int("d (head dim)", d)
+    if operand_bits not in (8, 16):
+        raise ValueError(f"operand_bits must be 16 (fp16/bf16) or 8 (fp8); got {operand_bits!r}")
+    gpu = as_gpu(gpu)
+    if gpu.exp_rate is None:
+        raise ValueError(f"GPU {gpu.name!r} has no special-function rate (exp_rate) in the catalogue")
+    tensor_flops = gpu.tensor_flops * (16 // operand_bits)
+    return tensor_flops / (4 * d * gpu.exp_rate)
+
+
+__all__ += ["exp_to_matmul_time"]
+
+
 # --- the whole model: heads x layers --------------------------------------------------------------------------------
 
 _PER = ("head", "layer", "model")
