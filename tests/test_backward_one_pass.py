@@ -26,7 +26,7 @@ def sm90_ptx(d, masked, ordered=False, n=2048, **variant):
     stats = torch.empty(b * h, n)
     descriptors = [gluon_hopper.descriptor(x, rows) for rows in (one_pass.BLOCK_M, one_pass.BLOCK_M, one_pass.BLOCK_N,
                                                                   one_pass.BLOCK_N)]  # fmt: skip
-    descriptors.append(one_pass.dq_descriptor(torch.empty(b * h, n, d)))
+    descriptors.append(one_pass.dq_descriptor(torch.empty(b * h, n, d), variant.get("dq_own_keys", False)))
     locks = torch.empty(4, dtype=torch.int32)
     args = [*descriptors, stats, stats, stats, x, locks, x, x, h, 1, n, n, n, 0, n + 1, n + 1, 1, 0.18, 0.125, -0.125]
     meta = one_pass.constexprs(d, masked, None, ordered, **variant)
@@ -79,3 +79,20 @@ def test_the_bulk_add_variant_sends_dq_by_the_copy_engine_and_stages_the_statist
     # the loader warp's remain, BLOCK_M / 32 of each a thread
     loads = r"ld\.global\S*\.(?:b32|f32)"
     assert len(re.findall(loads, ptx)) == 2 * one_pass.BLOCK_M // 32 < len(re.findall(loads, plain))
+
+
+@needs_gluon
+@pytest.mark.parametrize("d, masked", [(64, True), (128, False)])
+def test_with_dq_over_its_own_keys_each_warpgroup_adds_a_whole_tile_and_meets_no_other(d, masked):
+    # dQ = dS K over the warpgroup's own 64 keys (K = 64 in steps of 16), all D columns: one bulk add of a
+    # (BLOCK_M, D) tile a warpgroup and step; the two warpgroups' mbarrier meeting over dS (ds_ready, ds_free) is
+    # gone, so the kernel arrives on fewer barriers than the version that meets
+    met = sm90_ptx(d, masked, stats_smem=True, dq_bulk=True)
+    own = sm90_ptx(d, masked, stats_smem=True, dq_own_keys=True)
+    k = 16
+    per_wg = 2 * (d // k) + 2 * (one_pass.BLOCK_M // k) + one_pass.WG_KEYS // k
+    assert len(re.findall(r"wgmma\.mma_async", own)) == one_pass.NUM_WG * per_wg
+    assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor\S*\.add", own)) == one_pass.NUM_WG
+    assert not re.findall(r"(?:atom|red)\.global\S*\.f32", own)
+    arrives = r"mbarrier\.arrive\S*"
+    assert len(re.findall(arrives, own)) < len(re.findall(arrives, met))

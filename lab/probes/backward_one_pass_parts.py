@@ -3,7 +3,8 @@ products and dQ's atomic adds), without the adds (1: the dQ product, its shared-
 meeting for it, but nothing leaves the program), and without dQ at all (0: rung 2's dK/dV loop, four products), beside
 rung 6 (the same adds taking turns), rung 2 (``hopper``: the dK/dV loop and a dQ pass, seven products) and cuDNN;
 and the step's two variants (``rung5_one_pass.STATS_SMEM``, ``DQ_BULK``): ``+stats`` (lse and delta staged in shared
-memory by the loader), ``+bulk`` (dQ by the copy engine's bulk add), ``+both``, and rung 6 ``+stats``. Every run
+memory by the loader), ``+bulk`` (dQ by the copy engine's bulk add), ``+both``, ``+own`` (with the statistics
+staged, each warpgroup adds dQ over its own keys: no meeting), and rung 6 ``+stats``. Every run
 that does all of dQ's work is checked against float64 autograd on the first sequence and head before it is timed.
 TFLOP/s at 2.5x the forward's FLOPs (B * N = 16K tokens, H = 2048 / D, bf16).
 
@@ -54,6 +55,7 @@ def cell(d, n, causal):
         "+stats": (2, lambda: one_pass(*args, stats_smem=True, dq_bulk=False)),
         "+bulk": (2, lambda: one_pass(*args, stats_smem=False, dq_bulk=True)),
         "+both": (2, lambda: one_pass(*args, stats_smem=True, dq_bulk=True)),
+        "+own": (2, lambda: one_pass(*args, stats_smem=True, dq_own_keys=True)),
         "one_pass": (2, lambda: one_pass(*args, ordered=True)),
         "one_pass+stats": (2, lambda: one_pass(*args, ordered=True, stats_smem=True)),
     }

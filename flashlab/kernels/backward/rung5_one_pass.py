@@ -69,6 +69,7 @@ LOADER_REGS = 24
 # of the threads' atomic adds
 STATS_SMEM = False
 DQ_BULK = False
+DQ_OWN_KEYS = False  # a third: each warpgroup adds dQ over its own keys, all columns (no meeting, twice the bytes)
 RUNTIME = ("HQ", "GROUP", "NQ", "NK", "ROWS", "offset", "win_left", "win_right", "ROTATE")
 
 if GLUON_ERROR is None:
@@ -195,7 +196,7 @@ if GLUON_ERROR is None:
                   DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale, dk_scale,
                   dq_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, MASKED: gl.constexpr, ORDERED: gl.constexpr, STATS_SMEM: gl.constexpr,
-                  DQ_BULK: gl.constexpr, DQ_WORK: gl.constexpr):  # fmt: skip
+                  DQ_BULK: gl.constexpr, DQ_OWN_KEYS: gl.constexpr, DQ_WORK: gl.constexpr):  # fmt: skip
         """One consumer warpgroup: keys ``[WG * 64, WG * 64 + 64)`` of the program's tile through every query tile
         that sees them (the module docstring's step), then its rows of dK and dV."""
         dtype: gl.constexpr = q_smem.dtype
@@ -221,6 +222,7 @@ if GLUON_ERROR is None:
         ds_w = ds_smem.slice(WG * WGK, WGK, 0)  # this warpgroup's rows of dSᵀ (keys, queries)
         zero_s = gl.zeros([WGK, BLOCK_M], gl.float32, s_layout)
         zero_dq = gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout)
+        zero_dq_own = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, kv_layout)  # DQ_OWN_KEYS: (BLOCK_M, D)
         dk = gl.zeros([WGK, HEAD_DIM], gl.float32, kv_layout)
         dv = gl.zeros([WGK, HEAD_DIM], gl.float32, kv_layout)
         dq_rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_layout))
@@ -266,7 +268,22 @@ if GLUON_ERROR is None:
             ds_op = gl.convert_layout(ds.to(dtype), op_layout)
             dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
             dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-            if DQ_WORK > 0:
+            if DQ_OWN_KEYS and DQ_WORK > 0:
+                # dQ over this warpgroup's own 64 keys, all D columns: dSᵀ goes to its own rows of shared memory
+                # (the last step's dQ product, waited for, has read them), no meeting with the other warpgroup
+                ds_w.store(ds.to(dtype))
+                fence_async_shared()
+                _warps_barrier()  # every thread's part of dSᵀ is in before the product reads it
+                dq = warpgroup_mma(ds_w.permute((1, 0)), k_w, zero_dq_own, use_acc=False, is_async=True)
+                dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_op, ds_op))
+                mbarrier.arrive(qdo_empty.index(stage))
+                if DQ_WORK > 1:  # both warpgroups add a whole (BLOCK_M, D) part: the copy engine sums them
+                    dq_buf = dq_smem.index(WG)
+                    tma.store_wait(0)  # the last step's add has read the buffer
+                    dq_buf.reshape([BLOCK_M, HEAD_DIM]).store(dq)
+                    fence_async_shared()
+                    _tma_reduce_add(desc_dq_acc, [head, start_m, 0], dq_buf)
+            elif DQ_WORK > 0:
                 # dSᵀ into shared memory, once both warpgroups' products of the last step have read it
                 mbarrier.wait(ds_free, (step & 1) ^ 1)
                 ds_w.store(ds.to(dtype))
@@ -310,10 +327,12 @@ if GLUON_ERROR is None:
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                       MASKED: gl.constexpr, ORDERED: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, STATS_SMEM: gl.constexpr = False, DQ_BULK: gl.constexpr = False,
-                      DQ_WORK: gl.constexpr = 2):  # fmt: skip
+                      DQ_OWN_KEYS: gl.constexpr = False, DQ_WORK: gl.constexpr = 2):  # fmt: skip
         """One program per (key tile, batch and K/V head): a loader warp and two consumer warpgroups.
         ``STATS_SMEM``: the loader stages each step's lse and delta in shared memory. ``DQ_BULK`` (unordered only):
         dQ's halves leave by the copy engine's bulk add (``desc_dq_acc``) instead of the threads' atomic adds.
+        ``DQ_OWN_KEYS`` (with ``DQ_BULK``): each warpgroup forms dQ over its own 64 keys, all D columns, and adds
+        that; the warpgroups never meet, at twice the bytes added.
         ``DQ_WORK`` is for measuring where the loop's time goes (``lab/probes/backward_one_pass_parts.py``): 2, the
         rung, all of dQ's work; 1, dQ's product but not its adds; 0, neither -- dQ is then wrong."""
         dtype: gl.constexpr = desc_q.dtype
@@ -327,7 +346,9 @@ if GLUON_ERROR is None:
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
         stats_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        if DQ_BULK:  # each warpgroup's half of dQ on its way to the copy engine's bulk add
+        if DQ_OWN_KEYS:  # each warpgroup's whole part of dQ on its way to the copy engine's bulk add
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HEAD_DIM], desc_dq_acc.layout)
+        elif DQ_BULK:  # each warpgroup's half of dQ on its way to the copy engine's bulk add
             dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HEAD_DIM // 2], desc_dq_acc.layout)
         else:
             dq_smem = ds_smem  # never used
@@ -350,12 +371,12 @@ if GLUON_ERROR is None:
                          stats_ready, qdo_empty, kv_ready, ds_ready, ds_free, desc_dq_acc, LSE2, DELTA, DQ_ACC, DQ,
                          LOCKS, DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale,
                          dk_scale, dq_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASKED, ORDERED, STATS_SMEM,
-                         DQ_BULK, DQ_WORK)),
+                         DQ_BULK, DQ_OWN_KEYS, DQ_WORK)),
             (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, dq_smem, q_ready, do_ready,
                          stats_ready, qdo_empty, kv_ready, ds_ready, ds_free, desc_dq_acc, LSE2, DELTA, DQ_ACC, DQ,
                          LOCKS, DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale,
                          dk_scale, dq_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASKED, ORDERED, STATS_SMEM,
-                         DQ_BULK, DQ_WORK)),
+                         DQ_BULK, DQ_OWN_KEYS, DQ_WORK)),
             (_loader, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                        q_ready, do_ready, stats_ready, qdo_empty, kv_ready, LSE2, DELTA, HQ, GROUP, NQ, NK, ROWS,
                        offset, win_left, win_right, ROTATE, BLOCK_M, BLOCK_N, STAGES, ORDERED, STATS_SMEM)),
@@ -388,21 +409,23 @@ def unavailable(q, k, v, do) -> str | None:
     return gluon_hopper.first_not_describable(q=q, k=k, v=v, do=do)
 
 
-def constexprs(d, causal, window, ordered, stats_smem=None, dq_bulk=None) -> dict:
+def constexprs(d, causal, window, ordered, stats_smem=None, dq_bulk=None, dq_own_keys=None) -> dict:
     """The kernel's constexprs and launch options for head dim ``d``, a mask kind and the way dQ is summed
-    (``stats_smem``, ``dq_bulk``: the step's variants, by default the module's; the bulk add is unordered only)."""
+    (``stats_smem``, ``dq_bulk``, ``dq_own_keys``: the step's variants, by default the module's; the bulk adds are
+    unordered only, and ``dq_own_keys`` takes the bulk add)."""
     masked = bool(causal) or window is not None
     stats_smem = STATS_SMEM if stats_smem is None else stats_smem
-    dq_bulk = (DQ_BULK if dq_bulk is None else dq_bulk) and not ordered
+    dq_own_keys = (DQ_OWN_KEYS if dq_own_keys is None else dq_own_keys) and not ordered
+    dq_bulk = ((DQ_BULK if dq_bulk is None else dq_bulk) or dq_own_keys) and not ordered
     return dict(HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, MASKED=masked, ORDERED=ordered,
                 CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, STATS_SMEM=stats_smem, DQ_BULK=dq_bulk,
-                num_warps=4)  # fmt: skip
+                DQ_OWN_KEYS=dq_own_keys, num_warps=4)  # fmt: skip
 
 
-def dq_descriptor(dq_acc):
+def dq_descriptor(dq_acc, own_keys=False):
     """The copy engine's descriptor of dQ's float32 sums ``(B * Hq, ROWS, D)``, added to in tiles of ``BLOCK_M``
-    rows and half the columns (one consumer warpgroup's part)."""
-    return gluon_hopper.tile_descriptor(dq_acc, [1, BLOCK_M, dq_acc.shape[2] // NUM_WG])
+    rows and half the columns (one consumer warpgroup's part), or all of them (``own_keys``)."""
+    return gluon_hopper.tile_descriptor(dq_acc, [1, BLOCK_M, dq_acc.shape[2] // (1 if own_keys else NUM_WG)])
 
 
 def rotates(nk, masked, ordered, programs_at_once) -> bool:
@@ -421,11 +444,11 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
 
 
 def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, ordered=False, stats_smem=None,
-                 dq_bulk=None):  # fmt: skip
+                 dq_bulk=None, dq_own_keys=None):  # fmt: skip
     """``attention_backward``'s work; ``ordered``: the key tiles add into each query tile's dQ in a fixed order,
     taking turns on a counter per (head, query tile, warpgroup) -- the first stores, the last writes dQ itself --
-    so the gradients are bit-identical run to run (``rung6_one_pass_ordered``). ``stats_smem``, ``dq_bulk``: the
-    step's variants (``constexprs``)."""
+    so the gradients are bit-identical run to run (``rung6_one_pass_ordered``). ``stats_smem``, ``dq_bulk``,
+    ``dq_own_keys``: the step's variants (``constexprs``)."""
     two_pass.check_backward_inputs(do, q, k, v, o, lse)
     if config is not None:
         raise ValueError("the one_pass backward's tiles are fixed; it takes no config")
@@ -441,7 +464,7 @@ def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, ordere
     rows = cdiv(nq, rung2_hopper.ROW_ALIGN) * rung2_hopper.ROW_ALIGN
     delta = torch.empty((b * hq, rows), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
-    meta = constexprs(d, causal, window, ordered, stats_smem, dq_bulk)
+    meta = constexprs(d, causal, window, ordered, stats_smem, dq_bulk, dq_own_keys)
     rotate = rotates(nk, meta["MASKED"], ordered, sm_count(device_index(q)))
     if ordered:  # every tile's first turn stores; rows no key tile sees (under a band) stay zero
         dq_acc = torch.empty((b * hq, rows, d), dtype=torch.float32, device=q.device)
@@ -460,7 +483,8 @@ def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, ordere
         two_pass.bwd_preprocess[(cdiv(rows, pre_m), b * hq)](*pre_args, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=pre_m)
         descs = (gluon_hopper.descriptor(q_run, BLOCK_M), gluon_hopper.descriptor(do, BLOCK_M),
                  gluon_hopper.descriptor(k, BLOCK_N), gluon_hopper.descriptor(v, BLOCK_N))  # fmt: skip
-        descs = (*descs, dq_descriptor(dq_acc) if meta["DQ_BULK"] else descs[0])  # the bulk add's, or unused
+        bulk = dq_descriptor(dq_acc, meta["DQ_OWN_KEYS"]) if meta["DQ_BULK"] else descs[0]  # or unused
+        descs = (*descs, bulk)
         sizes = (hq, hq // hk, nq, nk, rows, offset, win_left, win_right, int(rotate))
         _bwd_one_pass[(cdiv(nk, BLOCK_N), b * hk)](*descs, lse2, delta, dq_acc, dq, locks, dk, dv, *sizes, qk_scale,
                                                   abs(signed_scale), signed_scale, **meta)  # fmt: skip
