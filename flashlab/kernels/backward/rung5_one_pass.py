@@ -162,6 +162,7 @@ if GLUON_ERROR is None:
                 stats = (pid_bk * GROUP + g) * ROWS + m * BLOCK_M + stats_rows  # +inf and 0 past NQ
                 lse_smem.index(stage).store(gl.load(LSE2 + stats))
                 delta_smem.index(stage).store(gl.load(DELTA + stats))
+                _warps_barrier()  # every lane's stores are in before the arrive publishes them
                 mbarrier.arrive(stats_ready.index(stage))
 
     @gluon.jit
