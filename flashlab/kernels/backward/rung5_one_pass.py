@@ -63,13 +63,13 @@ BLOCK_M = 64  # query rows per loop step
 STAGES = 2  # Q/dO buffers in the ring
 CONSUMER_REGS = 240
 LOADER_REGS = 24
-# two variants of the step, measured against the rung as it stands (``lab/probes/backward_one_pass_parts.py``): the
-# loader stages each step's lse and delta in shared memory (the consumers' read of them from L2 otherwise waits in
-# every step), and dQ's halves leave by the copy engine's bulk add (one instruction a warpgroup and step) instead
-# of the threads' atomic adds
+# three variants of the step, to be measured against the rung as it stands (lab/probes/backward_one_pass_parts.py):
+# the loader stages each step's lse and delta in shared memory (the consumers' read of them from L2 otherwise waits
+# in every step); dQ's halves leave by the copy engine's bulk add (one instruction a warpgroup and step) instead of
+# the threads' atomic adds; each warpgroup adds dQ over its own keys, all columns (no meeting, twice the bytes)
 STATS_SMEM = False
 DQ_BULK = False
-DQ_OWN_KEYS = False  # a third: each warpgroup adds dQ over its own keys, all columns (no meeting, twice the bytes)
+DQ_OWN_KEYS = False
 RUNTIME = ("HQ", "GROUP", "NQ", "NK", "ROWS", "offset", "win_left", "win_right", "ROTATE")
 
 if GLUON_ERROR is None:
