@@ -69,11 +69,13 @@ def test_gradients_match_float64_autograd(case, rung):
         assert err <= tol, f"d{name}: relative error {err:.2e} over {tol:.0e}"
 
 
-ONE_PASS_VARIANTS = {  # rung 5's step variants (rung5_one_pass.STATS_SMEM, DQ_BULK, DQ_OWN_KEYS); rung 6 with the first
+ONE_PASS_VARIANTS = {  # rung 5's step variants (rung5_one_pass.STATS_SMEM, DQ_BULK, DQ_OWN_KEYS, DP_LATE_WAIT);
+    # rung 6 with the first
     "stats": dict(stats_smem=True, dq_bulk=False),
     "bulk": dict(stats_smem=False, dq_bulk=True),
     "stats-bulk": dict(stats_smem=True, dq_bulk=True),
     "own-keys": dict(stats_smem=True, dq_own_keys=True),
+    "late-wait": dict(stats_smem=True, dq_bulk=True, dp_late_wait=True),
     "ordered-stats": dict(ordered=True, stats_smem=True),
 }
 

@@ -2,10 +2,11 @@
 products and dQ's atomic adds), without the adds (1: the dQ product, its shared-memory dS and the two warpgroups'
 meeting for it, but nothing leaves the program), and without dQ at all (0: rung 2's dK/dV loop, four products), beside
 rung 6 (the same adds taking turns), rung 2 (``hopper``: the dK/dV loop and a dQ pass, seven products) and cuDNN;
-and the step's variants (``rung5_one_pass.STATS_SMEM``, ``DQ_BULK``, ``DQ_OWN_KEYS``): ``+stats`` (lse and delta
-staged in shared memory by the loader), ``+bulk`` (dQ by the copy engine's bulk add), ``+both``, ``+own`` (the
-statistics staged and each warpgroup adding dQ over its own keys: no meeting), and rung 6 ``+stats``. Every run that
-does all of dQ's work is checked against float64 autograd on the first sequence and head before it is timed.
+and the step's variants (``rung5_one_pass.STATS_SMEM``, ``DQ_BULK``, ``DQ_OWN_KEYS``, ``DP_LATE_WAIT``):
+``+stats`` (lse and delta staged in shared memory by the loader), ``+bulk`` (dQ by the copy engine's bulk add),
+``+both``, ``+own`` (the statistics staged and each warpgroup adding dQ over its own keys: no meeting), ``+late``
+(``+both`` with the wait for dPᵀ below Sᵀ's exponentials), and rung 6 ``+stats``. Every run that does all of dQ's
+work is checked against float64 autograd on the first sequence and head before it is timed.
 TFLOP/s at 2.5x the forward's FLOPs (B * N = 16K tokens, H = 2048 / D, bf16).
 
 python lab/probes/backward_one_pass_parts.py OUT_FILE [HEAD_DIMS, default 128,64]"""
@@ -56,6 +57,7 @@ def cell(d, n, causal):
         "+bulk": (2, lambda: one_pass(*args, stats_smem=False, dq_bulk=True)),
         "+both": (2, lambda: one_pass(*args, stats_smem=True, dq_bulk=True)),
         "+own": (2, lambda: one_pass(*args, stats_smem=True, dq_own_keys=True)),
+        "+late": (2, lambda: one_pass(*args, stats_smem=True, dq_bulk=True, dp_late_wait=True)),
         "one_pass": (2, lambda: one_pass(*args, ordered=True)),
         "one_pass+stats": (2, lambda: one_pass(*args, ordered=True, stats_smem=True)),
     }

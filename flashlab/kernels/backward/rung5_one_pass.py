@@ -63,13 +63,15 @@ BLOCK_M = 64  # query rows per loop step
 STAGES = 2  # Q/dO buffers in the ring
 CONSUMER_REGS = 240
 LOADER_REGS = 24
-# three variants of the step, to be measured against the rung as it stands (lab/probes/backward_one_pass_parts.py):
+# four variants of the step, to be measured against the rung as it stands (lab/probes/backward_one_pass_parts.py):
 # the loader stages each step's lse and delta in shared memory (the consumers' read of them from L2 otherwise waits
 # in every step); dQ's halves leave by the copy engine's bulk add (one instruction a warpgroup and step) instead of
-# the threads' atomic adds; each warpgroup adds dQ over its own keys, all columns (no meeting, twice the bytes)
+# the threads' atomic adds; each warpgroup adds dQ over its own keys, all columns (no meeting, twice the bytes); the
+# wait for dPᵀ kept below Sᵀ's exponentials (ptxas otherwise moves it up beside the wait for Sᵀ)
 STATS_SMEM = False
 DQ_BULK = False
 DQ_OWN_KEYS = False
+DP_LATE_WAIT = False
 RUNTIME = ("HQ", "GROUP", "NQ", "NK", "ROWS", "offset", "win_left", "win_right", "ROTATE")
 
 if GLUON_ERROR is None:
@@ -197,7 +199,8 @@ if GLUON_ERROR is None:
                   DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale, dk_scale,
                   dq_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, MASKED: gl.constexpr, ORDERED: gl.constexpr, STATS_SMEM: gl.constexpr,
-                  DQ_BULK: gl.constexpr, DQ_OWN_KEYS: gl.constexpr, DQ_WORK: gl.constexpr):  # fmt: skip
+                  DQ_BULK: gl.constexpr, DQ_OWN_KEYS: gl.constexpr, DP_LATE_WAIT: gl.constexpr,
+                  DQ_WORK: gl.constexpr):  # fmt: skip
         """One consumer warpgroup: keys ``[WG * 64, WG * 64 + 64)`` of the program's tile through every query tile
         that sees them (the module docstring's step), then its rows of dK and dV."""
         dtype: gl.constexpr = q_smem.dtype
@@ -263,7 +266,17 @@ if GLUON_ERROR is None:
             elif key_tail:
                 s = gl.where((keys < NK)[:, None], s, float("-inf"))
             p = gl.exp2(s)
-            dp = warpgroup_mma_wait(0, deps=(dp,))
+            if DP_LATE_WAIT:  # the wait for dPᵀ in a block of its own (NQ > 0 always holds), so that ptxas keeps it
+                dp_token = dp  # below the exponentials, which then run under the dPᵀ product; written
+                dp = zero_s  # differently on the side never taken, so that the two sides cannot be merged
+                if NQ > 0:
+                    dp = warpgroup_mma_wait(0, deps=(dp_token,))
+                else:
+                    _warps_barrier()
+                    dp = warpgroup_mma_wait(0, deps=(dp_token,))
+                    _warps_barrier()
+            else:
+                dp = warpgroup_mma_wait(0, deps=(dp,))
             ds = p * (dp - delta[None, :])
             p_op = gl.convert_layout(p.to(dtype), op_layout)
             ds_op = gl.convert_layout(ds.to(dtype), op_layout)
@@ -328,12 +341,14 @@ if GLUON_ERROR is None:
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                       MASKED: gl.constexpr, ORDERED: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, STATS_SMEM: gl.constexpr = False, DQ_BULK: gl.constexpr = False,
-                      DQ_OWN_KEYS: gl.constexpr = False, DQ_WORK: gl.constexpr = 2):  # fmt: skip
+                      DQ_OWN_KEYS: gl.constexpr = False, DP_LATE_WAIT: gl.constexpr = False,
+                      DQ_WORK: gl.constexpr = 2):  # fmt: skip
         """One program per (key tile, batch and K/V head): a loader warp and two consumer warpgroups.
         ``STATS_SMEM``: the loader stages each step's lse and delta in shared memory. ``DQ_BULK`` (unordered only):
         dQ's halves leave by the copy engine's bulk add (``desc_dq_acc``) instead of the threads' atomic adds.
         ``DQ_OWN_KEYS`` (with ``DQ_BULK``): each warpgroup forms dQ over its own 64 keys, all D columns, and adds
-        that; the warpgroups never meet, at twice the bytes added.
+        that; the warpgroups never meet, at twice the bytes added. ``DP_LATE_WAIT``: Sᵀ's exponentials run under
+        the dPᵀ product (the wait for it kept below them in the machine code).
         ``DQ_WORK`` is for measuring where the loop's time goes (``lab/probes/backward_one_pass_parts.py``): 2, the
         rung, all of dQ's work; 1, dQ's product but not its adds; 0, neither -- dQ is then wrong."""
         dtype: gl.constexpr = desc_q.dtype
@@ -372,12 +387,12 @@ if GLUON_ERROR is None:
                          stats_ready, qdo_empty, kv_ready, ds_ready, ds_free, desc_dq_acc, LSE2, DELTA, DQ_ACC, DQ,
                          LOCKS, DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale,
                          dk_scale, dq_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASKED, ORDERED, STATS_SMEM,
-                         DQ_BULK, DQ_OWN_KEYS, DQ_WORK)),
+                         DQ_BULK, DQ_OWN_KEYS, DP_LATE_WAIT, DQ_WORK)),
             (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, dq_smem, q_ready, do_ready,
                          stats_ready, qdo_empty, kv_ready, ds_ready, ds_free, desc_dq_acc, LSE2, DELTA, DQ_ACC, DQ,
                          LOCKS, DK, DV, HQ, GROUP, NQ, NK, ROWS, offset, win_left, win_right, ROTATE, qk_scale,
                          dk_scale, dq_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, MASKED, ORDERED, STATS_SMEM,
-                         DQ_BULK, DQ_OWN_KEYS, DQ_WORK)),
+                         DQ_BULK, DQ_OWN_KEYS, DP_LATE_WAIT, DQ_WORK)),
             (_loader, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                        q_ready, do_ready, stats_ready, qdo_empty, kv_ready, LSE2, DELTA, HQ, GROUP, NQ, NK, ROWS,
                        offset, win_left, win_right, ROTATE, BLOCK_M, BLOCK_N, STAGES, ORDERED, STATS_SMEM)),
@@ -410,17 +425,18 @@ def unavailable(q, k, v, do) -> str | None:
     return gluon_hopper.first_not_describable(q=q, k=k, v=v, do=do)
 
 
-def constexprs(d, causal, window, ordered, stats_smem=None, dq_bulk=None, dq_own_keys=None) -> dict:
+def constexprs(d, causal, window, ordered, stats_smem=None, dq_bulk=None, dq_own_keys=None, dp_late_wait=None) -> dict:
     """The kernel's constexprs and launch options for head dim ``d``, a mask kind and the way dQ is summed
-    (``stats_smem``, ``dq_bulk``, ``dq_own_keys``: the step's variants, by default the module's; the bulk adds are
-    unordered only, and ``dq_own_keys`` takes the bulk add)."""
+    (``stats_smem``, ``dq_bulk``, ``dq_own_keys``, ``dp_late_wait``: the step's variants, by default the module's;
+    the bulk adds are unordered only, and ``dq_own_keys`` takes the bulk add)."""
     masked = bool(causal) or window is not None
     stats_smem = STATS_SMEM if stats_smem is None else stats_smem
     dq_own_keys = (DQ_OWN_KEYS if dq_own_keys is None else dq_own_keys) and not ordered
     dq_bulk = ((DQ_BULK if dq_bulk is None else dq_bulk) or dq_own_keys) and not ordered
+    dp_late_wait = DP_LATE_WAIT if dp_late_wait is None else dp_late_wait
     return dict(HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, MASKED=masked, ORDERED=ordered,
                 CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, STATS_SMEM=stats_smem, DQ_BULK=dq_bulk,
-                DQ_OWN_KEYS=dq_own_keys, num_warps=4)  # fmt: skip
+                DQ_OWN_KEYS=dq_own_keys, DP_LATE_WAIT=dp_late_wait, num_warps=4)  # fmt: skip
 
 
 def dq_descriptor(dq_acc, own_keys=False):
@@ -445,11 +461,11 @@ def attention_backward(do, q, k, v, o, lse, causal, window, scale, config=None):
 
 
 def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, ordered=False, stats_smem=None,
-                 dq_bulk=None, dq_own_keys=None):  # fmt: skip
+                 dq_bulk=None, dq_own_keys=None, dp_late_wait=None):  # fmt: skip
     """``attention_backward``'s work; ``ordered``: the key tiles add into each query tile's dQ in a fixed order,
     taking turns on a counter per (head, query tile, warpgroup) -- the first stores, the last writes dQ itself --
     so the gradients are bit-identical run to run (``rung6_one_pass_ordered``). ``stats_smem``, ``dq_bulk``,
-    ``dq_own_keys``: the step's variants (``constexprs``)."""
+    ``dq_own_keys``, ``dp_late_wait``: the step's variants (``constexprs``)."""
     two_pass.check_backward_inputs(do, q, k, v, o, lse)
     if config is not None:
         raise ValueError("the one_pass backward's tiles are fixed; it takes no config")
@@ -465,7 +481,7 @@ def run_backward(do, q, k, v, o, lse, causal, window, scale, config=None, ordere
     rows = cdiv(nq, rung2_hopper.ROW_ALIGN) * rung2_hopper.ROW_ALIGN
     delta = torch.empty((b * hq, rows), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
-    meta = constexprs(d, causal, window, ordered, stats_smem, dq_bulk, dq_own_keys)
+    meta = constexprs(d, causal, window, ordered, stats_smem, dq_bulk, dq_own_keys, dp_late_wait)
     rotate = rotates(nk, meta["MASKED"], ordered, sm_count(device_index(q)))
     if ordered:  # every tile's first turn stores; rows no key tile sees (under a band) stay zero
         dq_acc = torch.empty((b * hq, rows, d), dtype=torch.float32, device=q.device)
