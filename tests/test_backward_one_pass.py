@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from test_sm90_compile import compiled_for_sm90
+from test_sm90_compile import compiled_for_sm90, exponentials_between_waits, sass
 
 from flashlab.kernels import gluon_hopper
 from flashlab.kernels.backward import rung5_one_pass as one_pass
@@ -104,46 +104,12 @@ def test_with_dq_over_its_own_keys_each_warpgroup_adds_a_whole_tile_and_meets_no
     assert len(re.findall(arrives, own)) < len(re.findall(arrives, met))
 
 
-def sass_lines(compiled):
-    """A compiled kernel's SASS instructions (the cuobjdump Triton ships), one string each."""
-    import os
-    import subprocess
-    import tempfile
-
-    import triton
-
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("this Triton ships no cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        text = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    return [line.split("*/", 1)[1].split(";")[0].strip() for line in text.splitlines()
-            if line.strip().startswith("/*") and "*/" in line and line.strip()[2:6].isalnum()]  # fmt: skip
-
-
-def exponentials_between_the_score_waits(instructions):
-    """For each step: the exponentials the machine code runs after the wait for Sᵀ (``DEPBAR.LE gsb0, 0x1``: dPᵀ
-    may still run) and before the wait for dPᵀ (``0x0``)."""
-    counts, inside = [], None
-    for op in instructions:
-        if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1"):
-            inside = 0
-        elif op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0") and inside is not None:
-            counts.append(inside)
-            inside = None
-        elif inside is not None and op.startswith("MUFU.EX2"):
-            inside += 1
-    return counts
-
-
 @needs_gluon
 @pytest.mark.parametrize("d", [64, 128])
 def test_with_the_late_wait_the_exponentials_run_under_the_dp_product(d):
     # Sᵀ's exponentials, 64 x BLOCK_M of them a warpgroup (32 a thread), between the two waits: the dPᵀ product is
     # still on the tensor cores while they run
-    sass = sass_lines(sm90_compiled(d, False, stats_smem=True, dq_bulk=True, dp_late_wait=True))
+    compiled = sm90_compiled(d, False, stats_smem=True, dq_bulk=True, dp_late_wait=True)
     per_thread = one_pass.WG_KEYS * one_pass.BLOCK_M // 128
-    counts = exponentials_between_the_score_waits(sass)
+    counts = exponentials_between_waits([op for _, op in sass(compiled)])
     assert counts and all(c == per_thread for c in counts), counts

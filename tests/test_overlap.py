@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 from test_ladder import assert_matches_float64, make_qkv
-from test_sm90_compile import compiled_for_sm90
+from test_sm90_compile import compiled_for_sm90, exponentials_between_waits, sass
 
 from flashlab import flash_attention
 from flashlab.host import launches
@@ -442,25 +442,8 @@ def sm90_compiled(monkeypatch, d, causal, n=1024, fp8=False):
 
 
 def sm90_sass(monkeypatch, d, causal, n=1024):
-    """``sm90_compiled``'s kernel as the list of its SASS instructions (the cuobjdump Triton ships)."""
-    import os
-    import subprocess
-
-    import triton
-
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("this Triton ships no cuobjdump")
-    compiled = sm90_compiled(monkeypatch, d, causal, n)
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"flashlab-overlap-{os.getpid()}-{d}.cubin")
-    with open(path, "wb") as f:
-        f.write(compiled.asm["cubin"])
-    try:
-        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.remove(path)
-    return [line.split("*/", 1)[1].split(";")[0].strip() for line in sass.splitlines() if line.strip().startswith("/*")
-            and "*/" in line and line.strip()[2:6].isalnum()]  # fmt: skip
+    """``sm90_compiled``'s kernel as the list of its SASS instructions (``test_sm90_compile.sass``)."""
+    return [op for _, op in sass(sm90_compiled(monkeypatch, d, causal, n))]
 
 
 @needs_gluon
@@ -476,22 +459,6 @@ def test_with_fp8_both_products_run_on_8_bit_operands(monkeypatch, d, causal):
     assert "cvt.rn.bf16" in ptx or "cvt.rn.bf16x2" in ptx  # O leaves in bfloat16
 
 
-def exponentials_under_pv(instructions):
-    """For each key-tile step of the loop: how many exponentials the machine code runs between the wait for the
-    scores (``WARPGROUP.DEPBAR.LE gsb0, 0x1``: at most the newest product, P V, still in flight) and the wait for
-    ``P V`` (``... 0x0``) -- the softmax that runs while the warpgroup's own ``P V`` is on the tensor cores."""
-    counts, inside = [], None
-    for op in instructions:
-        if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1"):
-            inside = 0
-        elif op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0") and inside is not None:
-            counts.append(inside)
-            inside = None
-        elif inside is not None and op.startswith("MUFU.EX2"):
-            inside += 1
-    return counts
-
-
 @needs_gluon
 @pytest.mark.slow
 def test_at_head_dim_128_the_softmax_runs_under_its_own_pv_in_the_machine_code(monkeypatch):
@@ -501,9 +468,9 @@ def test_at_head_dim_128_the_softmax_runs_under_its_own_pv_in_the_machine_code(m
     # sit between the waits. At D = 64, where the early wait measured faster, ptxas moves the wait up above every
     # exponential.
     assert overlap.LATE_WAIT_HEAD_DIMS == (128,)
-    late = exponentials_under_pv(sm90_sass(monkeypatch, 128, True))
+    late = exponentials_between_waits(sm90_sass(monkeypatch, 128, True))
     assert late and all(n >= 64 for n in late), late
-    early = exponentials_under_pv(sm90_sass(monkeypatch, 64, True, n=2048))
+    early = exponentials_between_waits(sm90_sass(monkeypatch, 64, True, n=2048))
     assert early and all(n == 0 for n in early), f"ptxas no longer moves the wait for P V up at D = 64: {early}"
 
 
@@ -515,10 +482,10 @@ def test_three_programs_a_multiprocessor_keep_their_products_asynchronous_withou
     # ptxas must neither spill nor wait for each product as soon as it is issued (what it did at 104 registers, four
     # programs): the loop's wait for the scores still leaves P V in flight (``gsb0, 0x1``).
     assert overlap.tiles(64, 1024, 1024, True, None) == (1, 64, 2)
-    sass = sm90_sass(monkeypatch, 64, True, n=1024)
-    assert f"USETMAXREG.TRY_ALLOC.CTAPOOL UP0, {overlap.CONSUMER_REGS[1]:#x}" in sass
-    assert not [op for op in sass if op.startswith(("STL", "LDL"))], "the consumer spills to local memory"
-    assert any(op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1") for op in sass), "ptxas serialised the products"
+    code = sm90_sass(monkeypatch, 64, True, n=1024)
+    assert f"USETMAXREG.TRY_ALLOC.CTAPOOL UP0, {overlap.CONSUMER_REGS[1]:#x}" in code
+    assert not [op for op in code if op.startswith(("STL", "LDL"))], "the consumer spills to local memory"
+    assert any(op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1") for op in code), "ptxas serialised the products"
 
 
 @pytest.mark.parametrize(

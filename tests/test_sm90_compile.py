@@ -70,6 +70,40 @@ def compile_sm90(kernel, args, constexprs, options):
     return ptx
 
 
+def sass(compiled) -> list[tuple[int, str]]:
+    """A compiled kernel's machine code as ``(address, instruction)`` pairs, read with the cuobjdump Triton ships;
+    skipped where it ships none."""
+    import os
+    import subprocess
+    import tempfile
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("this Triton ships no cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    lines = (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?);", line) for line in text.splitlines())
+    return [(int(m.group(1), 16), m.group(2).strip()) for m in lines if m]
+
+
+def exponentials_between_waits(instructions):
+    """For each step of a wgmma loop: the exponentials (``MUFU.EX2``) the machine code runs after a wait that
+    leaves the newest product in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x1``) and before the wait for it (``0x0``):
+    the element-wise work that runs while that product is on the tensor cores."""
+    counts, inside = [], None
+    for op in instructions:
+        if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1"):
+            inside = 0
+        elif op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0") and inside is not None:
+            counts.append(inside)
+            inside = None
+        elif inside is not None and op.startswith("MUFU.EX2"):
+            inside += 1
+    return counts
+
+
 def gpu_meta(meta, dtype):
     """A CPU-built argument object's constexprs as a GPU launch has them (no upcast, the GPU's dot precision)."""
     return {**meta, "DOT_PRECISION": dot_precision(dtype, True), "DOT_UPCAST": dot_upcast(dtype, True)}

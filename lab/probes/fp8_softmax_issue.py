@@ -15,50 +15,19 @@ python lab/probes/fp8_softmax_issue.py OUT_FILE"""
 import collections
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
-import torch
+import pytest
 import triton
 from probe_log import log_to
 
-from flashlab.kernels import fp8_forward
-from flashlab.kernels.device import kernel_band
-from flashlab.kernels.ladder import rung4_overlap as overlap
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from test_sm90_compile import compiled_for_sm90  # noqa: E402 -- the tests' sm_90 compile harness
+from test_overlap import sm90_compiled  # noqa: E402 -- the tests' sm_90 build of rung 4 (no GPU)
+from test_sm90_compile import sass  # noqa: E402
 
 say = log_to(sys.argv[1])
 say(f"triton {triton.__version__}, rung 4 compiled for sm_90, D = 128, N = 4096, no mask")
-overlap.sm_count = lambda index: 132  # the launch shape of an H100 / H200, without a GPU
-overlap.device_index = lambda x: 0
-overlap.stream_capturing = lambda: False
-
-
-def sass(fp8, d=128, n=4096):
-    b, h = 16384 // n, 2048 // d
-    q = torch.empty(b, h, n, d, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
-    lse = torch.empty(b, h, n)
-    _, table, scalars, meta = overlap.launch_shape(q, q, False, None, kernel_band(n, n, d, False, None, None)[:4])
-    meta = dict(meta)
-    options = {key: meta.pop(key) for key in ("num_warps", "maxnreg") if key in meta}
-    o = torch.empty(q.shape, dtype=torch.bfloat16)
-    if fp8:
-        descriptors = overlap.fp8_descriptors(q, q, fp8_forward.transposed_v(q), o, meta["BLOCK_N"])
-        meta.update(FP8=True, O_IN_Q=False)
-    else:
-        descriptors = overlap.descriptors(q, q, q, o, meta["BLOCK_N"])
-    args = [*descriptors, lse, lse if table is None else table, lse, *scalars]
-    cubin = compiled_for_sm90(overlap.attn_fwd_overlap, args, meta, options).asm["cubin"]
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    address = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?);")
-    return [(int(m.group(1), 16), m.group(2).strip()) for m in map(address.match, text.splitlines()) if m]
+patch = pytest.MonkeyPatch()  # sm90_compiled gives the kernel an H100 / H200's launch shape through it
 
 
 def opcode(instruction):
@@ -79,7 +48,7 @@ def key_loop(instructions):
 
 
 for fp8 in (False, True):
-    loop = key_loop(sass(fp8))
+    loop = key_loop(sass(sm90_compiled(patch, 128, False, n=4096, fp8=fp8)))
     counts = collections.Counter(opcode(op) for op in loop)
     exps = sum(opcode(o) == "MUFU" and "EX2" in o for o in loop)
     per_exp = len(loop) / exps
